@@ -1,0 +1,44 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VECTORS_PATH = REPO_ROOT.parent / "shared" / "protocol" / "vectors" / "vectors.json"
+
+
+def load_vectors() -> list[dict[str, Any]]:
+    """vLLM's own frames, read from ../shared; the suite never carries a copy."""
+    if not VECTORS_PATH.parent.is_dir():
+        pytest.skip(
+            f"protocol vectors folder {VECTORS_PATH.parent} is absent: "
+            "byte-exact vLLM compatibility cannot be checked on this machine"
+        )
+    vectors: list[dict[str, Any]] = json.loads(VECTORS_PATH.read_text())
+    return vectors
+
+
+@pytest.fixture(scope="session")
+def vectors() -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in load_vectors()}
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def engine_addresses(transport: str) -> dict[str, str | None]:
+    """Bind addresses for a coordinator under test: default private ipc, or loopback tcp."""
+    if transport == "tcp":
+        return {
+            "engine_input_address": "tcp://127.0.0.1:0",
+            "engine_output_address": "tcp://127.0.0.1:0",
+        }
+    return {"engine_input_address": None, "engine_output_address": None}

@@ -1,0 +1,390 @@
+"""The in-process coordinator over real sockets, with bare engine peers (issue 3)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+import zmq
+
+from trio_dpcoord import (
+    Coordinator,
+    CoordinatorClosedError,
+    CoordinatorError,
+    ReadyTimeoutError,
+    WaveSnapshot,
+    open_coordinator,
+    protocol,
+)
+from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.trio_zmq import open_context, open_socket
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+GUARD = 20.0  # generous: real sockets on a shared 2-core machine
+
+
+async def expect_broadcast(peers: list[EnginePeer], frames: list[bytes]) -> None:
+    """Every engine receives exactly ``frames`` as its next broadcast."""
+    for peer in peers:
+        assert await peer.next_broadcast_frames() == frames
+
+
+async def wave_is(coordinator: Coordinator, wave: int, running: bool) -> None:
+    await coordinator.wait_for(lambda c: c.snapshot() == WaveSnapshot(wave, running))
+
+
+async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, str | None]) -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(3, **engine_addresses) as coordinator:
+            assert coordinator.engine_input_address.split("://")[0] in ("ipc", "tcp")
+            assert not coordinator.engine_input_address.endswith(":0")
+            async with connect_engines(
+                coordinator.engine_input_address, coordinator.engine_output_address, 2
+            ) as first_two:
+                await coordinator.wait_for(lambda c: c.subscriptions().current == 2)
+                assert not coordinator.subscriptions().gate_open
+                async with connect_engines(
+                    coordinator.engine_input_address,
+                    coordinator.engine_output_address,
+                    1,
+                    first_index=2,
+                ) as last:
+                    await coordinator.wait_ready()
+                    await expect_broadcast(first_two + last, [protocol.READY])
+                    assert coordinator.counters.ready_broadcasts == 1
+
+
+async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, str | None]) -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(2, **engine_addresses) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 2) as engines:
+                await coordinator.wait_ready()
+                await expect_broadcast(engines, [protocol.READY])
+                # engine 1 dies: its unsubscription is visible; it comes back: READY again
+                async with connect_engines(*addresses, 1, first_index=1) as restarted:
+                    await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
+                    await expect_broadcast(engines + restarted, [protocol.READY])
+                await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
+                view = coordinator.subscriptions()
+                assert (view.current, view.subscribed, view.gate_open) == (2, 3, True)
+                assert coordinator.counters.ready_broadcasts == 2
+
+
+async def test_current_first_request_excludes_its_target_over_the_wire(
+    engine_addresses: dict[str, str | None],
+) -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(3, **engine_addresses) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 3) as engines:
+                await coordinator.wait_ready()
+                await expect_broadcast(engines, [protocol.READY])
+                # move to wave 3, paused, the way engines do
+                await engines[0].wave_complete(2)
+                await wave_is(coordinator, 3, False)
+                coordinator.notify_first_request(2)
+                assert coordinator.snapshot() == WaveSnapshot(3, True)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x03\x02"])
+                assert coordinator.snapshot() == WaveSnapshot(3, True)
+
+
+async def test_stale_first_request_wakes_everyone_and_never_rewinds(
+    engine_addresses: dict[str, str | None],
+) -> None:
+    """R1 made deterministic: the notice is queued before the gate opens, wave 3
+    completes while it waits, and only then is it handled."""
+    with trio.fail_after(GUARD):
+        async with open_coordinator(3, **engine_addresses) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 2) as engines:
+                await engines[0].wave_complete(2)
+                await wave_is(coordinator, 3, False)
+                coordinator.notify_first_request(2)  # FirstRequest{wave 3, target 2} queued
+                await engines[0].wave_complete(3)  # handled first: the wave moves to 4
+                await wave_is(coordinator, 4, False)
+                async with connect_engines(*addresses, 1, first_index=2) as last:
+                    await coordinator.wait_ready()
+                    everyone = engines + last
+                    await expect_broadcast(everyone, [protocol.READY])
+                    # the current wave (4), nobody excluded (nil)
+                    await expect_broadcast(everyone, [b"\x02", b"\x92\x04\xc0"])
+                    await wave_is(coordinator, 4, True)
+
+
+async def test_engine_start_wave_rules_over_the_wire(
+    engine_addresses: dict[str, str | None],
+) -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(3, **engine_addresses) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 3) as engines:
+                await coordinator.wait_ready()
+                await expect_broadcast(engines, [protocol.READY])
+                await engines[2].start_wave(0)  # idle engine got a request: wake the others
+                await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 2))
+                await wave_is(coordinator, 0, True)
+                await engines[0].start_wave(0)  # rank-0 mirror: already running, ignored
+                await engines[0].wave_complete(0)
+                await wave_is(coordinator, 1, False)
+                await engines[1].start_wave(0)  # stale: ignored
+                await engines[1].start_wave(3)  # newer: jump
+                # the ignored reports sent nothing: the next broadcast is the jump
+                await expect_broadcast(engines, [b"\x02", b"\x92\x03\x01"])
+                await wave_is(coordinator, 3, True)
+                await engines[0].wave_complete(2)  # late report of an older wave: ignored
+                await engines[2].wave_complete(3)
+                await wave_is(coordinator, 4, False)
+                assert coordinator.counters.wave_starts == 2
+
+
+async def test_concurrent_first_requests_coalesce_into_one_broadcast() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(4) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 4) as engines:
+                await coordinator.wait_ready()
+                await expect_broadcast(engines, [protocol.READY])
+
+                async def route(index: int) -> None:
+                    await trio.lowlevel.checkpoint()
+                    coordinator.notify_first_request(index % 4)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(100):
+                        nursery.start_soon(route, i)
+                first = await engines[0].next_broadcast()
+                assert isinstance(first, protocol.StartDPWave)
+                assert first.wave == 0
+                # a marker broadcast proves nothing else was sent in between
+                await engines[3].wave_complete(0)
+                await engines[3].start_wave(1)
+                assert await engines[0].next_broadcast() == protocol.StartDPWave(1, 3)
+                for peer in engines[1:]:
+                    assert await peer.next_broadcast() == first
+                    assert await peer.next_broadcast() == protocol.StartDPWave(1, 3)
+                assert coordinator.counters.wave_starts == 2
+                assert coordinator.counters.commands == 1
+
+
+def _bad_outputs(vectors: dict[str, dict[str, object]]) -> list[tuple[str, list[bytes]]]:
+    def vector_frames(name: str) -> list[bytes]:
+        hexes = vectors[name]["frames_hex"]
+        assert isinstance(hexes, list)
+        return [bytes.fromhex(h) for h in hexes]
+
+    stats = protocol.SchedulerStats(num_running_reqs=1)
+    return [
+        ("undecodable_engine_output", [b"\xc1not msgpack"]),
+        ("undecodable_engine_output", [msgpack.packb({"engine_index": 0})]),
+        ("undecodable_engine_output", [msgpack.packb([0, [], None, "nope"])]),
+        ("undecodable_engine_output", [b""]),
+        ("non_control_output_request_batch", vector_frames("eco_normal_output_batch")),
+        ("non_control_output_utility_reply", vector_frames("eco_utility_output")),
+        (
+            "non_control_output_mixed",
+            [
+                protocol.encode_engine_core_outputs(
+                    protocol.EngineCoreOutputs(engine_index=1, scheduler_stats=stats, start_wave=9)
+                )
+            ],
+        ),
+        (
+            "unknown_engine_index",
+            [
+                protocol.encode_engine_core_outputs(
+                    protocol.EngineCoreOutputs(engine_index=7, start_wave=9)
+                )
+            ],
+        ),
+        (
+            "unknown_engine_index",
+            [
+                protocol.encode_engine_core_outputs(
+                    protocol.EngineCoreOutputs(engine_index=99, scheduler_stats=stats)
+                )
+            ],
+        ),
+        ("multipart_engine_output", [b"\x02", b"\x92\x01\x01"]),
+    ]
+
+
+async def test_bad_engine_input_is_counted_and_the_next_message_still_works(
+    vectors: dict[str, dict[str, object]],
+) -> None:
+    cases = _bad_outputs(vectors)
+    with trio.fail_after(GUARD):
+        async with open_coordinator(2) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 2) as engines:
+                await coordinator.wait_ready()
+                await expect_broadcast(engines, [protocol.READY])
+                for wave, (reason, frames) in enumerate(cases):
+                    before = coordinator.counters.rejected.get(reason, 0)
+                    await engines[0].send_raw(frames)
+                    await engines[1].start_wave(wave)
+                    # the valid report right behind the bad one is handled exactly
+                    await expect_broadcast(engines, protocol.encode_start_dp_wave(wave, 1))
+                    assert coordinator.counters.rejected[reason] == before + 1, reason
+                    await engines[0].wave_complete(wave)
+                    await wave_is(coordinator, wave + 1, False)
+                assert coordinator.counters.errors == len(cases)
+                assert coordinator.counters.wave_starts == len(cases)
+
+
+async def test_unexpected_frame_on_the_broadcast_socket_is_counted() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(1) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 1) as engines:
+                await coordinator.wait_ready()
+                await expect_broadcast(engines, [protocol.READY])
+                await engines[0].sub.send(b"\x92\x01\x02")  # an upstream payload, not a sub
+                await coordinator.wait_for(
+                    lambda c: c.counters.rejected.get("unexpected_broadcast_socket_frame") == 1
+                )
+                await engines[0].start_wave(0)
+                await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 0))
+
+
+async def test_stats_fill_the_load_table() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(3) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 3) as engines:
+                await coordinator.wait_ready()
+                await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
+                await engines[2].stats(0, 4, 0.1, wave=0, step=1)
+                await coordinator.wait_for(lambda c: c.counters.stats_applied == 2)
+                assert coordinator.engine_loads() == (
+                    (0, 0, 0.0),
+                    (3, 12, 0.4375),
+                    (0, 4, 0.1),
+                )
+
+
+async def test_commands_before_the_gate_are_applied_after_it() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(2) as coordinator:
+            coordinator.notify_first_request(1)
+            assert coordinator.snapshot() == WaveSnapshot(0, True)
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 2) as engines:
+                await expect_broadcast(engines, [protocol.READY])
+                await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
+
+
+async def test_notify_first_request_rejects_bad_engines_and_a_stopped_coordinator() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(2) as coordinator:
+            with pytest.raises(ValueError, match="out of range"):
+                coordinator.notify_first_request(2)
+            with pytest.raises(ValueError, match="out of range"):
+                coordinator.notify_first_request(-1)
+            with pytest.raises(TypeError):
+                coordinator.notify_first_request("1")  # type: ignore[arg-type]
+            assert coordinator.snapshot() == WaveSnapshot(0, False)
+        with pytest.raises(CoordinatorClosedError):
+            coordinator.notify_first_request(0)
+
+
+async def test_wait_ready_times_out_with_a_clear_error() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(3, ready_timeout=0.3) as coordinator:
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 1):
+                await coordinator.wait_for(lambda c: c.subscriptions().current == 1)
+                with pytest.raises(ReadyTimeoutError, match="1 of 3 engines subscribed"):
+                    await coordinator.wait_ready()
+
+
+async def test_cancellation_with_engines_connected_closes_everything(
+    engine_addresses: dict[str, str | None],
+) -> None:
+    with trio.fail_after(GUARD):
+        with trio.CancelScope() as scope:
+            async with open_coordinator(2, **engine_addresses) as coordinator:
+                endpoint = coordinator.engine_input_address
+                async with connect_engines(
+                    coordinator.engine_input_address, coordinator.engine_output_address, 2
+                ) as engines:
+                    await coordinator.wait_ready()
+                    await engines[0].start_wave(0)
+                    await coordinator.wait_for(lambda c: c.snapshot().engines_running)
+                    scope.cancel()
+                    await trio.sleep_forever()
+        assert scope.cancelled_caught
+        with pytest.raises(CoordinatorClosedError):
+            coordinator.notify_first_request(0)
+        if endpoint.startswith("ipc://"):
+            path = Path(endpoint[len("ipc://") :])
+            assert not path.exists()
+            assert not path.parent.exists()  # the private directory is gone too
+
+
+async def test_default_ipc_directory_is_private() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(1) as coordinator:
+            path = Path(coordinator.engine_input_address[len("ipc://") :])
+            assert path.exists()
+            assert (os.stat(path.parent).st_mode & 0o777) == 0o700
+        assert not path.parent.exists()
+
+
+async def test_an_error_in_the_block_propagates_unchanged() -> None:
+    class Boom(Exception):
+        pass
+
+    with trio.fail_after(GUARD), pytest.raises(Boom):
+        async with open_coordinator(1):
+            raise Boom
+
+
+async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
+    with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
+        async with open_coordinator(1) as coordinator:
+            async with connect_engines(
+                coordinator.engine_input_address, coordinator.engine_output_address, 1
+            ):
+                await coordinator.wait_ready()
+                # break an invariant of our own: an empty frame list for the broadcaster
+                coordinator._broadcast_send.send_nowait([])
+                await trio.sleep_forever()
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)
+
+
+async def test_bad_bind_address_fails_at_once() -> None:
+    with pytest.raises(CoordinatorError, match="bad address"):
+        async with open_coordinator(1, engine_input_address="udp://1.2.3.4:5"):
+            pass
+    with pytest.raises(CoordinatorError, match="allow_remote"):
+        async with open_coordinator(1, engine_output_address="tcp://0.0.0.0:0"):
+            pass
+
+
+async def test_remote_bind_needs_the_opt_in_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    async with open_coordinator(
+        1, engine_output_address="tcp://0.0.0.0:0", allow_remote=True
+    ) as coordinator:
+        assert coordinator.engine_output_address.startswith("tcp://0.0.0.0:")
+    assert "unauthenticated" in caplog.text
+
+
+async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
+    """A peer set up exactly as vLLM's engine does (identity, XSUB, 0x01) sees READY."""
+    with trio.fail_after(GUARD):
+        async with open_coordinator(1) as coordinator, open_context() as context:
+            async with open_socket(
+                context,
+                zmq.XSUB,
+                connect=coordinator.engine_input_address,
+                options={zmq.IDENTITY: (0).to_bytes(2, "little")},
+            ) as sub:
+                await sub.send(b"\x01")
+                assert await sub.recv_multipart() == [b"READY"]

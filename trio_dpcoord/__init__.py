@@ -1,0 +1,38 @@
+"""trio_dpcoord: a trio-native data-parallel wave coordinator for vLLM-style DP engines.
+
+Embed it in a trio front-end with :func:`open_coordinator`, or run it standalone with
+``python -m trio_dpcoord serve`` and follow it from trio front-ends with
+:func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`.
+"""
+
+from __future__ import annotations
+
+from ._balance import EngineChooser as EngineChooser
+from ._balance import engine_score as engine_score
+from ._errors import CoordinatorClosedError as CoordinatorClosedError
+from ._errors import CoordinatorError as CoordinatorError
+from ._errors import ReadyTimeoutError as ReadyTimeoutError
+from ._service import Coordinator as Coordinator
+from ._service import CoordinatorCounters as CoordinatorCounters
+from ._service import SubscriptionView as SubscriptionView
+from ._service import open_coordinator as open_coordinator
+from ._state import WaveSnapshot as WaveSnapshot
+from ._state import WaveStart as WaveStart
+from .protocol import ProtocolError as ProtocolError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Coordinator",
+    "CoordinatorClosedError",
+    "CoordinatorCounters",
+    "CoordinatorError",
+    "EngineChooser",
+    "ProtocolError",
+    "ReadyTimeoutError",
+    "SubscriptionView",
+    "WaveSnapshot",
+    "WaveStart",
+    "engine_score",
+    "open_coordinator",
+]

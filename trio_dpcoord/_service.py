@@ -1,0 +1,724 @@
+"""The coordinator service: the sans-IO core wired to ZeroMQ by a handful of trio tasks.
+
+One nursery runs, per the design card::
+
+    handle.notify_first_request ─┐
+    front XPUB (FIRST_REQ, SCALE)─┴─► [command channel] ─► command receiver ─┐
+    engine PUSH ─► PULL ─► engine-output listener (batch decode) ─────────────┤ lock: transition
+                                                                              │ + enqueue, one step
+                                           [broadcast channel] ◄──────────────┘
+                                                  └─► broadcaster ─► back XPUB ─► engines
+    back XPUB subscriptions ─► subscription watcher (start-up gate, READY via the broadcaster)
+    wave changes, load changes ─► [publish channel] ─► front publisher ─► front XPUB ─► front-ends
+
+Data flows one way. Every socket has exactly one task that sends on it. Transitions run
+under a plain :class:`threading.Lock`, never across an ``await``, and enqueue what they
+produce in the same critical section, so broadcasts and publishes leave in transition
+order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Final
+
+import trio
+import zmq
+
+from . import protocol
+from ._endpoints import PrivateIpcDirectory, check_bind_address
+from ._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
+from ._state import (
+    EngineLoad,
+    FirstRequest,
+    LoadTable,
+    PublishSchedule,
+    StatsOutcome,
+    WaveSnapshot,
+    WaveStart,
+    WaveState,
+)
+from .trio_zmq import AsyncSocket, open_context, open_socket
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = [
+    "Coordinator",
+    "CoordinatorCounters",
+    "ScaleRequest",
+    "SubscriptionView",
+    "open_coordinator",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRequest:
+    """Elastic EP: resize the load table to ``engine_count`` engines (§5.8)."""
+
+    engine_count: int
+
+
+Command = FirstRequest | ScaleRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorCounters:
+    """What the coordinator received, sent and rejected, since it started."""
+
+    engine_messages: int
+    """Frames received on the engine-output socket (accepted or not)."""
+    stats_applied: int
+    wave_starts: int
+    """START_DP_WAVE broadcasts sent."""
+    ready_broadcasts: int
+    front_publishes: int
+    commands: int
+    rejected: dict[str, int]
+    """Rejected inputs by reason, e.g. ``{"undecodable_engine_output": 2}``."""
+
+    @property
+    def errors(self) -> int:
+        """Total rejected inputs."""
+        return sum(self.rejected.values())
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionView:
+    """The engines' subscriptions to the broadcast socket, as the XPUB reported them.
+
+    Subscription frames carry no engine identity, so this counts them: ``current`` is
+    how many engines are subscribed now; an engine that dies or restarts shows as an
+    unsubscription (the socket is verbose about both) and, when it is back, a late
+    subscription answered with READY.
+    """
+
+    current: int
+    subscribed: int
+    unsubscribed: int
+    late_subscriptions: int
+    gate_open: bool
+
+
+class _RejectLog:
+    """Counts rejected inputs by reason and logs them at WARNING, rate-limited per reason."""
+
+    INTERVAL: Final = 5.0
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._last_logged: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def __call__(self, reason: str, detail: str) -> None:
+        self.counts[reason] += 1
+        now = time.monotonic()
+        if now - self._last_logged.get(reason, -math.inf) >= self.INTERVAL:
+            suppressed = self._suppressed.pop(reason, 0)
+            more = f" ({suppressed} more since last report)" if suppressed else ""
+            logger.warning("rejected input [%s]: %s%s", reason, detail, more)
+            self._last_logged[reason] = now
+        else:
+            self._suppressed[reason] += 1
+
+
+_PUBLISH_NOW: Final = "publish-now"
+"""Publish channel item: a front-end just subscribed, send it the current counts."""
+_RESCHEDULE: Final = "reschedule"
+"""Publish channel item: the load table has news, the next timed publish is sooner."""
+PublishItem = bytes | str
+
+
+class Coordinator:
+    """The handle ``open_coordinator`` yields: what an embedding front-end uses.
+
+    Every method is synchronous and cheap, safe from any trio task; :meth:`snapshot`
+    and :meth:`engine_loads` may also be called from other threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine_count: int,
+        ready_timeout: float | None,
+        wave_coordination: bool,
+        stats_interval: float,
+        front_enabled: bool,
+    ) -> None:
+        self.engine_input_address = ""
+        self.engine_output_address = ""
+        self.front_address: str | None = None
+        self.ready_timeout = ready_timeout
+        self.wave_coordination = wave_coordination
+        self._lock = threading.Lock()
+        self._wave = WaveState()
+        self._loads = LoadTable(engine_count, lockstep=wave_coordination)
+        self._schedule = PublishSchedule(interval=stats_interval)
+        self._front_enabled = front_enabled
+        self._publisher_idle = False
+        self._closed = False
+        self._ready = trio.Event()
+        self._observers = trio.lowlevel.ParkingLot()
+        self._gate_open = trio.Event()
+        self._reject = _RejectLog()
+        self._subscribed = 0
+        self._unsubscribed = 0
+        self._late_subscriptions = 0
+        self._engine_messages = 0
+        self._stats_applied = 0
+        self._wave_starts = 0
+        self._ready_broadcasts = 0
+        self._front_publishes = 0
+        self._commands = 0
+        self._broadcast_send, self._broadcast_receive = trio.open_memory_channel[list[bytes]](
+            math.inf
+        )
+        self._command_send, self._command_receive = trio.open_memory_channel[Command](math.inf)
+        self._publish_send, self._publish_receive = trio.open_memory_channel[PublishItem](math.inf)
+
+    # --- the public contract ------------------------------------------------------------
+
+    @property
+    def engine_count(self) -> int:
+        """How many engines the load table holds (changes with SCALE_ELASTIC_EP)."""
+        return self._loads.engine_count
+
+    async def wait_ready(self) -> None:
+        """Return once READY has been broadcast (every expected engine subscribed).
+
+        Raises :class:`ReadyTimeoutError` if that did not happen within
+        ``ready_timeout`` seconds of the coordinator's start.
+        """
+        if self._ready_deadline == math.inf:
+            await self._ready.wait()
+            return
+        with trio.move_on_at(self._ready_deadline):
+            await self._ready.wait()
+            return
+        view = self.subscriptions()
+        raise ReadyTimeoutError(
+            f"start-up gate still closed after {self.ready_timeout} s: "
+            f"{view.current} of {self._expected_engines} engines subscribed to "
+            f"{self.engine_input_address} ({self._expected_engines - view.current} missing)"
+        )
+
+    async def wait_for(self, predicate: Callable[[Coordinator], bool]) -> None:
+        """Wait until ``predicate(self)`` holds; re-checked after every observable change.
+
+        Observable changes are wave transitions, subscriptions, applied stats and
+        rejected inputs. Combine with ``trio.fail_after`` to bound the wait.
+        """
+        while not predicate(self):
+            await self._observers.park()
+
+    def _changed(self) -> None:
+        if self._observers:
+            self._observers.unpark_all()
+
+    def snapshot(self) -> WaveSnapshot:
+        """The wave to stamp on a new request, and whether the engines run."""
+        with self._lock:
+            return self._wave.snapshot
+
+    def notify_first_request(self, engine_index: int) -> None:
+        """A request is being routed to ``engine_index``: wake the engines if they sleep.
+
+        Synchronous and non-blocking. If the snapshot says paused, it flips to running
+        at once and a first-request notice is queued for the command receiver, which
+        broadcasts START_DP_WAVE with vLLM PR #46833's rule; if the engines already run
+        (or a wake-up is already queued) nothing happens, so concurrent callers
+        coalesce behind one broadcast.
+        """
+        if type(engine_index) is not int:
+            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
+        with self._lock:
+            if self._closed:
+                raise CoordinatorClosedError("the coordinator has stopped")
+            count = self._loads.engine_count
+            if not 0 <= engine_index < count:
+                raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
+            if not self.wave_coordination:
+                return
+            claim = self._wave.claim_first_request(engine_index)
+            if claim is not None:
+                self._command_send.send_nowait(claim)
+        if claim is not None:
+            self._changed()
+
+    def engine_loads(self) -> tuple[EngineLoad, ...]:
+        """Per engine ``(waiting, running, kv_cache_usage)`` from the latest reports."""
+        with self._lock:
+            return self._loads.loads()
+
+    def subscriptions(self) -> SubscriptionView:
+        """The engines' subscriptions as seen on the broadcast socket."""
+        return SubscriptionView(
+            current=self._subscribed - self._unsubscribed,
+            subscribed=self._subscribed,
+            unsubscribed=self._unsubscribed,
+            late_subscriptions=self._late_subscriptions,
+            gate_open=self._gate_open.is_set(),
+        )
+
+    @property
+    def counters(self) -> CoordinatorCounters:
+        """A copy of the counters of received, sent and rejected messages."""
+        return CoordinatorCounters(
+            engine_messages=self._engine_messages,
+            stats_applied=self._stats_applied,
+            wave_starts=self._wave_starts,
+            ready_broadcasts=self._ready_broadcasts,
+            front_publishes=self._front_publishes,
+            commands=self._commands,
+            rejected=dict(self._reject.counts),
+        )
+
+    # --- transitions: under the lock, enqueue in the same step -------------------------
+
+    _ready_deadline: float = math.inf
+    _expected_engines: int = 0
+
+    def _enqueue_wave_start(self, start: WaveStart) -> None:
+        self._broadcast_send.send_nowait(protocol.encode_start_dp_wave(start.wave, start.exclude))
+        self._enqueue_wave_publish()
+
+    def _enqueue_wave_publish(self) -> None:
+        if self._front_enabled:
+            snap = self._wave.snapshot
+            self._publish_send.send_nowait(
+                protocol.encode_front_publish(
+                    protocol.FrontPublish(None, snap.current_wave, snap.engines_running)
+                )
+            )
+
+    def _apply_command(self, command: Command) -> None:
+        with self._lock:
+            if isinstance(command, ScaleRequest):
+                old = self._loads.engine_count
+                self._loads.resize(command.engine_count)
+                logger.info("elastic EP: load table %d -> %d engines", old, command.engine_count)
+                self._nudge_publisher()
+                return
+            if not self.wave_coordination:
+                return
+            before = self._wave.snapshot
+            start = self._wave.start_wave_for_first_request(command.wave, command.engine)
+            if start is not None:
+                logger.info(
+                    "first request for engine %r stamped wave %d: START_DP_WAVE wave %d -> %d,"
+                    " exclude %r",
+                    command.engine,
+                    command.wave,
+                    before.current_wave,
+                    start.wave,
+                    start.exclude,
+                )
+                self._enqueue_wave_start(start)
+
+    def _apply_engine_output(
+        self, out: protocol.EngineCoreOutputs, kind: protocol.OutputKind
+    ) -> None:
+        kinds = protocol.OutputKind
+        with self._lock:
+            if kind is kinds.STATS:
+                stats = out.scheduler_stats
+                assert stats is not None
+                outcome = self._loads.apply_stats(
+                    out.engine_index,
+                    stats.num_waiting_reqs,
+                    stats.num_running_reqs,
+                    stats.kv_cache_usage,
+                    wave=stats.current_wave,
+                    step=stats.step_counter,
+                )
+                if outcome is StatsOutcome.UNKNOWN_ENGINE:
+                    self._reject(
+                        "unknown_engine_index",
+                        f"stats from engine {out.engine_index}, table has "
+                        f"{self._loads.engine_count} engines",
+                    )
+                    return
+                if outcome is StatsOutcome.OUT_OF_ORDER:
+                    logger.debug(
+                        "out-of-order stats from engine %d: wave %d step %d",
+                        out.engine_index,
+                        stats.current_wave,
+                        stats.step_counter,
+                    )
+                self._stats_applied += 1
+                self._nudge_publisher()
+                return
+            if not self.wave_coordination:
+                return  # §5.7: wave fields are ignored without wave coordination
+            if out.engine_index >= self._loads.engine_count:
+                self._reject(
+                    "unknown_engine_index",
+                    f"wave report from engine {out.engine_index}, table has "
+                    f"{self._loads.engine_count} engines",
+                )
+                return
+            before = self._wave.snapshot
+            if kind is kinds.WAVE_COMPLETE:
+                assert out.wave_complete is not None
+                if self._wave.wave_complete(out.wave_complete):
+                    logger.info(
+                        "wave_complete(%d) from engine %d: wave %d -> %d, paused",
+                        out.wave_complete,
+                        out.engine_index,
+                        before.current_wave,
+                        self._wave.snapshot.current_wave,
+                    )
+                    self._enqueue_wave_publish()
+            else:
+                assert out.start_wave is not None
+                start = self._wave.engine_start_wave(out.start_wave, out.engine_index)
+                if start is not None:
+                    logger.info(
+                        "start_wave(%d) from engine %d: wave %d -> %d, START_DP_WAVE",
+                        out.start_wave,
+                        out.engine_index,
+                        before.current_wave,
+                        start.wave,
+                    )
+                    self._enqueue_wave_start(start)
+
+    def _nudge_publisher(self) -> None:
+        if self._publisher_idle:
+            self._publisher_idle = False
+            self._publish_send.send_nowait(_RESCHEDULE)
+
+    # --- the tasks ----------------------------------------------------------------------
+
+    async def _subscription_watcher(
+        self,
+        xpub: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The start-up gate, then READY for every late subscription (§5.2)."""
+        task_status.started()
+        while True:
+            frames = await xpub.recv_batch()
+            for frame in frames:
+                sub = protocol.decode_subscription(frame)
+                if sub is None:
+                    self._reject(
+                        "unexpected_broadcast_socket_frame",
+                        f"{len(frame)}-byte upstream payload on the engine broadcast socket",
+                    )
+                elif not sub.subscribe:
+                    self._unsubscribed += 1
+                    logger.warning(
+                        "an engine unsubscribed from %s (%d still subscribed); "
+                        "it will get READY again when it comes back",
+                        self.engine_input_address,
+                        self._subscribed - self._unsubscribed,
+                    )
+                else:
+                    self._subscribed += 1
+                    current = self._subscribed - self._unsubscribed
+                    if self._gate_open.is_set():
+                        self._late_subscriptions += 1
+                        logger.info(
+                            "late engine subscription (%d subscribed): READY again", current
+                        )
+                        self._broadcast_send.send_nowait([protocol.READY])
+                    elif current >= self._expected_engines:
+                        logger.info("all %d engines subscribed: opening the gate", current)
+                        self._gate_open.set()
+                    else:
+                        logger.debug(
+                            "engine subscribed (%d of %d)", current, self._expected_engines
+                        )
+            self._changed()
+
+    async def _broadcaster(
+        self,
+        xpub: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The only code that sends on the engine broadcast socket.
+
+        READY goes first, once the gate opens; wave starts decided before that (an
+        engine's report may arrive while others are still subscribing) wait behind it.
+        """
+        task_status.started()
+        await self._gate_open.wait()
+        await xpub.send(protocol.READY)
+        self._ready_broadcasts += 1
+        self._ready.set()
+        logger.info("READY sent to %d engines", self.subscriptions().current)
+        async for frames in self._broadcast_receive:
+            await xpub.send_multipart(frames)
+            if frames[0] == protocol.READY:
+                self._ready_broadcasts += 1
+                self._ready.set()
+            else:
+                self._wave_starts += 1
+
+    async def _command_receiver(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Applies front-end commands, in order, once the gate is open."""
+        task_status.started()
+        await self._gate_open.wait()
+        async for command in self._command_receive:
+            self._commands += 1
+            self._apply_command(command)
+            self._changed()
+
+    async def _engine_output_listener(
+        self,
+        pull: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Decodes engine outputs in batches and applies them (§5.4, §5.5).
+
+        Unlike vLLM it does not wait for the start-up gate: stats and wave reports are
+        state, and any broadcast they cause waits behind READY in the broadcaster.
+        """
+        task_status.started()
+        decode = protocol.decode_engine_core_outputs
+        classify = protocol.classify_output
+        kinds = protocol.OutputKind
+        control = (kinds.STATS, kinds.WAVE_COMPLETE, kinds.START_WAVE)
+        while True:
+            batch = await pull.recv_multipart_batch()
+            self._engine_messages += len(batch)
+            for frames in batch:
+                if len(frames) != 1:
+                    self._reject(
+                        "multipart_engine_output",
+                        f"{len(frames)}-frame message on the engine output socket",
+                    )
+                    continue
+                try:
+                    out = decode(frames[0])
+                except protocol.ProtocolError as exc:
+                    self._reject("undecodable_engine_output", str(exc))
+                    continue
+                kind = classify(out)
+                if kind in control:
+                    self._apply_engine_output(out, kind)
+                else:
+                    self._reject(
+                        f"non_control_output_{kind.name.lower()}",
+                        f"{kind.name} from engine {out.engine_index} is not for the coordinator",
+                    )
+            self._changed()
+
+    async def _front_receiver(
+        self,
+        front: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Front-end subscriptions, SCALE_ELASTIC_EP and legacy FIRST_REQ (§5.3, §5.8, §4.9)."""
+        task_status.started()
+        while True:
+            for frame in await front.recv_batch():
+                sub = protocol.decode_subscription(frame)
+                if sub is not None:
+                    logger.info("front-end %s", "subscribed" if sub.subscribe else "unsubscribed")
+                    if sub.subscribe:
+                        self._publish_send.send_nowait(_PUBLISH_NOW)
+                    continue
+                try:
+                    message = protocol.decode_front_message(frame)
+                except protocol.ProtocolError as exc:
+                    self._reject("undecodable_front_message", str(exc))
+                    continue
+                if isinstance(message, protocol.ScaleElasticEP):
+                    if message.new_engine_count < 1:
+                        self._reject(
+                            "bad_scale_request", f"SCALE_ELASTIC_EP to {message.new_engine_count}"
+                        )
+                        continue
+                    self._command_send.send_nowait(ScaleRequest(message.new_engine_count))
+                else:
+                    self._command_send.send_nowait(FirstRequest(message.engine, message.wave))
+            self._changed()
+
+    async def _front_publisher(
+        self,
+        front: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The only code that sends on the front socket: wave changes at once, loads timed."""
+        task_status.started()
+        await self._gate_open.wait()
+        while True:
+            with self._lock:
+                due = self._schedule.next_due(self._loads)
+                self._publisher_idle = not (
+                    self._loads.stats_changed or self._loads.pending_snapshot is not None
+                )
+            item: PublishItem | None = None
+            with trio.move_on_at(due):
+                item = await self._publish_receive.receive()
+            if isinstance(item, bytes):
+                await front.send(item)
+                self._front_publishes += 1
+            elif item is None or item == _PUBLISH_NOW:
+                await front.send(self._take_timed_publish())
+                self._front_publishes += 1
+
+    def _take_timed_publish(self) -> bytes:
+        with self._lock:
+            counts = self._loads.take_publish_counts()
+            snap = self._wave.snapshot
+            self._schedule.published(trio.current_time())
+        if not self.wave_coordination:
+            snap = WaveSnapshot()
+        return protocol.encode_front_publish(
+            protocol.FrontPublish(counts, snap.current_wave, snap.engines_running)
+        )
+
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._command_send.close()
+            self._broadcast_send.close()
+            self._publish_send.close()
+
+
+def _bind(socket: AsyncSocket, address: str, *, allow_remote: bool, what: str) -> str:
+    check_bind_address(address, allow_remote=allow_remote)
+    try:
+        return socket.bind(address)
+    except zmq.ZMQError as exc:
+        raise CoordinatorError(f"cannot bind the {what} socket to {address!r}: {exc}") from exc
+
+
+def _only(group: BaseExceptionGroup[BaseException], keep: Callable[[BaseException], bool]) -> bool:
+    return group.split(keep)[1] is None
+
+
+@asynccontextmanager
+async def open_coordinator(
+    engine_count: int,
+    *,
+    engine_input_address: str | None = None,
+    engine_output_address: str | None = None,
+    front_address: str | None = None,
+    ready_timeout: float | None = 60.0,
+    wave_coordination: bool = True,
+    stats_interval: float = 0.1,
+    allow_remote: bool = False,
+) -> AsyncIterator[Coordinator]:
+    """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
+
+    Binds the engine broadcast socket (XPUB, vLLM's "back-pub", what engines connect
+    their XSUB to: ``engine_input_address``) and the engine output socket (PULL,
+    "back-out", ``engine_output_address``). Both default to ``ipc://`` paths in a
+    private directory removed on exit; ``tcp://127.0.0.1:0`` is resolved to its port.
+    With ``front_address`` it also binds vLLM's front-end publish socket (XPUB), as the
+    standalone process does. Yields the :class:`Coordinator` handle once every socket is
+    bound and every task runs; the engines get READY when ``engine_count`` of them have
+    subscribed.
+
+    Leaving the block, normally, by an error or by cancellation, stops every task and
+    closes every socket. A failure inside the service raises :class:`CoordinatorError`
+    (with the original exceptions as its cause); an exception from the block itself
+    propagates unchanged.
+    """
+    if type(engine_count) is not int or engine_count < 1:
+        raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")
+    if stats_interval <= 0:
+        raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
+    handle = Coordinator(
+        engine_count=engine_count,
+        ready_timeout=ready_timeout,
+        wave_coordination=wave_coordination,
+        stats_interval=stats_interval,
+        front_enabled=front_address is not None,
+    )
+    handle._expected_engines = engine_count
+    private_dir = PrivateIpcDirectory()
+    body_error: BaseException | None = None
+    try:
+        async with AsyncExitStack() as sockets:
+            context = await sockets.enter_async_context(open_context())
+            back_pub = await sockets.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.XPUB,
+                    options={zmq.XPUB_VERBOSE: 1, zmq.XPUB_VERBOSER: 1, zmq.LINGER: 0},
+                )
+            )
+            back_out = await sockets.enter_async_context(
+                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, zmq.LINGER: 0})
+            )
+            handle.engine_input_address = _bind(
+                back_pub,
+                engine_input_address or private_dir.address("engine-input"),
+                allow_remote=allow_remote,
+                what="engine broadcast",
+            )
+            handle.engine_output_address = _bind(
+                back_out,
+                engine_output_address or private_dir.address("engine-output"),
+                allow_remote=allow_remote,
+                what="engine output",
+            )
+            front: AsyncSocket | None = None
+            if front_address is not None:
+                front = await sockets.enter_async_context(
+                    open_socket(context, zmq.XPUB, options={zmq.XPUB_VERBOSE: 1, zmq.LINGER: 0})
+                )
+                handle.front_address = _bind(
+                    front, front_address, allow_remote=allow_remote, what="front"
+                )
+            if ready_timeout is not None:
+                handle._ready_deadline = trio.current_time() + ready_timeout
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(handle._broadcaster, back_pub)
+                    await nursery.start(handle._subscription_watcher, back_pub)
+                    await nursery.start(handle._command_receiver)
+                    await nursery.start(handle._engine_output_listener, back_out)
+                    if front is not None:
+                        await nursery.start(handle._front_publisher, front)
+                        await nursery.start(handle._front_receiver, front)
+                    logger.info(
+                        "coordinator for %d engines: broadcast %s, outputs %s, front %s",
+                        engine_count,
+                        handle.engine_input_address,
+                        handle.engine_output_address,
+                        handle.front_address,
+                    )
+                    try:
+                        yield handle
+                    except BaseException as exc:
+                        body_error = exc
+                        raise
+                    finally:
+                        handle._close()
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                if _only(group, lambda e: isinstance(e, trio.Cancelled)):
+                    raise
+                internal = group.split(lambda e: e is body_error or isinstance(e, trio.Cancelled))[
+                    1
+                ]
+                if internal is not None:
+                    raise CoordinatorError(f"coordinator task failed: {internal!r}") from internal
+            if body_error is not None:
+                # The block's own exception, unwrapped from the nursery's group.
+                raise body_error
+    finally:
+        handle._close()
+        private_dir.cleanup()

@@ -1,0 +1,318 @@
+"""The sans-IO core: the wave state machine, the per-engine load table and publish timing.
+
+Nothing here does I/O, knows trio or ZeroMQ, or reads a clock: the service calls these
+objects under its lock and sends whatever they return. Every rule of PROTOCOL.md §5 is
+one method whose result says what must go out on the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "FirstRequest",
+    "LoadTable",
+    "PublishSchedule",
+    "StatsOutcome",
+    "WaveSnapshot",
+    "WaveStart",
+    "WaveState",
+]
+
+logger = logging.getLogger(__name__)
+
+EngineLoad = tuple[int, int, float]
+"""One engine's load as front-ends see it: ``(waiting, running, kv_cache_usage)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaveSnapshot:
+    """What a front-end stamps on each request: the current wave and whether it runs."""
+
+    current_wave: int = 0
+    engines_running: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WaveStart:
+    """A ``START_DP_WAVE`` broadcast: every engine except ``exclude`` joins ``wave``.
+
+    ``exclude`` is ``None`` when every engine must wake (a stale first request), an
+    engine index otherwise, or the raw identity bytes a legacy front-end sent.
+    """
+
+    wave: int
+    exclude: int | bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class FirstRequest:
+    """A front-end routed a request to ``engine`` while it believed ``wave`` was paused."""
+
+    engine: int | bytes | None
+    wave: int
+
+
+class WaveState:
+    """The coordinator's view of the global wave: ``(current_wave, engines_running)``.
+
+    Invariants: the wave never decreases; an accepted start produces exactly one
+    :class:`WaveStart`; an ignored input changes nothing.
+
+    Three inputs move it (PROTOCOL.md §5.5 and vLLM PR #46833):
+
+    * :meth:`wave_complete` from DP rank 0,
+    * :meth:`engine_start_wave` when a request reached an idle engine (vLLM >= 0.33),
+    * :meth:`start_wave_for_first_request` for a front-end's first-request notice
+      (the embedded handle, or a legacy front-end's FIRST_REQ).
+
+    The embedded handle claims a first request synchronously with
+    :meth:`claim_first_request`, which flips ``engines_running`` at once so that
+    concurrent requests coalesce behind one broadcast; the claim stays *pending* until
+    the queued :class:`FirstRequest` is handled, so that handling still wakes the
+    engines even though the snapshot already says running.
+    """
+
+    __slots__ = ("_first_request_pending", "_snapshot")
+
+    def __init__(self, snapshot: WaveSnapshot | None = None) -> None:
+        self._snapshot = snapshot if snapshot is not None else WaveSnapshot()
+        self._first_request_pending = False
+
+    @property
+    def snapshot(self) -> WaveSnapshot:
+        return self._snapshot
+
+    @property
+    def first_request_pending(self) -> bool:
+        """True between a handle's claim and the handling of its first request."""
+        return self._first_request_pending
+
+    def claim_first_request(self, engine: int | bytes | None) -> FirstRequest | None:
+        """The handle's synchronous half: claim the wake-up if the engines look paused.
+
+        Returns the :class:`FirstRequest` to queue, or ``None`` when the engines already
+        run (or another claim is pending), so concurrent callers coalesce.
+        """
+        if self._snapshot.engines_running:
+            return None
+        wave = self._snapshot.current_wave
+        self._snapshot = WaveSnapshot(wave, True)
+        self._first_request_pending = True
+        logger.debug("first request for engine %r claimed at wave %d", engine, wave)
+        return FirstRequest(engine, wave)
+
+    def start_wave_for_first_request(
+        self, request_wave: int, target_engine_index: int | bytes | None
+    ) -> WaveStart | None:
+        """Handle a first-request notice with PR #46833's rule.
+
+        Acts while the engines are paused, or when this notice was claimed by
+        :meth:`claim_first_request` and not yet handled; otherwise the engines already
+        run and nothing is sent. When it acts it sets ``engines_running`` and broadcasts
+        the **current** wave (never the request's: no rewind), excluding the target
+        engine only if the request's wave is current; a stale request wakes everyone,
+        because its target may have served it in the older wave and gone back to sleep.
+        """
+        pending = self._first_request_pending
+        self._first_request_pending = False
+        current = self._snapshot.current_wave
+        if self._snapshot.engines_running and not pending:
+            logger.debug(
+                "first request (wave %d, engine %r) ignored: wave %d already running",
+                request_wave,
+                target_engine_index,
+                current,
+            )
+            return None
+        exclude = target_engine_index if request_wave >= current else None
+        self._snapshot = WaveSnapshot(current, True)
+        logger.debug(
+            "first request (wave %d, engine %r): wave %d running, exclude %r",
+            request_wave,
+            target_engine_index,
+            current,
+            exclude,
+        )
+        return WaveStart(current, exclude)
+
+    def wave_complete(self, wave: int) -> bool:
+        """Rank 0 finished ``wave``: move to ``wave + 1``, paused. Older waves are ignored.
+
+        Returns whether the snapshot changed.
+        """
+        old = self._snapshot
+        if old.current_wave > wave:
+            logger.debug(
+                "wave_complete(%d) ignored: current wave %d is newer", wave, old.current_wave
+            )
+            return False
+        self._snapshot = WaveSnapshot(wave + 1, False)
+        logger.debug("wave_complete(%d): wave %d -> %d, paused", wave, old.current_wave, wave + 1)
+        return self._snapshot != old
+
+    def engine_start_wave(self, wave: int, engine_index: int) -> WaveStart | None:
+        """An idle engine got a request and started ``wave`` itself: wake the others.
+
+        Accepted when ``wave`` is newer than the current wave, or equal to it while
+        paused; then the engines run ``wave`` and every engine but the reporter is woken.
+        A stale wave, or the wave already running, is ignored.
+        """
+        old = self._snapshot
+        if wave > old.current_wave or (wave == old.current_wave and not old.engines_running):
+            self._snapshot = WaveSnapshot(wave, True)
+            logger.debug(
+                "start_wave(%d) from engine %d: wave %d -> %d, running",
+                wave,
+                engine_index,
+                old.current_wave,
+                wave,
+            )
+            return WaveStart(wave, engine_index)
+        logger.debug(
+            "start_wave(%d) from engine %d ignored: current wave %d, running=%s",
+            wave,
+            engine_index,
+            old.current_wave,
+            old.engines_running,
+        )
+        return None
+
+
+class StatsOutcome(Enum):
+    """What :meth:`LoadTable.apply_stats` did with a report."""
+
+    APPLIED = "applied"
+    OUT_OF_ORDER = "out_of_order"
+    """Applied, but older than this engine's previous report (PROTOCOL.md §5.4, R10)."""
+    UNKNOWN_ENGINE = "unknown_engine"
+    """Dropped: the engine index is beyond the table (e.g. after a scale-down)."""
+
+
+_NO_STEP = (-1, -1)
+
+
+class LoadTable:
+    """Per-engine ``(waiting, running, kv_cache_usage)`` and the lock-step snapshot.
+
+    In wave mode (``lockstep=True``), the first report of a newer ``(wave, step)``
+    captures the counts as they stood at the end of the previous step, so front-ends
+    see all engines as of one step boundary (PROTOCOL.md §5.4). Unlike vLLM, the
+    out-of-order check uses a cursor per engine: a slower engine's report for a step
+    the others already left is normal, not out of order (R10).
+    """
+
+    __slots__ = (
+        "_cursors",
+        "_loads",
+        "_lockstep",
+        "_step_cursor",
+        "pending_snapshot",
+        "stats_changed",
+    )
+
+    def __init__(self, engine_count: int, *, lockstep: bool = True) -> None:
+        if engine_count < 1:
+            raise ValueError(f"engine_count must be >= 1, got {engine_count}")
+        self._lockstep = lockstep
+        self._loads: list[EngineLoad] = [(0, 0, 0.0)] * engine_count
+        self._cursors: list[tuple[int, int]] = [_NO_STEP] * engine_count
+        self._step_cursor = _NO_STEP
+        self.stats_changed = False
+        self.pending_snapshot: tuple[EngineLoad, ...] | None = None
+
+    @property
+    def engine_count(self) -> int:
+        return len(self._loads)
+
+    def loads(self) -> tuple[EngineLoad, ...]:
+        """The live per-engine loads, in rank order."""
+        return tuple(self._loads)
+
+    def apply_stats(
+        self,
+        engine_index: int,
+        waiting: int,
+        running: int,
+        kv_cache_usage: float,
+        *,
+        wave: int = 0,
+        step: int = 0,
+    ) -> StatsOutcome:
+        """Record one engine's load report (PROTOCOL.md §5.4)."""
+        if not 0 <= engine_index < len(self._loads):
+            return StatsOutcome.UNKNOWN_ENGINE
+        outcome = StatsOutcome.APPLIED
+        if self._lockstep:
+            position = (wave, step)
+            if position > self._step_cursor:
+                if self.stats_changed:
+                    self.pending_snapshot = tuple(self._loads)
+                self._step_cursor = position
+            if position < self._cursors[engine_index]:
+                outcome = StatsOutcome.OUT_OF_ORDER
+            else:
+                self._cursors[engine_index] = position
+        self._loads[engine_index] = (waiting, running, float(kv_cache_usage))
+        self.stats_changed = True
+        return outcome
+
+    def resize(self, engine_count: int) -> None:
+        """Elastic EP: grow with zero loads or truncate (PROTOCOL.md §5.8)."""
+        if engine_count < 1:
+            raise ValueError(f"engine_count must be >= 1, got {engine_count}")
+        current = len(self._loads)
+        if engine_count > current:
+            self._loads.extend([(0, 0, 0.0)] * (engine_count - current))
+            self._cursors.extend([_NO_STEP] * (engine_count - current))
+        else:
+            del self._loads[engine_count:]
+            del self._cursors[engine_count:]
+        if self.pending_snapshot is not None:
+            self.pending_snapshot = None
+            self.stats_changed = True
+
+    def take_publish_counts(self) -> tuple[EngineLoad, ...]:
+        """The counts a timed publish carries, and the flags that publish clears (§5.6).
+
+        A pending lock-step snapshot goes first and ``stats_changed`` stays set, so the
+        live counts follow one interval later; otherwise the live counts go and
+        ``stats_changed`` is cleared.
+        """
+        if self.pending_snapshot is not None:
+            counts = self.pending_snapshot
+            self.pending_snapshot = None
+            return counts
+        self.stats_changed = False
+        return tuple(self._loads)
+
+
+class PublishSchedule:
+    """When the next timed front publish is due, given a clock reading passed in.
+
+    About ``interval`` seconds after the previous timed publish while the load table has
+    news (changed stats or a pending snapshot), a heartbeat every ``heartbeat`` seconds
+    otherwise. The first publish is due at once. Unlike vLLM (§5.6), a steady stream of
+    incoming messages does not postpone a due publish: the deadline is absolute.
+    """
+
+    __slots__ = ("_last_publish", "heartbeat", "interval")
+
+    def __init__(self, interval: float = 0.1, heartbeat: float = 5.0) -> None:
+        if interval <= 0 or heartbeat <= 0:
+            raise ValueError("publish interval and heartbeat must be positive")
+        self.interval = interval
+        self.heartbeat = heartbeat
+        self._last_publish = -math.inf
+
+    def next_due(self, table: LoadTable) -> float:
+        """The clock reading at which the next timed publish is due."""
+        has_news = table.stats_changed or table.pending_snapshot is not None
+        return self._last_publish + (self.interval if has_news else self.heartbeat)
+
+    def published(self, now: float) -> None:
+        """Record that a timed publish went out at ``now``."""
+        self._last_publish = now

@@ -1,0 +1,439 @@
+"""A small trio shim over pyzmq.
+
+Every zmq call is made with ``zmq.NOBLOCK`` on the trio thread; on ``zmq.Again`` the task
+waits and retries.  A zmq socket exposes ``zmq.FD``, which is *edge-triggered*: it turns
+readable when the socket's command mailbox gets work, and *any* zmq call on the socket
+(send, recv, ``getsockopt(EVENTS)``, bind, ...) may consume that edge.  So ``zmq.EVENTS``
+is re-read after every failed attempt, right before waiting on the FD.
+
+Several tasks may use one socket at once (e.g. an XPUB receiving subscriptions while
+broadcasting), but trio lets only one task wait on an fd.  So exactly one waiting task --
+the *FD waiter* -- sits in ``trio.lowlevel.wait_readable`` (inside its own cancel scope);
+the others park in a per-direction ``ParkingLot``.  Whenever a task touches the socket
+while others wait, it reads ``zmq.EVENTS`` (the true level state, edge-independent) and
+wakes every waiter whose direction is now ready -- cancelling the FD waiter's scope if it is
+one of them -- because its own call may have consumed the edge they were waiting for.
+When the FD waiter leaves (woken, cancelled, closed) it unparks all parked tasks; each
+retries, and the first to get ``zmq.Again`` again takes over the FD.  With no other waiter
+(the common case) the extra cost per operation is a single integer check.
+
+Checkpoints follow trio's ``_try_sync`` idiom: ``checkpoint_if_cancelled()``, one
+synchronous attempt, and on success ``cancel_shielded_checkpoint()`` -- so data that was
+received is never lost to cancellation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import cast
+
+import trio
+import zmq
+
+__all__ = ["AsyncSocket", "open_context", "open_socket"]
+
+logger = logging.getLogger(__name__)
+
+_NOBLOCK = zmq.NOBLOCK
+_SNDMORE = zmq.SNDMORE
+_POLLIN = zmq.POLLIN
+_POLLOUT = zmq.POLLOUT
+_EVENTS = zmq.EVENTS
+
+
+@asynccontextmanager
+async def open_context() -> AsyncIterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A fresh ``zmq.Context`` (LINGER 0 by default for its sockets), terminated on exit.
+
+    Sockets should be closed first by their own managers; any still open are closed with
+    LINGER 0 (and logged) so that terminating the context can never hang.
+    """
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    try:
+        yield context
+    finally:
+        leftover = [s for s in list(getattr(context, "_sockets", None) or ()) if not s.closed]
+        if leftover:
+            logger.warning("zmq context exiting with %d socket(s) still open", len(leftover))
+        context.destroy(linger=0)
+
+
+@asynccontextmanager
+async def open_socket(
+    context: zmq.Context[zmq.Socket[bytes]],
+    socket_type: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    options: Mapping[int, int | bytes] | None = None,
+) -> AsyncIterator[AsyncSocket]:
+    """Create a socket, apply ``options``, then bind and/or connect; ``aclose()`` it on exit.
+
+    After ``bind``, the resolved endpoint (e.g. the real TCP port for ``tcp://host:0``) is
+    available as ``sock.last_endpoint``.
+    """
+    raw: zmq.Socket[bytes] = context.socket(socket_type)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        for option, value in (options or {}).items():
+            raw.setsockopt(option, value)
+        sock = AsyncSocket(raw)
+        if bind is not None:
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+    except BaseException:
+        raw.close(linger=0)
+        raise
+    try:
+        yield sock
+    finally:
+        await sock.aclose()
+
+
+class AsyncSocket:
+    """A trio wrapper around a ``zmq.Socket`` used only from the trio thread.
+
+    Any number of tasks may send and receive concurrently.  A multipart message is sent in
+    one synchronous call, so it is atomic with respect to other senders.
+    """
+
+    closed: bool
+    last_endpoint: str | None
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._sock = socket
+        self._fd = cast(int, socket.getsockopt(zmq.FD))
+        self.closed = False
+        self.last_endpoint = None
+        # Tasks currently inside _wait (the FD waiter plus parked tasks).
+        self._waiting = 0
+        self._fd_scope: trio.CancelScope | None = None
+        self._fd_events = 0
+        self._parked_in = trio.lowlevel.ParkingLot()
+        self._parked_out = trio.lowlevel.ParkingLot()
+        # Remaining frames of a message whose continuation frame got zmq.Again (libzmq
+        # counts HWM in whole messages, so this should never happen; handled anyway).
+        self._send_tail: list[bytes] | None = None
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    @property
+    def zmq_socket(self) -> zmq.Socket[bytes]:
+        """The wrapped socket.  If you call it directly while other tasks wait on this
+        ``AsyncSocket``, call :meth:`notify_touched` afterwards."""
+        return self._sock
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise trio.ClosedResourceError("zmq socket was closed")
+
+    def _dispatch(self, events: int) -> None:
+        """Wake every waiter whose direction is ready according to ``events``."""
+        if events & _POLLIN:
+            self._parked_in.unpark_all()
+        if events & _POLLOUT:
+            self._parked_out.unpark_all()
+        scope = self._fd_scope
+        if scope is not None and events & self._fd_events:
+            scope.cancel()
+
+    def _touched(self) -> None:
+        """We just made a zmq call; it may have eaten the edge another task waits for."""
+        if self._waiting:
+            self._dispatch(cast(int, self._sock.getsockopt(_EVENTS)))
+
+    def notify_touched(self) -> None:
+        """Re-check readiness for waiting tasks after using :attr:`zmq_socket` directly."""
+        self._check_open()
+        self._touched()
+
+    async def _wait(self, event: int, suspect: int = 0) -> int:
+        """Wait until ``event`` may be ready (spurious returns allowed); caller retries.
+
+        Must be called right after a zmq call on this socket returned ``zmq.Again``.
+        ``suspect`` counts the caller's consecutive attempts for which ``EVENTS`` claimed
+        readiness although the call failed; the updated count is returned.
+        """
+        self._waiting += 1
+        try:
+            events = cast(int, self._sock.getsockopt(_EVENTS))
+            if self._waiting > 1:
+                self._dispatch(events)
+            deadline = math.inf
+            if events & event:
+                suspect += 1
+                if suspect == 1:
+                    # Probably became ready between the failed call and now: retry at
+                    # once, through a checkpoint.
+                    await trio.lowlevel.checkpoint()
+                    return suspect
+                # EVENTS keeps claiming readiness that the call denies (e.g. XPUB with
+                # XPUB_NODROP always reports POLLOUT): wait for the FD as usual, with a
+                # short, growing timeout in case the claim was right after all.
+                deadline = trio.current_time() + min(0.0005 * 2**suspect, 0.05)
+            else:
+                suspect = 0
+            if self._fd_scope is None:
+                scope = trio.CancelScope(deadline=deadline)
+                self._fd_scope = scope
+                self._fd_events = event
+                try:
+                    with scope:
+                        await trio.lowlevel.wait_readable(self._fd)
+                finally:
+                    self._fd_scope = None
+                    # Hand the FD over: parked tasks retry, one of them becomes FD waiter.
+                    self._parked_in.unpark_all()
+                    self._parked_out.unpark_all()
+            else:
+                with trio.CancelScope(deadline=deadline):
+                    await (self._parked_in if event == _POLLIN else self._parked_out).park()
+            return suspect
+        finally:
+            self._waiting -= 1
+
+    # -- setup --------------------------------------------------------------------------
+
+    def bind(self, address: str) -> str:
+        """Bind and return the resolved endpoint (``tcp://127.0.0.1:0`` -> real port)."""
+        self._check_open()
+        try:
+            self._sock.bind(address)
+            endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        finally:
+            self._touched()
+        self.last_endpoint = endpoint
+        return endpoint
+
+    def connect(self, address: str) -> None:
+        self._check_open()
+        try:
+            self._sock.connect(address)
+        finally:
+            self._touched()
+
+    def setsockopt(self, option: int, value: int | bytes) -> None:
+        self._check_open()
+        try:
+            self._sock.setsockopt(option, value)
+        finally:
+            self._touched()
+
+    def getsockopt(self, option: int) -> int | bytes:
+        self._check_open()
+        try:
+            value: int | bytes = self._sock.getsockopt(option)
+        finally:
+            self._touched()
+        return value
+
+    # -- sending ------------------------------------------------------------------------
+
+    def _try_send(self, frames: Sequence[bytes]) -> bool:
+        """One synchronous attempt; True once the message is committed to zmq."""
+        if self._send_tail is not None and not self._flush_tail():
+            return False
+        sock = self._sock
+        last = len(frames) - 1
+        if last == 0:
+            try:
+                sock.send(frames[0], _NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
+        try:
+            sock.send(frames[0], _NOBLOCK | _SNDMORE)
+        except zmq.Again:
+            return False
+        for i in range(1, last + 1):
+            try:
+                sock.send(frames[i], (_NOBLOCK | _SNDMORE) if i < last else _NOBLOCK)
+            except zmq.Again:
+                logger.warning("zmq refused a continuation frame; finishing it later")
+                self._send_tail = list(frames[i:])
+                return True
+        return True
+
+    def _flush_tail(self) -> bool:
+        tail = self._send_tail
+        assert tail is not None
+        while tail:
+            try:
+                self._sock.send(tail[0], (_NOBLOCK | _SNDMORE) if len(tail) > 1 else _NOBLOCK)
+            except zmq.Again:
+                return False
+            del tail[0]
+        self._send_tail = None
+        return True
+
+    async def send(self, frame: bytes) -> None:
+        await self.send_multipart((frame,))
+
+    async def send_multipart(self, frames: Sequence[bytes]) -> None:
+        """Send one message; waits (respecting HWM backpressure) while zmq says Again."""
+        if not frames:
+            raise ValueError("a zmq message needs at least one frame")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        suspect = 0
+        while True:
+            self._check_open()
+            try:
+                sent = self._try_send(frames)
+            except BaseException:
+                self._touched()
+                raise
+            if sent:
+                break
+            suspect = await self._wait(_POLLOUT, suspect)
+        self._touched()
+        # A continuation frame was refused: the message is committed, so finish it even
+        # if cancelled (only closing the socket stops this).
+        while self._send_tail is not None:
+            with trio.CancelScope(shield=True):
+                suspect = await self._wait(_POLLOUT, suspect)
+            self._check_open()
+            if self._send_tail is not None:  # another sender may have finished it
+                try:
+                    self._flush_tail()
+                finally:
+                    self._touched()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def send_nowait(self, frames: Sequence[bytes]) -> bool:
+        """Synchronous non-blocking send attempt; True if the message was sent."""
+        if not frames:
+            raise ValueError("a zmq message needs at least one frame")
+        self._check_open()
+        try:
+            return self._try_send(frames)
+        finally:
+            self._touched()
+
+    # -- receiving ----------------------------------------------------------------------
+
+    async def recv(self) -> bytes:
+        """Receive one frame."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        suspect = 0
+        while True:
+            self._check_open()
+            try:
+                frame = self._sock.recv(_NOBLOCK)
+            except zmq.Again:
+                suspect = await self._wait(_POLLIN, suspect)
+                continue
+            except BaseException:
+                self._touched()
+                raise
+            self._touched()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return frame
+
+    async def recv_multipart(self) -> list[bytes]:
+        """Receive one (whole) multipart message."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        suspect = 0
+        while True:
+            self._check_open()
+            try:
+                msg = self._sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                suspect = await self._wait(_POLLIN, suspect)
+                continue
+            except BaseException:
+                self._touched()
+                raise
+            self._touched()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return msg
+
+    async def recv_batch(self, max_messages: int = 1000) -> list[bytes]:
+        """Wait for at least one frame, then also take every frame already queued (up to
+        ``max_messages``) without waiting again.  Meant for single-frame messages (the
+        parts of a multipart message come back as separate items)."""
+        if max_messages < 1:
+            raise ValueError("max_messages must be >= 1")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        recv = self._sock.recv
+        suspect = 0
+        while True:
+            self._check_open()
+            try:
+                batch = [recv(_NOBLOCK)]
+            except zmq.Again:
+                suspect = await self._wait(_POLLIN, suspect)
+                continue
+            except BaseException:
+                self._touched()
+                raise
+            try:
+                while len(batch) < max_messages:
+                    batch.append(recv(_NOBLOCK))
+            except zmq.ZMQError:
+                # Again: drained.  Any other error resurfaces on the next call; the
+                # frames already taken must not be lost.
+                pass
+            self._touched()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return batch
+
+    async def recv_multipart_batch(self, max_messages: int = 1000) -> list[list[bytes]]:
+        """Like :meth:`recv_batch`, for multipart messages."""
+        if max_messages < 1:
+            raise ValueError("max_messages must be >= 1")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        recv_multipart = self._sock.recv_multipart
+        suspect = 0
+        while True:
+            self._check_open()
+            try:
+                batch = [recv_multipart(_NOBLOCK)]
+            except zmq.Again:
+                suspect = await self._wait(_POLLIN, suspect)
+                continue
+            except BaseException:
+                self._touched()
+                raise
+            try:
+                while len(batch) < max_messages:
+                    batch.append(recv_multipart(_NOBLOCK))
+            except zmq.ZMQError:
+                pass
+            self._touched()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return batch
+
+    # -- closing ------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close (LINGER 0).  Waiting tasks get ``trio.ClosedResourceError``.  Idempotent;
+        always a checkpoint; the socket is closed even if this is cancelled."""
+        if not self.closed:
+            self.closed = True
+            trio.lowlevel.notify_closing(self._fd)
+            self._parked_in.unpark_all()
+            self._parked_out.unpark_all()
+            self._send_tail = None
+            self._sock.close(linger=0)
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> AsyncSocket:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self._fd}"
+        return f"<AsyncSocket {self._sock.type!r} {state}>"
