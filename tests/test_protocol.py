@@ -336,6 +336,42 @@ def test_memoryview_frames_accepted() -> None:
     assert decode_engine_broadcast([bytearray(b"READY")]) == "READY"  # type: ignore[list-item]
 
 
+def test_zmq_frames_accepted() -> None:
+    zmq = pytest.importorskip("zmq")
+    frames = encode_start_dp_wave(4, 2)
+    assert decode_engine_broadcast([zmq.Frame(f) for f in frames]) == StartDPWave(4, 2)
+    assert decode_front_publish(zmq.Frame(encode_front_publish(FrontPublish(None, 1, True)))) == (
+        FrontPublish(None, 1, True)
+    )
+
+
+@pytest.mark.parametrize("bad", [None, 5, 1.5, "READY", object(), [1], {"a": b"b"}], ids=repr)
+def test_non_frame_inputs_rejected(bad: Any) -> None:
+    for dec in (
+        decode_engine_core_outputs,
+        decode_front_publish,
+        decode_front_message,
+        decode_subscription,
+        decode_request_type,
+    ):
+        with pytest.raises(ProtocolError):
+            dec(bad)
+    for mdec in (decode_engine_broadcast, decode_start_dp_wave, decode_engine_request):
+        with pytest.raises(ProtocolError):
+            mdec(bad)
+        with pytest.raises(ProtocolError):
+            mdec([bad, bad])
+    with pytest.raises(ProtocolError):
+        decode_engine_broadcast(b"READY")  # type: ignore[arg-type]  # a bare frame
+
+
+def test_frames_as_tuple_or_iterable() -> None:
+    frames = encode_add_request(EngineCoreRequest("r", (1,), 2.0))
+    req = EngineCoreRequest("r", (1,), 2.0)
+    assert decode_engine_request(tuple(frames)) == req
+    assert decode_engine_request(iter(frames)) == req  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------ classify_output
 
 S = SchedulerStats()

@@ -123,14 +123,30 @@ def _preview(data: bytes, limit: int = 16) -> str:
 
 
 def _as_bytes(frame: object, what: str) -> bytes:
+    """``frame`` as bytes; any buffer-protocol object (bytearray, memoryview, zmq.Frame)."""
     if type(frame) is bytes:
         return frame
-    if isinstance(frame, (bytes, bytearray, memoryview)):
-        try:
-            return bytes(frame)
-        except (TypeError, ValueError, BufferError) as exc:
-            raise ProtocolError(f"{what}: unusable buffer ({exc})") from None
-    raise ProtocolError(f"{what}: frame must be bytes, got {type(frame).__name__}")
+    if isinstance(frame, (str, int)):  # int: bytes(5) would make 5 zero bytes
+        raise ProtocolError(f"{what}: frame must be bytes, got {_tname(frame)}")
+    try:
+        return bytes(memoryview(frame))  # type: ignore[arg-type]
+    except (TypeError, ValueError, BufferError) as exc:
+        raise ProtocolError(f"{what}: frame must be bytes, got {_tname(frame)} ({exc})") from None
+
+
+def _frame_list(frames: object, what: str) -> Sequence[Any]:
+    """A multipart message as a sequence of frames, or ProtocolError."""
+    if type(frames) is list or type(frames) is tuple:
+        return frames
+    if isinstance(frames, (str, bytes, bytearray, memoryview)) or frames is None:
+        raise ProtocolError(f"{what}: expected a sequence of frames, got {_tname(frames)}")
+    try:
+        result: list[Any] = list(frames)  # type: ignore[call-overload]
+    except TypeError:
+        raise ProtocolError(
+            f"{what}: expected a sequence of frames, got {_tname(frames)}"
+        ) from None
+    return result
 
 
 def _unpack(frame: object, what: str, max_bytes: int) -> Any:
@@ -360,6 +376,7 @@ def decode_start_dp_wave(frames: Sequence[bytes]) -> StartDPWave:
     ``wave`` must be an int >= 0 and ``exclude`` an int >= 0, bin or nil; exactly two
     frames and a 2-element array are required. Anything else raises ProtocolError.
     """
+    frames = _frame_list(frames, "START_DP_WAVE")
     if len(frames) != 2:
         raise ProtocolError(f"START_DP_WAVE must have 2 frames, got {len(frames)}")
     head = _as_bytes(frames[0], "START_DP_WAVE type frame")
@@ -374,6 +391,7 @@ def decode_engine_broadcast(frames: Sequence[bytes]) -> Literal["READY"] | Start
     Returns ``"READY"`` for the single frame ``READY`` or a :class:`StartDPWave` for
     ``02 | payload``; anything else (which would kill a vLLM engine) raises ProtocolError.
     """
+    frames = _frame_list(frames, "engine broadcast")
     if not frames:
         raise ProtocolError("engine broadcast: no frames")
     head = _as_bytes(frames[0], "engine broadcast first frame")
@@ -927,6 +945,7 @@ def decode_engine_request(frames: Sequence[bytes]) -> EngineCoreRequest:
     ``max_tokens`` key (int >= 0 or nil), or vLLM's default 16 when the key is absent.
     Other request types and malformed payloads raise ProtocolError.
     """
+    frames = _frame_list(frames, "ADD request")
     if len(frames) != 2:
         raise ProtocolError(f"ADD request must have 2 frames, got {len(frames)}")
     rtype = decode_request_type(frames[0])

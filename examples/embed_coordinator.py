@@ -1,0 +1,61 @@
+"""Embed the DP wave coordinator in a trio front-end.
+
+Runs an in-process coordinator for two engines, plays the engines' coordinator-facing
+sockets by hand (trio_dpcoord.testing), and walks through two waves: a front-end's
+first request wakes the paused engines (excluding the engine that got the request),
+rank 0 completes the wave, then an engine that got a request while idle starts the
+next wave itself (vLLM 0.33's path) and the coordinator wakes the others.
+
+    python examples/embed_coordinator.py
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from trio_dpcoord import EngineChooser, open_coordinator, protocol
+from trio_dpcoord.testing import connect_engines
+
+
+async def main() -> None:
+    async with open_coordinator(2, ready_timeout=10) as coordinator:
+        print(f"engines connect to {coordinator.engine_input_address} (XSUB)")
+        print(f"           and push to {coordinator.engine_output_address} (PUSH)")
+        async with connect_engines(
+            coordinator.engine_input_address, coordinator.engine_output_address, 2
+        ) as engines:
+            await coordinator.wait_ready()
+            for engine in engines:
+                assert await engine.next_broadcast() == "READY"
+            print("gate open: READY sent to both engines")
+
+            # A front-end routes a request: stamp the wave, pick an engine, wake if paused.
+            chooser = EngineChooser(2)
+            target = chooser.choose(coordinator.engine_loads())
+            stamp = coordinator.snapshot()
+            coordinator.notify_first_request(target)
+            print(f"request stamped wave {stamp.current_wave} -> engine {target}")
+            for engine in engines:
+                print(f"  engine {engine.index} got {await engine.next_broadcast()}")
+
+            # Rank 0 reports the end of the wave: the coordinator moves to the next one.
+            await engines[0].wave_complete(stamp.current_wave)
+            await coordinator.wait_for(lambda c: not c.snapshot().engines_running)
+            print(f"wave complete: now {coordinator.snapshot()}")
+
+            # An engine that got a request while idle starts the next wave itself.
+            await engines[1].start_wave(coordinator.snapshot().current_wave)
+            for engine in engines:
+                message = await engine.next_broadcast()
+                assert isinstance(message, protocol.StartDPWave)
+                print(f"  engine {engine.index} got {message}")
+            await coordinator.wait_for(lambda c: c.snapshot().engines_running)
+            print(f"engine-started wave: now {coordinator.snapshot()}")
+            print(f"counters: {coordinator.counters}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    trio.run(main)
