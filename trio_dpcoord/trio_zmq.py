@@ -109,6 +109,7 @@ class AsyncSocket:
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self._sock = socket
         self._fd = cast(int, socket.getsockopt(zmq.FD))
+        self._type = cast(int, socket.getsockopt(zmq.TYPE))
         self.closed = False
         self.last_endpoint = None
         # Tasks currently inside _wait (the FD waiter plus parked tasks).
@@ -435,5 +436,8 @@ class AsyncSocket:
         await self.aclose()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"fd={self._fd}"
-        return f"<AsyncSocket {self._sock.type!r} {state}>"
+        try:
+            name = zmq.SocketType(self._type).name
+        except ValueError:
+            name = str(self._type)
+        return f"<AsyncSocket {name} {'closed' if self.closed else f'fd={self._fd}'}>"
