@@ -207,6 +207,7 @@ class WaveRules(RuleBasedStateMachine):
         if accepted:
             assert start == WaveStart(wave, engine)
             self.model_wave, self.model_running = wave, True
+            self.model_pending = False  # everyone is woken: a pending claim is moot
         else:
             assert start is None
         self._check_unchanged_when_ignored(before, start)

@@ -88,7 +88,8 @@ class WaveState:
 
     @property
     def first_request_pending(self) -> bool:
-        """True between a handle's claim and the handling of its first request."""
+        """True between a handle's claim and the handling of its first request (or an
+        engine's accepted start_wave, which wakes everyone and makes the notice moot)."""
         return self._first_request_pending
 
     def claim_first_request(self, engine: int | bytes | None) -> FirstRequest | None:
@@ -164,6 +165,9 @@ class WaveState:
         old = self._snapshot
         if wave > old.current_wave or (wave == old.current_wave and not old.engines_running):
             self._snapshot = WaveSnapshot(wave, True)
+            # This broadcast wakes every engine but the (awake) reporter: a pending claim
+            # has nothing left to do, and handling it would re-broadcast a running wave.
+            self._first_request_pending = False
             logger.debug(
                 "start_wave(%d) from engine %d: wave %d -> %d, running",
                 wave,
