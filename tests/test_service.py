@@ -388,3 +388,19 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]
+
+
+async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish() -> None:
+    with trio.fail_after(GUARD):
+        async with open_coordinator(2, front_address="") as coordinator, open_context() as context:
+            assert coordinator.front_address is not None
+            async with open_socket(context, zmq.XSUB, connect=coordinator.front_address) as sub:
+                await sub.send(protocol.SUBSCRIBE)
+                await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 1)
+                async with connect_engines(
+                    coordinator.engine_input_address, coordinator.engine_output_address, 2
+                ):
+                    await coordinator.wait_ready()
+                    publish = protocol.decode_front_publish(await sub.recv())
+                    assert publish == protocol.FrontPublish(((0, 0, 0.0), (0, 0, 0.0)), 0, False)
+            await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 0)

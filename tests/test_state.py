@@ -307,7 +307,9 @@ def test_non_lockstep_table_never_snapshots() -> None:
 def test_resize_grows_with_zero_loads_and_truncates() -> None:
     table = LoadTable(2)
     table.apply_stats(1, 4, 4, 0.25)
+    table.take_publish_counts()
     table.resize(4)
+    assert table.stats_changed  # the next timed publish carries the new size
     assert table.loads() == ((0, 0, 0.0), (4, 4, 0.25), (0, 0, 0.0), (0, 0, 0.0))
     table.resize(1)
     assert table.loads() == ((0, 0, 0.0),)

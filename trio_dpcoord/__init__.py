@@ -12,6 +12,8 @@ from ._balance import engine_score as engine_score
 from ._errors import CoordinatorClosedError as CoordinatorClosedError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import ReadyTimeoutError as ReadyTimeoutError
+from ._frontend import Frontend as Frontend
+from ._frontend import open_frontend as open_frontend
 from ._service import Coordinator as Coordinator
 from ._service import CoordinatorCounters as CoordinatorCounters
 from ._service import SubscriptionView as SubscriptionView
@@ -28,6 +30,7 @@ __all__ = [
     "CoordinatorCounters",
     "CoordinatorError",
     "EngineChooser",
+    "Frontend",
     "ProtocolError",
     "ReadyTimeoutError",
     "SubscriptionView",
@@ -35,4 +38,5 @@ __all__ = [
     "WaveStart",
     "engine_score",
     "open_coordinator",
+    "open_frontend",
 ]

@@ -275,9 +275,9 @@ class LoadTable:
         else:
             del self._loads[engine_count:]
             del self._cursors[engine_count:]
-        if self.pending_snapshot is not None:
-            self.pending_snapshot = None
-            self.stats_changed = True
+        # front-ends should see the new table size within one publish interval
+        self.pending_snapshot = None
+        self.stats_changed = True
 
     def take_publish_counts(self) -> tuple[EngineLoad, ...]:
         """The counts a timed publish carries, and the flags that publish clears (§5.6).

@@ -1,0 +1,591 @@
+"""The standalone coordinator (``python -m trio_dpcoord serve``) as a real subprocess (issue 4).
+
+Raw peers drive it over its three sockets: engines from :mod:`trio_dpcoord.testing`, and
+front-ends that are bare XSUB sockets sending ``0x01``, as vLLM's DP clients are. Bytes
+are checked exactly; timing only by content and order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import zmq
+
+from trio_dpcoord import cli, protocol
+from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
+
+GUARD = 20.0  # generous: a subprocess and real sockets on a shared 2-core machine
+SERVE = [sys.executable, "-m", "trio_dpcoord", "serve"]
+READY = [protocol.READY]
+
+
+def f64(value: float) -> bytes:
+    """msgpack float64, as every kv_cache_usage is encoded (PROTOCOL.md §3)."""
+    return b"\xcb" + struct.pack(">d", value)
+
+
+def vector_frames(vectors: dict[str, dict[str, Any]], name: str) -> list[bytes]:
+    return [bytes.fromhex(h) for h in vectors[name]["frames_hex"]]
+
+
+class Cli:
+    """A running ``serve`` subprocess, its stdout lines and its stderr, read as they come."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.endpoints: dict[str, str] = {}
+        self.stdout_lines: list[str] = []
+        self.stderr = ""
+        self._open_streams = 2
+        self._changed = trio.lowlevel.ParkingLot()
+
+    async def _pump(self, stream: trio.abc.ReceiveStream, is_stdout: bool) -> None:
+        pending = b""
+        async for chunk in stream:
+            if is_stdout:
+                *lines, pending = (pending + chunk).split(b"\n")
+                self.stdout_lines.extend(line.decode() for line in lines)
+            else:
+                self.stderr += chunk.decode(errors="replace")
+            self._changed.unpark_all()
+        self._open_streams -= 1
+        self._changed.unpark_all()
+
+    async def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        while not predicate():
+            if self._open_streams == 0:
+                raise AssertionError(
+                    f"the coordinator exited (status {self.process.returncode}) before "
+                    f"{what}; stderr:\n{self.stderr}"
+                )
+            await self._changed.park()
+
+    async def line(self, index: int) -> str:
+        await self._wait(lambda: len(self.stdout_lines) > index, f"stdout line {index}")
+        return self.stdout_lines[index]
+
+    async def logged(self, text: str) -> None:
+        await self._wait(lambda: text in self.stderr, f"logging {text!r}")
+
+    async def stop(self, signum: int = signal.SIGTERM) -> int:
+        """Send ``signum``; return the exit status once all output has been read."""
+        self.process.send_signal(signum)
+        await self.process.wait()
+        await self._wait(lambda: self._open_streams == 0, "closing its output")
+        assert self.process.returncode is not None
+        return self.process.returncode
+
+    async def stop_cleanly(self) -> dict[str, Any]:
+        """SIGTERM: exit status 0, no traceback, and the final counters line."""
+        assert await self.stop() == 0, self.stderr
+        assert "Traceback" not in self.stderr
+        counters: dict[str, Any] = json.loads(self.stdout_lines[-1])["counters"]
+        return counters
+
+
+@asynccontextmanager
+async def run_cli(*args: str) -> AsyncIterator[Cli]:
+    """Start ``serve`` with ``args``, wait for its endpoints line; always kill and reap it."""
+    process = await trio.lowlevel.open_process(
+        [*SERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    cli_process = Cli(process)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cli_process._pump, process.stdout, True)
+            nursery.start_soon(cli_process._pump, process.stderr, False)
+            try:
+                cli_process.endpoints = json.loads(await cli_process.line(0))
+                yield cli_process
+            finally:
+                if process.returncode is None:
+                    process.kill()
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            for stream in (process.stdout, process.stderr):
+                if stream is not None:
+                    await stream.aclose()
+
+
+@asynccontextmanager
+async def connect_frontend(address: str) -> AsyncIterator[AsyncSocket]:
+    """A front-end as vLLM's DP client is: an XSUB that connects and sends 0x01."""
+    async with open_context() as context:
+        async with open_socket(context, zmq.XSUB, connect=address) as sub:
+            await sub.send(protocol.SUBSCRIBE)
+            yield sub
+
+
+@asynccontextmanager
+async def engines_of(
+    cli_process: Cli, count: int, first_index: int = 0
+) -> AsyncIterator[list[EnginePeer]]:
+    endpoints = cli_process.endpoints
+    async with connect_engines(
+        endpoints["back_pub"], endpoints["back_out"], count, first_index=first_index
+    ) as engines:
+        yield engines
+
+
+async def expect_broadcast(peers: list[EnginePeer], frames: list[bytes]) -> None:
+    """Every engine receives exactly ``frames`` as its next broadcast."""
+    for peer in peers:
+        assert await peer.next_broadcast_frames() == frames
+
+
+async def next_wave_publish(front: AsyncSocket) -> bytes:
+    """The next ``[nil, wave, running]`` publish, skipping timed ones with counts."""
+    while True:
+        frame = await front.recv()
+        if protocol.decode_front_publish(frame).counts is None:
+            return frame
+
+
+async def publish_with_counts(
+    front: AsyncSocket, counts: tuple[tuple[int, int, float], ...]
+) -> bytes:
+    """The first publish carrying exactly ``counts`` (earlier ones are skipped)."""
+    while True:
+        frame = await front.recv()
+        if protocol.decode_front_publish(frame).counts == counts:
+            return frame
+
+
+def tcp_or_ipc(transport: str, tmp_path: Path) -> list[str]:
+    if transport == "tcp":
+        address = "tcp://127.0.0.1:0"
+        return ["--front", address, "--back-pub", address, "--back-out", address]
+    return [
+        "--front",
+        f"ipc://{tmp_path / 'front'}",
+        "--back-pub",
+        f"ipc://{tmp_path / 'back-pub'}",
+        "--back-out",
+        f"ipc://{tmp_path / 'back-out'}",
+    ]
+
+
+ZERO_COUNTS_2 = b"\x93\x92" + (b"\x93\x00\x00" + f64(0.0)) * 2 + b"\x00\xc2"
+
+
+async def test_endpoints_line_gate_and_ready_rebroadcast(transport: str, tmp_path: Path) -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "2", *tcp_or_ipc(transport, tmp_path)) as coordinator:
+            endpoints = coordinator.endpoints
+            assert set(endpoints) == {"front", "back_pub", "back_out"}
+            if transport == "tcp":
+                for address in endpoints.values():
+                    assert address.startswith("tcp://127.0.0.1:")
+                    assert not address.endswith(":0")
+                assert len(set(endpoints.values())) == 3
+            else:
+                assert endpoints == {
+                    "front": f"ipc://{tmp_path / 'front'}",
+                    "back_pub": f"ipc://{tmp_path / 'back-pub'}",
+                    "back_out": f"ipc://{tmp_path / 'back-out'}",
+                }
+                for name in ("front", "back-pub", "back-out"):
+                    assert (tmp_path / name).stat().st_mode & 0o077 == 0  # private
+            async with connect_frontend(endpoints["front"]) as front:
+                async with engines_of(coordinator, 1) as first:
+                    await coordinator.logged("1 of 2 engines subscribed")
+                    with trio.move_on_after(0.3):
+                        frames = await first[0].next_broadcast_frames()
+                        pytest.fail(f"broadcast {frames!r} before the gate opened")
+                    async with engines_of(coordinator, 1, first_index=1) as second:
+                        await expect_broadcast(first + second, READY)
+                        # the gate is open: the front-end gets the all-zero table
+                        assert await front.recv() == ZERO_COUNTS_2
+                        # an engine restarts: READY again, to every engine
+                        async with engines_of(coordinator, 1, first_index=1) as again:
+                            await expect_broadcast(first + second + again, READY)
+            counters = await coordinator.stop_cleanly()
+            assert counters["ready_broadcasts"] == 2
+            assert counters["errors"] == 0
+
+
+async def test_every_wave_rule_with_exact_bytes(
+    transport: str, tmp_path: Path, vectors: dict[str, dict[str, Any]]
+) -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "3", *tcp_or_ipc(transport, tmp_path)) as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 3) as engines:
+                    await expect_broadcast(engines, READY)
+                    # an idle engine got a request: everyone else is woken, at once published
+                    await engines[2].start_wave(0)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x02"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
+                    # rank 0's mirror of a running wave is ignored; its completion pauses
+                    await engines[0].start_wave(0)
+                    await engines[0].wave_complete(0)
+                    assert await next_wave_publish(front) == b"\x93\xc0\x01\xc2"
+                    # a stale start is ignored; a newer one jumps ahead
+                    await engines[1].start_wave(0)
+                    await engines[1].start_wave(3)
+                    await expect_broadcast(
+                        engines, vector_frames(vectors, "start_dp_wave_exclude_int")
+                    )
+                    assert await next_wave_publish(front) == b"\x93\xc0\x03\xc3"
+                    # an older completion is ignored; a newer one moves to its wave + 1
+                    await engines[0].wave_complete(2)
+                    await engines[0].wave_complete(5)
+                    assert [await next_wave_publish(front)] == vector_frames(
+                        vectors, "front_publish_wave_only"
+                    )
+                    await engines[2].start_wave(6)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x06\x02"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
+                    # a duplicate start of the running wave is ignored
+                    await engines[1].start_wave(6)
+                    await engines[1].wave_complete(6)
+                    assert await next_wave_publish(front) == b"\x93\xc0\x07\xc2"
+                    await engines[0].start_wave(7)
+                    # nothing was broadcast in between
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x07\x00"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x07\xc3"
+            counters = await coordinator.stop_cleanly()
+            assert counters["wave_starts"] == 4
+            assert counters["errors"] == 0
+
+
+async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str, Any]]) -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "3") as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 3) as engines:
+                    await expect_broadcast(engines, READY)
+                    await engines[2].start_wave(5)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x05\x02"])
+                    await engines[0].stats(3, 12, 0.4375, wave=5, step=1)
+                    await engines[1].stats(0, 4, 0.1, wave=5, step=1)
+                    counts = ((3, 12, 0.4375), (0, 4, 0.1), (0, 0, 0.0))
+                    # [[3, 12, 0.4375], [0, 4, 0.1], [0, 0, 0.0]], wave 5, running
+                    assert [await publish_with_counts(front, counts)] == vector_frames(
+                        vectors, "front_publish_counts"
+                    )
+            counters = await coordinator.stop_cleanly()
+            assert counters["stats_applied"] == 2
+            assert counters["errors"] == 0
+
+
+async def test_scale_down_drops_stats_from_removed_engines() -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "3") as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 3) as engines:
+                    await expect_broadcast(engines, READY)
+                    await front.send(b"\x92\xb0SCALE_ELASTIC_EP\x02")
+                    # a legacy FIRST_REQ behind it on the same pipe: its broadcast proves
+                    # that the resize was applied
+                    await front.send(b"\x92\x00\x00")
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
+                    # engine 2 is gone: a report for index 2 is dropped, engine 0's counts
+                    stats = protocol.SchedulerStats(num_waiting_reqs=9, num_running_reqs=9)
+                    await engines[0].send_output(
+                        protocol.EngineCoreOutputs(engine_index=2, scheduler_stats=stats)
+                    )
+                    await engines[0].stats(1, 2, 0.25, wave=0, step=1)
+                    while True:
+                        frame = await front.recv()
+                        publish = protocol.decode_front_publish(frame)
+                        assert publish.counts is not None
+                        assert len(publish.counts) == 2
+                        if publish.counts[0] == (1, 2, 0.25):
+                            break
+                    assert frame == (
+                        b"\x93\x92\x93\x01\x02"
+                        + f64(0.25)
+                        + b"\x93\x00\x00"
+                        + f64(0.0)
+                        + b"\x00\xc3"
+                    )
+            counters = await coordinator.stop_cleanly()
+            assert counters["rejected"] == {"unknown_engine_index": 1}
+            assert counters["commands"] == 2
+            assert counters["stats_applied"] == 1
+
+
+async def test_legacy_first_request_both_ways(vectors: dict[str, dict[str, Any]]) -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "3") as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 3) as engines:
+                    await expect_broadcast(engines, READY)
+                    await engines[0].wave_complete(4)
+                    assert await next_wave_publish(front) == b"\x93\xc0\x05\xc2"
+                    # [1, 5] at wave 5, paused: wave 5 runs, engine 1 excluded
+                    (first_req,) = vector_frames(vectors, "legacy_first_req_int")
+                    await front.send(first_req)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x05\x01"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x05\xc3"
+                    await engines[0].wave_complete(5)
+                    assert await next_wave_publish(front) == b"\x93\xc0\x06\xc2"
+                    # [identity 0x0100, 5] at wave 6: stale, so the current wave, nobody
+                    # excluded (never a rewind to 5)
+                    (stale_req,) = vector_frames(vectors, "legacy_first_req_identity_bytes")
+                    await front.send(stale_req)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x06\xc0"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
+            counters = await coordinator.stop_cleanly()
+            assert counters["commands"] == 2
+            assert counters["wave_starts"] == 2
+            assert counters["errors"] == 0
+
+
+async def test_unsubscription_during_the_gate_is_survived() -> None:
+    """vLLM's coordinator returns on a 0x00 during the start-up gate (§5.9)."""
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "2") as coordinator:
+            async with engines_of(coordinator, 1) as flaky:
+                await flaky[0].unsubscribe()
+                await coordinator.logged("an engine unsubscribed")
+                async with engines_of(coordinator, 2) as engines:
+                    await expect_broadcast(engines, READY)
+                    await engines[1].start_wave(0)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
+            counters = await coordinator.stop_cleanly()
+            assert counters["ready_broadcasts"] == 1
+            assert counters["errors"] == 0
+
+
+async def test_a_bad_front_payload_is_survived() -> None:
+    """vLLM's coordinator dies on a front payload that is not msgpack (§5.9)."""
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "2") as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 2) as engines:
+                    await expect_broadcast(engines, READY)
+                    await front.send(b"\xc1\xc1 not msgpack")
+                    await front.send(b"\x93\x01\x02\x03")  # msgpack, but no known message
+                    await front.send(b"\x92\x01\x00")  # then a valid FIRST_REQ
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
+                    assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
+            counters = await coordinator.stop_cleanly()
+            assert counters["rejected"] == {"undecodable_front_message": 2}
+            assert counters["commands"] == 1
+
+
+BAD_ENGINE_OUTPUTS: dict[str, tuple[str, Callable[[dict[str, dict[str, Any]]], list[bytes]]]] = {
+    "map_at_top_level": (
+        "undecodable_engine_output",
+        lambda _: [msgpack.packb({"engine_index": 0, "start_wave": 0})],
+    ),
+    "string_where_an_int_belongs": (
+        "undecodable_engine_output",
+        lambda _: [msgpack.packb(["0", [], None, 0.0, None, None, None, 0, None])],
+    ),
+    "normal_output_batch": (
+        "non_control_output_request_batch",
+        lambda vectors: vector_frames(vectors, "eco_normal_output_batch"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ENGINE_OUTPUTS))
+async def test_a_bad_engine_output_is_survived(
+    case: str, vectors: dict[str, dict[str, Any]]
+) -> None:
+    """vLLM's coordinator dies on each of these (§5.9); the next report must still work."""
+    reason, frames = BAD_ENGINE_OUTPUTS[case]
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "2") as coordinator:
+            async with engines_of(coordinator, 2) as engines:
+                await expect_broadcast(engines, READY)
+                await engines[0].send_raw(frames(vectors))
+                await engines[0].start_wave(0)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
+            counters = await coordinator.stop_cleanly()
+            assert counters["rejected"] == {reason: 1}
+            assert counters["errors"] == 1
+            assert counters["wave_starts"] == 1
+            assert "WARNING" in coordinator.stderr  # logged, with its reason
+            assert reason in coordinator.stderr
+
+
+async def test_without_wave_coordination_wave_fields_are_ignored() -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "2", "--no-wave-coordination") as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 2) as engines:
+                    await expect_broadcast(engines, READY)
+                    await engines[0].start_wave(1)
+                    await engines[0].wave_complete(3)
+                    await engines[0].stats(2, 1, 0.5, wave=3, step=7)
+                    counts = ((2, 1, 0.5), (0, 0, 0.0))
+                    while True:
+                        frame = await front.recv()
+                        publish = protocol.decode_front_publish(frame)
+                        assert publish.counts is not None  # never a wave-change publish
+                        if publish.counts == counts:
+                            break
+                    expected = b"\x93\x92\x93\x02\x01" + f64(0.5) + b"\x93\x00\x00" + f64(0.0)
+                    assert frame == expected + b"\x00\xc2"  # wave 0, not running
+                    # the start was not broadcast: a late subscription's READY comes next
+                    async with engines_of(coordinator, 1, first_index=1) as late:
+                        await expect_broadcast(engines + late, READY)
+            counters = await coordinator.stop_cleanly()
+            assert counters["wave_starts"] == 0
+            assert counters["errors"] == 0
+
+
+async def test_default_endpoints_are_private_and_removed_on_exit(tmp_path: Path) -> None:
+    front_path = tmp_path / "front.sock"
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "1", "--front", f"ipc://{front_path}") as coordinator:
+            endpoints = coordinator.endpoints
+            assert endpoints["front"] == f"ipc://{front_path}"
+            assert front_path.stat().st_mode & 0o077 == 0
+            back_pub = Path(endpoints["back_pub"].removeprefix("ipc://"))
+            back_out = Path(endpoints["back_out"].removeprefix("ipc://"))
+            assert back_pub.parent == back_out.parent
+            assert back_pub.parent.stat().st_mode & 0o777 == 0o700
+            await coordinator.stop_cleanly()
+        assert not back_pub.parent.exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_signals_stop_it_cleanly(signum: int) -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "1") as coordinator:
+            async with engines_of(coordinator, 1) as engines:
+                await expect_broadcast(engines, READY)
+                await engines[0].start_wave(0)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
+                assert await coordinator.stop(signum) == 0
+            assert "Traceback" not in coordinator.stderr
+            assert len(coordinator.stdout_lines) == 2
+            counters = json.loads(coordinator.stdout_lines[1])["counters"]
+            assert counters == {
+                "engine_messages": 1,
+                "stats_applied": 0,
+                "wave_starts": 1,
+                "ready_broadcasts": 1,
+                "front_publishes": counters["front_publishes"],
+                "commands": 0,
+                "rejected": {},
+                "errors": 0,
+            }
+
+
+async def test_sigterm_under_engine_traffic_still_exits_cleanly() -> None:
+    """Reports keep arriving while it stops: frames already received when the tasks are
+    cancelled must not turn a clean stop into a task failure."""
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "2") as coordinator:
+            async with connect_frontend(coordinator.endpoints["front"]) as front:
+                async with engines_of(coordinator, 2) as engines:
+                    await expect_broadcast(engines, READY)
+
+                    async def report(engine: EnginePeer) -> None:
+                        for step in range(1, 1_000_000):
+                            await engine.stats(step % 5, 1, 0.5, wave=step, step=1)
+                            await engine.start_wave(step)
+                            await engine.wave_complete(step)
+
+                    async with trio.open_nursery() as nursery:
+                        for engine in engines:
+                            nursery.start_soon(report, engine)
+                        await next_wave_publish(front)  # the traffic is being handled
+                        status = await coordinator.stop()
+                        nursery.cancel_scope.cancel()
+            assert status == 0, coordinator.stderr
+            assert "Traceback" not in coordinator.stderr
+            counters = json.loads(coordinator.stdout_lines[-1])["counters"]
+            assert counters["errors"] == 0
+            assert counters["wave_starts"] >= 1
+
+
+async def test_a_signal_while_the_gate_is_closed_stops_it_cleanly() -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "4") as coordinator:
+            counters = await coordinator.stop_cleanly()
+            assert counters["ready_broadcasts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--front", "tcp://10.1.2.3:5555"], "loopback"),
+        (["--back-pub", "udp://127.0.0.1:1"], "bad address"),
+        (["--back-out", "ipc:///nonexistent-dir/for/trio-dpcoord/sock"], "cannot bind"),
+        (["--stats-interval-ms", "-5"], "--stats-interval-ms"),
+        (["--log-level", "LOUD"], "--log-level"),
+        (["--bogus"], "unrecognized"),
+    ],
+)
+async def test_a_bad_address_or_option_fails_with_one_line(args: list[str], message: str) -> None:
+    with trio.fail_after(GUARD):
+        result = await trio.run_process(
+            [*SERVE, "--engines", "2", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert result.stdout == b""
+    assert stderr.count("\n") == 1, stderr
+    assert message in stderr
+    assert "Traceback" not in stderr
+
+
+async def test_a_bad_engine_count_fails_with_one_line() -> None:
+    with trio.fail_after(GUARD):
+        result = await trio.run_process(
+            [*SERVE, "--engines", "zero"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert result.returncode == 2
+    assert result.stderr.decode().count("\n") == 1
+    assert b"--engines" in result.stderr
+
+
+def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--help"]) == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--engines",
+        "--front",
+        "--back-pub",
+        "--back-out",
+        "--stats-interval-ms",
+        "--no-wave-coordination",
+        "--allow-remote",
+        "--log-level",
+    ):
+        assert option in text
+    assert '"front"' in text and "SIGTERM" in text  # the endpoints line and how it ends
+    assert cli.main(["--help"]) == 0
+    assert "serve" in capsys.readouterr().out
+    assert cli.main([]) == 2
+    assert cli.main(["serve"]) == 2  # --engines is required
+    capsys.readouterr()
+
+
+async def test_the_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "trio-dpcoord"
+    if not script.exists():
+        pytest.skip("the package is not installed in this environment (no console script)")
+    with trio.fail_after(GUARD):
+        result = await trio.run_process(
+            [os.fspath(script), "serve", "--help"], capture_stdout=True, capture_stderr=True
+        )
+    assert b"--engines" in result.stdout

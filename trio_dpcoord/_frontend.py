@@ -1,0 +1,319 @@
+"""The front-end side of the coordinator's front socket, for trio front-ends.
+
+What a vLLM 0.33.0 DP client does with the front socket (PROTOCOL.md §7.1), as a trio
+async context manager: an XSUB connected to the coordinator's front address keeps the
+latest ``(counts, wave, running)`` publish, requests are routed with vLLM's score
+(§7.2, the same :class:`EngineChooser` an embedded front-end uses), and
+``SCALE_ELASTIC_EP`` and the legacy FIRST_REQ go upstream on the same socket.
+
+Two tasks, one way each::
+
+    coordinator front XPUB ─► XSUB ─► publish receiver (batch, keep the latest) ─► state
+    scale(), notify_first_request() ─► [send channel] ─► sender ─► XSUB ─► coordinator
+
+The sender is the only code that sends on the XSUB (its subscription included).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import trio
+import zmq
+
+from . import protocol
+from ._balance import EngineChooser
+from ._errors import CoordinatorClosedError, CoordinatorError
+from ._service import _only, _RejectLog
+from ._state import EngineLoad, WaveSnapshot
+from .trio_zmq import AsyncSocket, open_context, open_socket
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["Frontend", "open_frontend"]
+
+logger = logging.getLogger(__name__)
+
+
+class Frontend:
+    """The handle :func:`open_frontend` yields: the coordinator as one front-end sees it.
+
+    Every method is synchronous and cheap, for use from trio tasks; only
+    :meth:`wait_for` awaits.
+    """
+
+    def __init__(
+        self,
+        front_address: str,
+        *,
+        client_index: int,
+        client_count: int,
+        engine_count: int | None,
+    ) -> None:
+        self.front_address = front_address
+        self.client_index = client_index
+        self.client_count = client_count
+        self.publishes_received = 0
+        """Valid publishes received (each one, even if a later one superseded it)."""
+        self.last_publish_time: float | None = None
+        """``trio.current_time()`` when the latest publish arrived, or None before any."""
+        self._engine_count = engine_count
+        self._opened_at = trio.current_time()
+        self._snapshot = WaveSnapshot()
+        self._counts: tuple[EngineLoad, ...] | None = None
+        self._chooser: EngineChooser | None = None
+        self._closed = False
+        self._reject = _RejectLog()
+        self._observers = trio.lowlevel.ParkingLot()
+        self._send, self._send_queue = trio.open_memory_channel[bytes](math.inf)
+
+    # --- reading the coordinator's state ---------------------------------------------
+
+    def snapshot(self) -> WaveSnapshot:
+        """The wave to stamp on a new request, and whether the engines run."""
+        return self._snapshot
+
+    def engine_loads(self) -> tuple[EngineLoad, ...]:
+        """Per engine ``(waiting, running, kv_cache_usage)`` from the latest publish.
+
+        Before the first publish with counts: zeros for ``engine_count`` engines (empty
+        if that was not given).
+        """
+        if self._counts is not None:
+            return self._counts
+        return ((0, 0, 0.0),) * (self._engine_count or 0)
+
+    @property
+    def engine_count(self) -> int:
+        """How many engines the latest publish listed (0 if unknown yet)."""
+        return len(self.engine_loads())
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Publishes that could not be decoded, by reason (logged at WARNING)."""
+        return dict(self._reject.counts)
+
+    def coordinator_silent_for(self) -> float:
+        """Seconds since the latest publish (since opening, before the first one).
+
+        The coordinator sends a heartbeat every 5 s at the latest, so much more than
+        that means it is gone or unreachable.
+        """
+        since = self.last_publish_time if self.last_publish_time is not None else self._opened_at
+        return trio.current_time() - since
+
+    async def wait_for(self, predicate: Callable[[Frontend], bool]) -> None:
+        """Wait until ``predicate(self)`` holds; re-checked after every batch of publishes.
+
+        Raises :class:`CoordinatorClosedError` if the front-end closes first. Combine
+        with ``trio.fail_after`` to bound the wait.
+        """
+        while not predicate(self):
+            if self._closed:
+                raise CoordinatorClosedError("the front-end has stopped")
+            await self._observers.park()
+
+    # --- routing ----------------------------------------------------------------------
+
+    def choose_engine(self) -> int:
+        """The engine for one new request, by vLLM 0.33.0's score with the latest loads.
+
+        Counts the request as in flight on that engine until :meth:`request_finished`.
+        Before any load report the in-flight counts alone spread requests over the
+        engines.
+        """
+        loads = self.engine_loads()
+        if not loads:
+            raise CoordinatorError(
+                "engine count unknown: pass engine_count= to open_frontend or wait for "
+                "the first publish (wait_for(lambda f: f.engine_count > 0))"
+            )
+        if self._chooser is None:
+            self._chooser = EngineChooser(
+                len(loads), client_index=self.client_index, client_count=self.client_count
+            )
+        return self._chooser.choose(loads)
+
+    def request_finished(self, engine_index: int) -> None:
+        """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
+        if self._chooser is not None:
+            self._chooser.finished(engine_index)
+
+    @property
+    def inflight(self) -> tuple[int, ...]:
+        """This front-end's unfinished requests per engine."""
+        return self._chooser.inflight if self._chooser is not None else ()
+
+    # --- commands to the coordinator -------------------------------------------------
+
+    def scale(self, engine_count: int) -> None:
+        """Elastic EP: ask the coordinator to resize its load table (``SCALE_ELASTIC_EP``)."""
+        if type(engine_count) is not int or engine_count < 1:
+            raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")
+        self._queue(protocol.encode_scale_elastic_ep(engine_count))
+        logger.info("asking the coordinator to scale to %d engines", engine_count)
+
+    def notify_first_request(self, engine_index: int) -> None:
+        """A request is being routed to ``engine_index``: wake the engines if they sleep.
+
+        The legacy FIRST_REQ path (PROTOCOL.md §7.4): if the latest publish says paused,
+        the local snapshot flips to running at once (so concurrent requests send one
+        notice) and ``[engine_index, wave]`` goes to the coordinator, which wakes the
+        engines with PR #46833's rule. vLLM 0.33.0 engines wake themselves; this is for
+        front-ends that want the coordinator to do it.
+        """
+        if type(engine_index) is not int or engine_index < 0:
+            raise ValueError(f"engine_index must be an int >= 0, got {engine_index!r}")
+        snap = self._snapshot
+        if snap.engines_running:
+            return
+        self._queue(protocol.encode_legacy_first_request(engine_index, snap.current_wave))
+        self._snapshot = WaveSnapshot(snap.current_wave, True)
+        logger.debug(
+            "first request for engine %d at paused wave %d: FIRST_REQ sent",
+            engine_index,
+            snap.current_wave,
+        )
+
+    def _queue(self, frame: bytes) -> None:
+        if self._closed:
+            raise CoordinatorClosedError("the front-end has stopped")
+        self._send.send_nowait(frame)
+
+    # --- the tasks ----------------------------------------------------------------------
+
+    async def _sender(
+        self,
+        sub: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The only code that sends on the XSUB: the subscription first, then commands."""
+        await sub.send(protocol.SUBSCRIBE)
+        task_status.started()
+        async for frame in self._send_queue:
+            await sub.send(frame)
+
+    async def _publish_receiver(
+        self,
+        sub: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Drains the publishes in batches; the latest wave and the latest counts win."""
+        task_status.started()
+        while True:
+            frames = await sub.recv_batch()
+            latest: protocol.FrontPublish | None = None
+            latest_counts: tuple[EngineLoad, ...] | None = None
+            for frame in frames:
+                try:
+                    publish = protocol.decode_front_publish(frame)
+                except protocol.ProtocolError as exc:
+                    self._reject("undecodable_front_publish", str(exc))
+                    continue
+                self.publishes_received += 1
+                latest = publish
+                if publish.counts is not None:
+                    latest_counts = publish.counts
+            if latest is None:
+                continue
+            self.last_publish_time = trio.current_time()
+            old = self._snapshot
+            self._snapshot = WaveSnapshot(latest.current_wave, latest.engines_running)
+            if self._snapshot != old:
+                logger.debug(
+                    "publish: wave %d -> %d, running %s -> %s",
+                    old.current_wave,
+                    latest.current_wave,
+                    old.engines_running,
+                    latest.engines_running,
+                )
+            if latest_counts is not None:
+                self._counts = latest_counts
+            self._observers.unpark_all()
+
+    def _close(self) -> None:
+        self._closed = True
+        self._send.close()
+        self._observers.unpark_all()
+
+
+@asynccontextmanager
+async def open_frontend(
+    front_address: str,
+    *,
+    client_index: int = 0,
+    client_count: int = 1,
+    engine_count: int | None = None,
+) -> AsyncIterator[Frontend]:
+    """Follow a coordinator's front socket for the duration of the block.
+
+    ``front_address`` is the ``front`` endpoint the standalone coordinator printed (or
+    :attr:`Coordinator.front_address`). ``client_index`` of ``client_count`` front-ends
+    sets where this one's engine scan starts, as in vLLM; ``engine_count``, if known,
+    lets :meth:`Frontend.choose_engine` work before the first publish arrives.
+
+    Yields once the XSUB is connected and subscribed (the coordinator answers a
+    subscription with a publish as soon as its start-up gate is open). Leaving the
+    block stops both tasks and closes the socket; a failure inside raises
+    :class:`CoordinatorError` with the original exceptions as its cause; an exception
+    from the block itself propagates unchanged.
+    """
+    if client_count < 1 or not 0 <= client_index < client_count:
+        raise ValueError("need client_count >= 1 and 0 <= client_index < client_count")
+    if engine_count is not None and engine_count < 1:
+        raise ValueError(f"engine_count must be positive, got {engine_count!r}")
+    handle = Frontend(
+        front_address,
+        client_index=client_index,
+        client_count=client_count,
+        engine_count=engine_count,
+    )
+    body_error: BaseException | None = None
+    try:
+        async with AsyncExitStack() as stack:
+            context = await stack.enter_async_context(open_context())
+            try:
+                sub = await stack.enter_async_context(
+                    open_socket(context, zmq.XSUB, connect=front_address, options={zmq.LINGER: 0})
+                )
+            except zmq.ZMQError as exc:
+                raise CoordinatorError(
+                    f"cannot connect to the coordinator's front socket {front_address!r}: {exc}"
+                ) from exc
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(handle._publish_receiver, sub)
+                    await nursery.start(handle._sender, sub)
+                    logger.info(
+                        "front-end %d of %d following the coordinator at %s",
+                        client_index,
+                        client_count,
+                        front_address,
+                    )
+                    try:
+                        yield handle
+                    except BaseException as exc:
+                        body_error = exc
+                        raise
+                    finally:
+                        handle._close()
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                if _only(group, lambda e: isinstance(e, trio.Cancelled)):
+                    raise
+                internal = group.split(lambda e: e is body_error or isinstance(e, trio.Cancelled))[
+                    1
+                ]
+                if internal is not None:
+                    raise CoordinatorError(f"front-end task failed: {internal!r}") from internal
+            if body_error is not None:
+                raise body_error
+    finally:
+        handle._close()

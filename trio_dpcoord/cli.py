@@ -1,0 +1,244 @@
+"""``trio-dpcoord serve``: the coordinator as a standalone process, for vLLM-style peers.
+
+A drop-in for vLLM's ``DPCoordinatorProc``: the same :func:`open_coordinator` service an
+embedded front-end uses, with the front socket enabled. A launcher reads the endpoints
+from the first line on stdout, points engines at ``back_pub``/``back_out`` and
+front-ends at ``front``, and stops it with SIGINT or SIGTERM; the last line on stdout
+then holds the counters, so the launcher can check that nothing was rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+import trio
+
+from ._errors import CoordinatorError
+from ._service import Coordinator, open_coordinator
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Reports a bad option as one line on stderr (exit status 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="trio-dpcoord",
+        description="A trio-native data-parallel wave coordinator, wire-compatible with "
+        "vLLM 0.33.0's DP engine protocol.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the coordinator as a standalone process (a drop-in for vLLM's DPCoordinatorProc)",
+        description="Run the coordinator until SIGINT or SIGTERM. Once the three sockets "
+        'are bound, the first line on stdout is {"front": ..., "back_pub": ..., '
+        '"back_out": ...} with the real endpoints (tcp port 0 resolved). On a clean exit '
+        'the last line is {"counters": {...}}. Logs go to stderr. Addresses are '
+        "tcp://HOST:PORT, ipc://PATH or inproc://NAME; ipc socket files are created "
+        "readable by this user only.",
+    )
+    serve.add_argument(
+        "--engines",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="number of DP engines: READY is broadcast once N engines have subscribed "
+        "to back-pub (the start-up gate waits without a time limit)",
+    )
+    serve.add_argument(
+        "--front",
+        metavar="ADDR",
+        default="",
+        help="bind address of the front-end socket (XPUB: publishes [counts, wave, "
+        "running]; accepts SCALE_ELASTIC_EP and legacy FIRST_REQ); front-ends connect "
+        "their XSUB here (default: a private ipc:// path)",
+    )
+    serve.add_argument(
+        "--back-pub",
+        metavar="ADDR",
+        default="",
+        help="bind address of the engine broadcast socket (XPUB: READY, START_DP_WAVE); "
+        "engines connect their XSUB here (default: a private ipc:// path)",
+    )
+    serve.add_argument(
+        "--back-out",
+        metavar="ADDR",
+        default="",
+        help="bind address of the engine output socket (PULL: stats, wave_complete, "
+        "start_wave); engines connect their PUSH here (default: a private ipc:// path)",
+    )
+    serve.add_argument(
+        "--stats-interval-ms",
+        type=_positive_float,
+        default=100.0,
+        metavar="MS",
+        help="publish load counts to front-ends about this long after a change "
+        "(default: %(default)s; a heartbeat goes out every 5 s otherwise)",
+    )
+    serve.add_argument(
+        "--no-wave-coordination",
+        dest="wave_coordination",
+        action="store_false",
+        help="stats only, for non-MoE engines: wave fields are ignored and every publish "
+        "is [counts, 0, false]",
+    )
+    serve.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow binding tcp addresses beyond loopback (ZeroMQ traffic is "
+        "unauthenticated: anyone who can reach the sockets can drive the engines)",
+    )
+    serve.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=_LOG_LEVELS,
+        default="INFO",
+        help="logging threshold for messages on stderr (default: %(default)s)",
+    )
+    return parser
+
+
+def _emit(record: dict[str, object]) -> None:
+    """One JSON line on stdout, flushed at once: launchers read it line by line."""
+    try:
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        # the launcher stopped reading: the coordinator keeps serving the engines
+        logger.warning("stdout is closed; cannot report %s", ", ".join(record))
+
+
+def _gate_moved(seen: int) -> Callable[[Coordinator], bool]:
+    return lambda c: c.subscriptions().current != seen or c.subscriptions().gate_open
+
+
+async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> None:
+    """Say how far the start-up gate got, on every subscription change until READY."""
+    logger.info(
+        "waiting for %d engines to subscribe to %s", engine_count, coordinator.engine_input_address
+    )
+    seen = 0
+    while True:
+        await coordinator.wait_for(_gate_moved(seen))
+        view = coordinator.subscriptions()
+        if view.gate_open:
+            return
+        logger.info("start-up gate: %d of %d engines subscribed", view.current, engine_count)
+        seen = view.current
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    # The signal receiver is installed before the endpoints line goes out and stays until
+    # the counters line is written, so a launcher's signal never interrupts either.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        started = False
+        try:
+            async with open_coordinator(
+                args.engines,
+                engine_input_address=args.back_pub or None,
+                engine_output_address=args.back_out or None,
+                front_address=args.front,
+                ready_timeout=None,
+                wave_coordination=args.wave_coordination,
+                stats_interval=args.stats_interval_ms / 1000.0,
+                allow_remote=args.allow_remote,
+            ) as coordinator:
+                started = True
+                _emit(
+                    {
+                        "front": coordinator.front_address,
+                        "back_pub": coordinator.engine_input_address,
+                        "back_out": coordinator.engine_output_address,
+                    }
+                )
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_log_gate_progress, coordinator, args.engines)
+                    async for signum in signals:
+                        logger.info("%s received: stopping", signal.Signals(signum).name)
+                        break
+                    nursery.cancel_scope.cancel()
+                counters = coordinator.counters
+        except CoordinatorError as exc:
+            print(f"trio-dpcoord: error: {exc}", file=sys.stderr, flush=True)
+            return 1 if started else 2
+        _emit(
+            {
+                "counters": {
+                    "engine_messages": counters.engine_messages,
+                    "stats_applied": counters.stats_applied,
+                    "wave_starts": counters.wave_starts,
+                    "ready_broadcasts": counters.ready_broadcasts,
+                    "front_publishes": counters.front_publishes,
+                    "commands": counters.commands,
+                    "rejected": counters.rejected,
+                    "errors": counters.errors,
+                }
+            }
+        )
+        logger.info("stopped cleanly (%d rejected inputs)", counters.errors)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``trio-dpcoord`` and ``python -m trio_dpcoord``; returns the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad option (2), already reported
+        return exc.code if isinstance(exc.code, int) else 2
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # ipc:// socket files (and anything else created) are for this user only
+    os.umask(0o077)
+    # Until trio's signal receiver is installed, SIGTERM stops the process like SIGINT:
+    # quietly, with status 0, even in the instant before the endpoints line.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return trio.run(_serve, args)
+    except KeyboardInterrupt:
+        logger.info("interrupted before the coordinator was running")
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
