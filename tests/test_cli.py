@@ -100,7 +100,7 @@ class Cli:
 async def run_cli(*args: str) -> AsyncIterator[Cli]:
     """Start ``serve`` with ``args``, wait for its endpoints line; always kill and reap it."""
     process = await trio.lowlevel.open_process(
-        [*SERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*SERVE, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     cli_process = Cli(process)
     try:
@@ -119,7 +119,7 @@ async def run_cli(*args: str) -> AsyncIterator[Cli]:
             if process.returncode is None:
                 process.kill()
             await process.wait()
-            for stream in (process.stdout, process.stderr):
+            for stream in (process.stdin, process.stdout, process.stderr):
                 if stream is not None:
                     await stream.aclose()
 
@@ -589,3 +589,18 @@ async def test_the_console_script_is_installed() -> None:
             [os.fspath(script), "serve", "--help"], capture_stdout=True, capture_stderr=True
         )
     assert b"--engines" in result.stdout
+
+
+async def test_exit_on_stdin_eof_stops_it_when_the_launcher_goes() -> None:
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "1", "--exit-on-stdin-eof") as coordinator:
+            async with engines_of(coordinator, 1) as engines:
+                await expect_broadcast(engines, READY)
+                assert coordinator.process.stdin is not None
+                await coordinator.process.stdin.aclose()  # what a dying launcher does
+                await coordinator.process.wait()
+            await coordinator.logged("standard input closed: stopping")
+            assert coordinator.process.returncode == 0
+            assert "Traceback" not in coordinator.stderr
+            await coordinator.line(1)
+            assert json.loads(coordinator.stdout_lines[1])["counters"]["errors"] == 0

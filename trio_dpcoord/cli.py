@@ -126,6 +126,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "unauthenticated: anyone who can reach the sockets can drive the engines)",
     )
     serve.add_argument(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="stop cleanly when standard input reaches end of file, so a launcher that "
+        "dies (even by SIGKILL) leaves no orphan coordinator behind",
+    )
+    serve.add_argument(
         "--log-level",
         type=str.upper,
         choices=_LOG_LEVELS,
@@ -164,6 +170,16 @@ async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> Non
         seen = view.current
 
 
+async def _stop_at_stdin_eof(scope: trio.CancelScope) -> None:
+    """Stop when stdin closes: the launcher that holds its other end has gone."""
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stdin:
+        while await stdin.receive_some(4096):
+            pass
+    logger.info("standard input closed: stopping")
+    scope.cancel()
+
+
 async def _serve(args: argparse.Namespace) -> int:
     # The signal receiver is installed before the endpoints line goes out and stays until
     # the counters line is written, so a launcher's signal never interrupts either.
@@ -190,6 +206,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_log_gate_progress, coordinator, args.engines)
+                    if args.exit_on_stdin_eof:
+                        nursery.start_soon(_stop_at_stdin_eof, nursery.cancel_scope)
                     async for signum in signals:
                         logger.info("%s received: stopping", signal.Signals(signum).name)
                         break

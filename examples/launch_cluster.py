@@ -1,0 +1,243 @@
+"""Run a whole simulated vLLM DP cluster on one machine and watch the coordinator work.
+
+    python examples/launch_cluster.py                       # inproc coordinator, 4 engines
+    python examples/launch_cluster.py --mode standalone     # `trio-dpcoord serve` + open_frontend
+    python examples/launch_cluster.py --engines 2 --wake-path frontend --json
+
+One command starts the coordinator (embedded in this trio front-end, or as the
+standalone ``python -m trio_dpcoord serve`` process), N simulated MoE engine processes
+that step in lock-step through a real collective, and a load generator that sends
+``--requests`` requests in bursts separated by idle gaps, so that many waves start and
+end. A live progress line goes to stderr when it is a terminal; the summary goes to
+stdout, and with ``--json`` the last stdout line is the summary as one JSON object.
+
+Exit status: 0 only when every request completed, no collective timed out and no error
+was counted (coordinator included); 1 otherwise; 130 when interrupted (Ctrl-C stops
+everything cleanly, no process is left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from trio_dpcoord.sim import ClusterConfig, ClusterReport, LoadPlan, Progress, run_cluster
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Run a simulated DP cluster (coordinator, front-end, engine processes).",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("inproc", "standalone"),
+        default="inproc",
+        help="embed open_coordinator (inproc) or run `trio-dpcoord serve` "
+        "(standalone) (default: %(default)s)",
+    )
+    parser.add_argument("--engines", type=int, default=4, help="DP size (default: %(default)s)")
+    parser.add_argument(
+        "--requests", type=int, default=400, help="requests to send (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the load generator (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--wake-path",
+        choices=("frontend", "engine", "both"),
+        default="both",
+        help="who wakes paused engines: the engines' start_wave (engine, vLLM "
+        ">= 0.33), the front-end's notify_first_request with pre-0.33 engines "
+        "(frontend), or both (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.002,
+        help="seconds per engine step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=8,
+        help="requests an engine advances per step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs=2,
+        default=(4, 16),
+        metavar=("MIN", "MAX"),
+        help="tokens per request, drawn uniformly (default: 4 16)",
+    )
+    parser.add_argument(
+        "--burst",
+        type=int,
+        nargs=2,
+        default=(5, 40),
+        metavar=("MIN", "MAX"),
+        help="requests per burst (default: 5 40)",
+    )
+    parser.add_argument(
+        "--gap",
+        type=float,
+        nargs=2,
+        default=(0.0, 0.25),
+        metavar=("MIN", "MAX"),
+        help="idle seconds after a burst finished (default: 0 0.25)",
+    )
+    parser.add_argument(
+        "--pause-every",
+        type=int,
+        default=5,
+        help="pause and resume all engines every N bursts, 0 never (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sync-interval",
+        type=int,
+        default=16,
+        help="engines' dp_sync_interval (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a step may wait for the other ranks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="make the last stdout line the summary as JSON"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="ERROR",
+        help="log level of this process and the children (default: %(default)s)",
+    )
+    return parser
+
+
+class _ProgressLine:
+    """One updating line on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._shown = False
+
+    def show(self, p: Progress) -> None:
+        if not self.enabled:
+            return
+        state = "running" if p.running else "paused "
+        load = " ".join(
+            f"{n:>3}{'*' if running else ' '}"
+            for n, running in zip(p.engine_pending, p.engine_running, strict=False)
+        )
+        sys.stderr.write(
+            f"\r\x1b[K{p.completed:>6}/{p.total} done  wave {p.wave:>4} {state}  "
+            f"in flight per engine (* = stepping): {load}"
+        )
+        sys.stderr.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self.enabled and self._shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self._shown = False
+
+    def log_line(self, line: str) -> None:
+        self.clear()
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _summary(report: ClusterReport) -> str:
+    lat = report.wake_latency_ms()
+
+    def ms(value: float | int | None) -> str:
+        return "n/a" if value is None else f"{value:.1f} ms"
+
+    lines = [
+        f"simulated cluster: {report.mode} coordinator, {report.engines} engines, "
+        f"wake path {report.wake_path}, seed {report.seed}",
+        f"  requests sent / completed: {report.requests} / {report.completed} "
+        f"(planned {report.planned})",
+        f"  waves: {report.waves}   pauses: {report.pauses}   "
+        f"front-end wake notices: {report.notifications}",
+        f"  wake latency (request to an idle cluster -> every engine running): "
+        f"p50 {ms(lat['p50'])}, p99 {ms(lat['p99'])}, max {ms(lat['max'])} "
+        f"({lat['count']} wakes)",
+        f"  errors: {report.errors} (coordinator {report.coordinator_errors}, "
+        f"wave regressions {report.wave_regressions})   "
+        f"collective timeouts: {len(report.collective_timeouts)}",
+    ]
+    lines += [f"  collective timeout: {line}" for line in report.collective_timeouts]
+    lines += [f"  engine failure: {line}" for line in report.engine_failures]
+    lines += [f"  failure: {line}" for line in report.failures]
+    lines.append(f"  duration: {report.duration:.1f} s   result: {'OK' if report.ok else 'FAILED'}")
+    return "\n".join(lines)
+
+
+async def _run(config: ClusterConfig, progress: _ProgressLine) -> ClusterReport | None:
+    """Run the cluster; SIGINT/SIGTERM cancel it (children are reaped) and return None."""
+    report: ClusterReport | None = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for _ in signals:
+                    progress.log_line("interrupted: stopping the cluster")
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+            report = await run_cluster(config, progress=progress.show, log_line=progress.log_line)
+            nursery.cancel_scope.cancel()
+    progress.clear()
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = ClusterConfig(
+            engines=args.engines,
+            mode=args.mode,
+            wake_path=args.wake_path,
+            load=LoadPlan(
+                requests=args.requests,
+                seed=args.seed,
+                burst=(args.burst[0], args.burst[1]),
+                gap=(args.gap[0], args.gap[1]),
+                tokens=(args.tokens[0], args.tokens[1]),
+                pause_every=args.pause_every,
+            ),
+            step_time=args.step_time,
+            max_running=args.max_running,
+            sync_interval=args.sync_interval,
+            collective_timeout=args.collective_timeout,
+            engine_log_level=args.log_level.upper(),
+        )
+    except ValueError as exc:
+        print(f"launch_cluster: {exc}", file=sys.stderr)
+        return 2
+    progress = _ProgressLine(sys.stderr.isatty())
+    report = trio.run(_run, config, progress)
+    if report is None:
+        print("interrupted: every process stopped", file=sys.stderr)
+        return 130
+    print(_summary(report), flush=True)
+    if args.json:
+        print(json.dumps(report.to_json()), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

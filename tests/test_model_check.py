@@ -1,0 +1,662 @@
+"""Exhaustive check of the wave rules (issue 7): a small bounded model checker.
+
+It explores every interleaving of front-end requests, engine reports, coordinator
+decisions and message deliveries for 2-3 engines, with the coordinator being our real
+:class:`trio_dpcoord._state.WaveState`. Engines follow PROTOCOL.md §6.9 in the abstract
+(wave, running, unserved requests); lock-step is modelled by letting a step or a wave
+end happen only while every engine runs.
+
+Channels have ZeroMQ's ordering: each engine's PUSH to the coordinator is FIFO but
+unordered against other engines'; every engine consumes its broadcasts and its requests
+(two sockets) in order but independently of its peers; the handle's queued
+``FirstRequest`` notices and the front socket's legacy FIRST_REQ notices are each FIFO.
+
+Checked in every reachable state: the coordinator's wave never decreases; it never
+broadcasts a wave it already broadcast while that wave runs; engines stepping together
+agree on the wave. Checked in every quiescent state (nothing enabled): no request is left
+unserved, no engine runs while a peer sleeps (it would block in the per-step collectives
+forever), and the coordinator's snapshot agrees with the engines (paused at their wave).
+
+Search is breadth-first with every visited state memoised, so a counterexample is a
+shortest one, printed as a numbered trace.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from trio_dpcoord._state import WaveSnapshot, WaveStart, WaveState
+
+# --------------------------------------------------------------------------- the model
+
+HANDLE = "handle"
+"""Embedded front-end: stamps the coordinator's snapshot, claims and queues FirstRequest."""
+PUBLISH = "publish"
+"""vLLM 0.33 Python front-end: stamps its view from front publishes, notifies nobody."""
+LEGACY = "legacy"
+"""Pre-removal Python front-end: like PUBLISH, plus FIRST_REQ upstream when it sees paused."""
+
+REPORT_EVERY_WAKE = "0.33"
+"""vLLM 0.33 engines: a request that wakes the engine reports start_wave (§6.3), and rank 0
+mirrors the paused->running edge at its first synchronised step (§6.5 step 7, R8)."""
+REPORT_STALE_ONLY = "legacy"
+"""Engines of the FirstRequest era (Rust generations 1-2): no start_wave when a current
+request wakes them, only when the request's wave is already over (R7's older rule); no
+rank-0 mirror. The coordinator's first-request rule must wake their peers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    engines: int
+    requests: int
+    front_ends: tuple[str, ...]
+    engine_kind: str
+    wave_state: Callable[[], WaveState] = WaveState
+
+    def describe(self) -> str:
+        return (
+            f"{self.engines} engines ({self.engine_kind}), {self.requests} request(s), "
+            f"front-ends {'+'.join(self.front_ends)}, coordinator {self.wave_state.__name__}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    wave: int = 0
+    running: bool = False
+    work: int = 0
+    """Requests received and not yet served."""
+    mirror_owed: bool = False
+    """Rank 0 woke since its last synchronised step and will report start_wave (R8)."""
+
+
+Report = tuple[str, int]  # ("start_wave" | "wave_complete", wave)
+Notice = tuple[int, int]  # (request wave, target engine)
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """One global state. Equality and hashing ignore the WaveState object itself and use
+    its observable state (snapshot, first_request_pending) instead."""
+
+    coordinator: tuple[int, bool, bool]
+    engines: tuple[Engine, ...]
+    requests_in_flight: tuple[tuple[int, ...], ...]
+    """Per engine: stamped waves of ADD requests on their way (front-end -> engine)."""
+    broadcasts_in_flight: tuple[tuple[tuple[int, int | None], ...], ...]
+    """Per engine: START_DP_WAVE [wave, exclude] not yet consumed."""
+    reports_in_flight: tuple[tuple[Report, ...], ...]
+    """Per engine: its PUSH to the coordinator."""
+    handle_notices: tuple[Notice, ...]
+    """FirstRequest notices the handle queued for the coordinator."""
+    front_notices: tuple[Notice, ...]
+    """Legacy FIRST_REQ notices on their way over the front socket."""
+    publishes: tuple[tuple[int, bool], ...]
+    """Front publishes (wave, running) not yet read by the viewing front-end."""
+    view: tuple[int, bool]
+    """The publish-fed front-end's (wave, running)."""
+    requests_left: int
+    last_broadcast_wave: int
+    """The wave of the coordinator's latest START_DP_WAVE (-1 before the first)."""
+    wave_state: WaveState = field(compare=False, hash=False, repr=False)
+
+
+def initial_world(config: Config) -> World:
+    state = config.wave_state()
+    n = config.engines
+    return World(
+        coordinator=_observe(state),
+        engines=(Engine(),) * n,
+        requests_in_flight=((),) * n,
+        broadcasts_in_flight=((),) * n,
+        reports_in_flight=((),) * n,
+        handle_notices=(),
+        front_notices=(),
+        publishes=(),
+        view=(0, False),
+        requests_left=config.requests,
+        last_broadcast_wave=-1,
+        wave_state=state,
+    )
+
+
+def _observe(state: WaveState) -> tuple[int, bool, bool]:
+    snap = state.snapshot
+    return (snap.current_wave, snap.engines_running, state.first_request_pending)
+
+
+def _set(items: tuple[object, ...], index: int, value: object) -> tuple[object, ...]:
+    return (*items[:index], value, *items[index + 1 :])
+
+
+STALE_NOTICE = "stale first-request notice acted on"
+"""R1: a notice handled after the wave it was stamped with has ended."""
+LATE_COMPLETE = "late wave_complete ignored"
+"""R3: a wave_complete that arrives after the coordinator moved past its wave."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    label: str
+    world: World
+    violation: str | None = None
+    tag: str | None = None
+    """Names a race this step exercises, for the coverage counts."""
+
+
+def _coordinator_step(
+    config: Config,
+    world: World,
+    label: str,
+    act: Callable[[WaveState], WaveStart | bool | None],
+    *,
+    tag: str | None = None,
+    **changes: object,
+) -> Step:
+    """Run one WaveState input on a copy and apply what it returns to the world."""
+    state = copy.copy(world.wave_state)
+    before = state.snapshot
+    result = act(state)
+    after = state.snapshot
+    violation = None
+    if after.current_wave < before.current_wave:
+        violation = (
+            f"the coordinator's wave decreased: {before.current_wave} -> {after.current_wave}"
+            " (rewind)"
+        )
+    new = replace(world, coordinator=_observe(state), wave_state=state, **changes)  # type: ignore[arg-type]
+    if isinstance(result, WaveStart):
+        label += f" -> START_DP_WAVE [{result.wave}, {_exclude(result.exclude)}]"
+        if (
+            violation is None
+            and before.engines_running
+            and result.wave == before.current_wave == world.last_broadcast_wave
+        ):
+            violation = (
+                f"START_DP_WAVE for wave {result.wave}, which was already broadcast and runs"
+            )
+        exclude = result.exclude if isinstance(result.exclude, int) else None
+        new = replace(
+            new,
+            broadcasts_in_flight=tuple(
+                (*q, (result.wave, exclude)) for q in new.broadcasts_in_flight
+            ),
+            last_broadcast_wave=result.wave,
+        )
+    else:
+        label += " -> nothing sent" if after == before else ""
+    if after.current_wave != before.current_wave:
+        label += f"  [wave {before.current_wave} -> {after.current_wave}]"
+    if after != before and _viewing_front_end(config):
+        new = replace(new, publishes=(*new.publishes, (after.current_wave, after.engines_running)))
+    if tag == STALE_NOTICE and not isinstance(result, WaveStart):
+        tag = None
+    if tag == LATE_COMPLETE and result:
+        tag = None
+    return Step(label, new, violation, tag)
+
+
+def _viewing_front_end(config: Config) -> bool:
+    return PUBLISH in config.front_ends or LEGACY in config.front_ends
+
+
+def _exclude(value: object) -> str:
+    return "nil" if value is None else str(value)
+
+
+def successors(config: Config, world: World) -> Iterator[Step]:
+    n = config.engines
+    engines = world.engines
+    reporting = config.engine_kind == REPORT_EVERY_WAKE
+
+    # A front-end routes a request to an engine.
+    if world.requests_left:
+        number = config.requests - world.requests_left + 1
+        for kind in config.front_ends:
+            for target in range(n):
+                label = f"front-end ({kind}) routes request {number} to engine {target}"
+                changes: dict[str, object] = {"requests_left": world.requests_left - 1}
+                if kind == HANDLE:
+                    state = copy.copy(world.wave_state)
+                    stamp = state.snapshot.current_wave
+                    claim = state.claim_first_request(target)
+                    label += f", stamped wave {stamp}"
+                    if claim is not None:
+                        label += (
+                            f"; handle claims the wake-up, queues FirstRequest"
+                            f"(wave {claim.wave}, engine {target})"
+                        )
+                        changes["handle_notices"] = (*world.handle_notices, (claim.wave, target))
+                    changes["coordinator"] = _observe(state)
+                    changes["wave_state"] = state
+                else:
+                    stamp, running = world.view
+                    label += (
+                        f", stamped wave {stamp} (its view: {'running' if running else 'paused'})"
+                    )
+                    if kind == LEGACY and not running:
+                        label += f"; sends FIRST_REQ [{target}, {stamp}]"
+                        changes["front_notices"] = (*world.front_notices, (stamp, target))
+                        changes["view"] = (stamp, True)
+                changes["requests_in_flight"] = _set(
+                    world.requests_in_flight, target, (*world.requests_in_flight[target], stamp)
+                )
+                yield Step(label, replace(world, **changes))  # type: ignore[arg-type]
+
+    # The viewing front-end drains its publishes and keeps the last one read (§7.1).
+    for count in range(1, len(world.publishes) + 1):
+        seen = world.publishes[count - 1]
+        yield Step(
+            f"front-end reads {count} publish(es), keeps wave {seen[0]} "
+            f"{'running' if seen[1] else 'paused'}",
+            replace(world, publishes=world.publishes[count:], view=seen),
+        )
+
+    for i in range(n):
+        engine = engines[i]
+        # An engine takes the next request (§6.3).
+        if world.requests_in_flight[i]:
+            stamp = world.requests_in_flight[i][0]
+            wave = max(engine.wave, stamp)
+            reports = world.reports_in_flight[i]
+            label = f"engine {i} receives a request stamped {stamp}"
+            running, mirror = engine.running, engine.mirror_owed
+            report = reporting or (stamp < engine.wave)
+            if not engine.running:
+                running = True
+                mirror = reporting and i == 0
+                if report:
+                    reports = (*reports, ("start_wave", wave))
+                    label += f", wakes, reports start_wave({wave})"
+                else:
+                    label += ", wakes itself"
+            new_engine = Engine(wave, running, engine.work + 1, mirror)
+            yield Step(
+                label,
+                replace(
+                    world,
+                    engines=_set(engines, i, new_engine),  # type: ignore[arg-type]
+                    requests_in_flight=_set(
+                        world.requests_in_flight, i, world.requests_in_flight[i][1:]
+                    ),
+                    reports_in_flight=_set(world.reports_in_flight, i, reports),
+                ),
+            )
+        # An engine takes the next broadcast (§6.4).
+        if world.broadcasts_in_flight[i]:
+            wave, exclude = world.broadcasts_in_flight[i][0]
+            rest = _set(world.broadcasts_in_flight, i, world.broadcasts_in_flight[i][1:])
+            label = f"engine {i} receives START_DP_WAVE [{wave}, {_exclude(exclude)}]"
+            if exclude != i and wave >= engine.wave:
+                woke = not engine.running
+                new_engine = Engine(
+                    wave, True, engine.work, engine.mirror_owed or (woke and reporting and i == 0)
+                )
+                label += ", wakes" if woke else ", already running"
+            else:
+                new_engine = engine
+                label += ", ignores it (excluded)" if exclude == i else ", ignores it (stale)"
+            yield Step(
+                label,
+                replace(world, engines=_set(engines, i, new_engine), broadcasts_in_flight=rest),  # type: ignore[arg-type]
+            )
+        # The coordinator takes engine i's next report (§5.5).
+        if world.reports_in_flight[i]:
+            what, wave = world.reports_in_flight[i][0]
+            rest = _set(world.reports_in_flight, i, world.reports_in_flight[i][1:])
+            engine_index = i
+            if what == "start_wave":
+                yield _coordinator_step(
+                    config,
+                    world,
+                    f"coordinator handles start_wave({wave}) from engine {i}",
+                    lambda s, w=wave, e=engine_index: s.engine_start_wave(w, e),
+                    reports_in_flight=rest,
+                )
+            else:
+                yield _coordinator_step(
+                    config,
+                    world,
+                    f"coordinator handles wave_complete({wave}) from engine {i}",
+                    lambda s, w=wave: s.wave_complete(w),
+                    tag=LATE_COMPLETE,
+                    reports_in_flight=rest,
+                )
+
+    # The coordinator handles the next queued notice of either path.
+    if world.handle_notices:
+        wave, target = world.handle_notices[0]
+        yield _coordinator_step(
+            config,
+            world,
+            f"coordinator handles the handle's FirstRequest(wave {wave}, engine {target})",
+            lambda s: s.start_wave_for_first_request(wave, target),
+            tag=STALE_NOTICE if wave < world.coordinator[0] else None,
+            handle_notices=world.handle_notices[1:],
+        )
+    if world.front_notices:
+        fwave, ftarget = world.front_notices[0]
+        yield _coordinator_step(
+            config,
+            world,
+            f"coordinator handles FIRST_REQ [{ftarget}, {fwave}]",
+            lambda s: s.start_wave_for_first_request(fwave, ftarget),
+            tag=STALE_NOTICE if fwave < world.coordinator[0] else None,
+            front_notices=world.front_notices[1:],
+        )
+
+    # Lock-step: a step or a wave end needs every engine.
+    if all(e.running for e in engines):
+        disagreement = None
+        if len({e.wave for e in engines}) > 1:
+            disagreement = "engines stepping together disagree on the wave: " + ", ".join(
+                f"engine {i} at {e.wave}" for i, e in enumerate(engines)
+            )
+        if any(e.work for e in engines):
+            reports = world.reports_in_flight
+            label = "all engines step together, serving " + ", ".join(
+                f"{e.work} request(s) on engine {i}" for i, e in enumerate(engines) if e.work
+            )
+            first = engines[0]
+            if first.mirror_owed:
+                reports = _set(reports, 0, (*reports[0], ("start_wave", first.wave)))  # type: ignore[assignment]
+                label += f"; rank 0 mirrors start_wave({first.wave})"
+            stepped = tuple(Engine(e.wave, True, 0, False) for e in engines)
+            yield Step(
+                label,
+                replace(world, engines=stepped, reports_in_flight=reports),
+                disagreement,
+            )
+        else:
+            wave = engines[0].wave
+            yield Step(
+                f"all-reduce finds no work: wave {wave} ends, rank 0 reports wave_complete({wave})",
+                replace(
+                    world,
+                    engines=tuple(Engine(e.wave + 1) for e in engines),
+                    reports_in_flight=_set(
+                        world.reports_in_flight,
+                        0,
+                        (*world.reports_in_flight[0], ("wave_complete", wave)),
+                    ),  # type: ignore[arg-type]
+                ),
+                disagreement,
+            )
+
+
+def quiescent_violation(world: World) -> str | None:
+    """What is wrong in a state where nothing can happen any more, if anything."""
+    stranded = [i for i, e in enumerate(world.engines) if e.work]
+    if stranded:
+        return f"request(s) never served on engine(s) {stranded}"
+    running = [i for i, e in enumerate(world.engines) if e.running]
+    if running:
+        asleep = [i for i, e in enumerate(world.engines) if not e.running]
+        return (
+            f"engine(s) {running} run while engine(s) {asleep} sleep and no message in flight "
+            "will wake them: the runners block in lock-step collectives forever"
+        )
+    waves = {e.wave for e in world.engines}
+    wave, running_flag, pending = world.coordinator
+    if waves != {wave} or running_flag or pending:
+        return (
+            f"coordinator settles at wave {wave} {'running' if running_flag else 'paused'} "
+            f"while the engines sleep at wave(s) {sorted(waves)}"
+        )
+    return None
+
+
+def render(world: World) -> str:
+    wave, running, pending = world.coordinator
+    parts = [
+        f"coordinator wave {wave} {'running' if running else 'paused'}"
+        + (" (claim pending)" if pending else "")
+    ]
+    for i, e in enumerate(world.engines):
+        parts.append(
+            f"e{i}: wave {e.wave} {'running' if e.running else 'asleep'}"
+            + (f" work={e.work}" if e.work else "")
+        )
+    flight = []
+    for i in range(len(world.engines)):
+        if world.requests_in_flight[i]:
+            flight.append(f"ADD->e{i} {list(world.requests_in_flight[i])}")
+        if world.broadcasts_in_flight[i]:
+            flight.append(
+                f"START->e{i} "
+                + " ".join(f"[{w},{_exclude(x)}]" for w, x in world.broadcasts_in_flight[i])
+            )
+        if world.reports_in_flight[i]:
+            flight.append(
+                f"e{i}->coord " + " ".join(f"{k}({w})" for k, w in world.reports_in_flight[i])
+            )
+    if world.handle_notices:
+        flight.append("FirstRequest " + " ".join(f"(w{w},e{t})" for w, t in world.handle_notices))
+    if world.front_notices:
+        flight.append("FIRST_REQ " + " ".join(f"[{t},{w}]" for w, t in world.front_notices))
+    text = " | ".join(parts)
+    return text + (" | in flight: " + "; ".join(flight) if flight else "")
+
+
+@dataclass(slots=True)
+class Result:
+    config: Config
+    states: int
+    transitions: int
+    quiescent: int
+    max_depth: int
+    seconds: float
+    coverage: dict[str, int]
+    counterexample: str | None = None
+    trace: list[tuple[str, World]] = field(default_factory=list)
+
+
+def explore(config: Config, *, max_states: int = 2_000_000) -> Result:
+    """Breadth-first over every interleaving; stops at the first violation (shortest)."""
+    started = time.perf_counter()
+    start = initial_world(config)
+    parent: dict[World, tuple[World, str] | None] = {start: None}
+    depth = {start: 0}
+    frontier = deque([start])
+    transitions = quiescent = 0
+    coverage = {STALE_NOTICE: 0, LATE_COMPLETE: 0}
+
+    def trace_to(world: World, last: tuple[str, World] | None) -> list[tuple[str, World]]:
+        steps: list[tuple[str, World]] = []
+        node: World | None = world
+        while node is not None:
+            link = parent[node]
+            steps.append((link[1] if link else "initial state", node))
+            node = link[0] if link else None
+        steps.reverse()
+        if last is not None:
+            steps.append(last)
+        return steps
+
+    def finish(trace: list[tuple[str, World]] | None, message: str | None) -> Result:
+        result = Result(
+            config,
+            len(parent),
+            transitions,
+            quiescent,
+            max(depth.values()),
+            time.perf_counter() - started,
+            coverage,
+        )
+        if trace is not None and message is not None:
+            result.trace = trace
+            result.counterexample = format_trace(config, trace, message)
+        return result
+
+    while frontier:
+        world = frontier.popleft()
+        any_step = False
+        for step in successors(config, world):
+            any_step = True
+            transitions += 1
+            if step.tag is not None:
+                coverage[step.tag] += 1
+            if step.violation is not None:
+                return finish(trace_to(world, (step.label, step.world)), step.violation)
+            if step.world not in parent:
+                if len(parent) >= max_states:
+                    raise AssertionError(f"state space above {max_states}: {config.describe()}")
+                parent[step.world] = (world, step.label)
+                depth[step.world] = depth[world] + 1
+                frontier.append(step.world)
+        if not any_step:
+            quiescent += 1
+            problem = quiescent_violation(world)
+            if problem is not None:
+                return finish(trace_to(world, None), problem)
+    return finish(None, None)
+
+
+def format_trace(config: Config, trace: list[tuple[str, World]], violation: str) -> str:
+    lines = [f"COUNTEREXAMPLE ({config.describe()}), {len(trace) - 1} steps:"]
+    for number, (label, world) in enumerate(trace):
+        lines.append(f"{number:3d}. {label}")
+        lines.append(f"       => {render(world)}")
+    lines.append(f"VIOLATION: {violation}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- broken rules
+
+
+class PreFixWaveState(WaveState):
+    """Rust generation 1, before PR #46833: the handled notice sets the wave to the
+    request's wave and broadcasts ``[request wave, target]``, stale or not (acceptance
+    gate unchanged, so only the rule differs)."""
+
+    __slots__ = ()
+
+    def start_wave_for_first_request(
+        self, request_wave: int, target_engine_index: int | bytes | None
+    ) -> WaveStart | None:
+        if super().start_wave_for_first_request(request_wave, target_engine_index) is None:
+            return None
+        self._snapshot = WaveSnapshot(request_wave, True)  # the rewind under test
+        return WaveStart(request_wave, target_engine_index)
+
+
+class AlwaysExcludeTargetWaveState(WaveState):
+    """Never rewinds, but excludes the target even when the notice is stale (R1's second
+    half: the target may already have served its request in the older wave)."""
+
+    __slots__ = ()
+
+    def start_wave_for_first_request(
+        self, request_wave: int, target_engine_index: int | bytes | None
+    ) -> WaveStart | None:
+        start = super().start_wave_for_first_request(request_wave, target_engine_index)
+        return None if start is None else WaveStart(start.wave, target_engine_index)
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+class KeepClaimAfterEngineStartWaveState(WaveState):
+    """Our rule as it was before this checker: an engine's accepted start_wave left a
+    pending claim in place, so the stale notice re-broadcast the running wave."""
+
+    __slots__ = ()
+
+    def engine_start_wave(self, wave: int, engine_index: int) -> WaveStart | None:
+        pending = self.first_request_pending
+        start = super().engine_start_wave(wave, engine_index)
+        self._first_request_pending = pending
+        return start
+
+
+GEN2_WORLDS = [  # the handle's FirstRequest path with engines of its era
+    Config(2, 2, (HANDLE,), REPORT_STALE_ONLY),
+    Config(3, 2, (HANDLE,), REPORT_STALE_ONLY),
+    Config(2, 3, (HANDLE,), REPORT_STALE_ONLY),
+    Config(3, 3, (HANDLE,), REPORT_STALE_ONLY),
+    Config(2, 2, (LEGACY,), REPORT_STALE_ONLY),
+    Config(2, 3, (LEGACY,), REPORT_STALE_ONLY),
+]
+MODERN_WORLDS = [  # vLLM 0.33 engines, with every kind of front-end and mixes of them
+    Config(2, 2, (PUBLISH,), REPORT_EVERY_WAKE),
+    Config(3, 3, (PUBLISH,), REPORT_EVERY_WAKE),
+    Config(3, 3, (HANDLE,), REPORT_EVERY_WAKE),
+    Config(2, 3, (HANDLE, PUBLISH), REPORT_EVERY_WAKE),
+    Config(2, 2, (LEGACY,), REPORT_EVERY_WAKE),
+    Config(2, 2, (HANDLE, LEGACY), REPORT_EVERY_WAKE),
+    Config(3, 2, (HANDLE, LEGACY), REPORT_EVERY_WAKE),
+]
+LARGE_WORLDS = [  # 3-8 s each (skip with -m "not slow"); 2 engines x 3 requests x
+    # handle+legacy with 0.33 engines (277k states, ~11 s) and 3 x 3 of it (1.2M) also pass
+    Config(3, 3, (HANDLE, PUBLISH), REPORT_EVERY_WAKE),
+    Config(3, 3, (HANDLE, LEGACY), REPORT_STALE_ONLY),
+]
+
+
+def _check_holds(config: Config) -> Result:
+    result = explore(config)
+    assert result.counterexample is None, result.counterexample
+    # the search really ran: it reached the ends of runs after many interleavings
+    assert result.quiescent > 0
+    assert result.states > 200
+    print(
+        f"\n{config.describe()}: {result.states} states, {result.transitions} transitions, "
+        f"depth {result.max_depth}, {result.seconds:.2f} s, {result.coverage}"
+    )
+    return result
+
+
+@pytest.mark.parametrize("config", GEN2_WORLDS + MODERN_WORLDS, ids=Config.describe)
+def test_our_wave_rules_hold_in_every_interleaving(config: Config) -> None:
+    _check_holds(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", LARGE_WORLDS, ids=Config.describe)
+def test_our_wave_rules_hold_in_larger_worlds(config: Config) -> None:
+    _check_holds(config)
+
+
+def test_the_races_of_section_8_are_reached() -> None:
+    """The search covers R1 (a FirstRequest handled after its wave ended) and R3 (a
+    wave_complete that arrives after a newer start), and our rules survive both."""
+    result = _check_holds(Config(2, 3, (HANDLE,), REPORT_STALE_ONLY))
+    assert result.coverage[STALE_NOTICE] > 0
+    assert result.coverage[LATE_COMPLETE] > 0
+
+
+def test_pre_46833_rule_yields_a_rewind_counterexample() -> None:
+    result = explore(Config(2, 2, (HANDLE,), REPORT_STALE_ONLY, PreFixWaveState))
+    trace = result.counterexample
+    assert trace is not None, "the checker missed the pre-#46833 rewind"
+    print("\n" + trace)
+    assert "decreased: 1 -> 0 (rewind)" in trace, trace
+    # the rewinding step is the FirstRequest claimed in wave 0, handled after wave 0 ended
+    labels = [label for label, _ in result.trace]
+    assert labels[-1].startswith("coordinator handles the handle's FirstRequest(wave 0"), trace
+    assert any(lab.startswith("coordinator handles wave_complete(0)") for lab in labels), trace
+
+
+def test_excluding_the_target_of_a_stale_notice_strands_it() -> None:
+    result = explore(Config(2, 2, (HANDLE,), REPORT_STALE_ONLY, AlwaysExcludeTargetWaveState))
+    trace = result.counterexample
+    assert trace is not None, "the checker missed the stranded target"
+    print("\n" + trace)
+    assert "sleep and no message in flight will wake them" in trace, trace
+    assert "ignores it (excluded)" in trace, trace
+
+
+def test_a_claim_outliving_an_engine_start_rebroadcasts_a_running_wave() -> None:
+    """Found by this checker: the claim must be dropped once an engine's start wakes all."""
+    config = Config(2, 3, (HANDLE,), REPORT_STALE_ONLY, KeepClaimAfterEngineStartWaveState)
+    result = explore(config)
+    trace = result.counterexample
+    assert trace is not None, "the checker missed the duplicate broadcast"
+    print("\n" + trace)
+    assert "which was already broadcast and runs" in trace, trace

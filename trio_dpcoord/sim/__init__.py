@@ -1,0 +1,42 @@
+"""A simulated vLLM DP cluster: lock-step MoE engines, a front-end and a load generator.
+
+Built only on the public API (:func:`trio_dpcoord.open_coordinator`,
+:func:`trio_dpcoord.open_frontend`, :class:`trio_dpcoord.EngineChooser`), the wire codec
+(:mod:`trio_dpcoord.protocol`) and the trio/ZeroMQ shim, so it exercises exactly what
+users get.
+
+* :mod:`.engine` — one DP rank (``python -m trio_dpcoord.sim engine --rank R ...``),
+  faithful to PROTOCOL.md §6, stepping in lock-step with its peers through a real
+  collective between processes (:mod:`.collective`);
+* :mod:`.frontend` — the front-end (wave stamp, engine choice, optional
+  ``notify_first_request``), wake-latency measurement and the bursty load generator;
+* :mod:`.cluster` — :func:`run_cluster`: coordinator + front-end + N engine processes
+  + load, as ``examples/launch_cluster.py`` runs it.
+"""
+
+from __future__ import annotations
+
+from .cluster import ClusterConfig, ClusterReport, EmbeddedCoordinator, Mode, Progress, run_cluster
+from .collective import AllReduceResult, CollectiveTimeoutError
+from .engine import EngineConfig, EngineProtocolError, run_engine
+from .frontend import LoadPlan, SimFrontend, WakePath, WaveView, generate_load, open_sim_frontend
+
+__all__ = [
+    "AllReduceResult",
+    "ClusterConfig",
+    "ClusterReport",
+    "CollectiveTimeoutError",
+    "EmbeddedCoordinator",
+    "EngineConfig",
+    "EngineProtocolError",
+    "LoadPlan",
+    "Mode",
+    "Progress",
+    "SimFrontend",
+    "WakePath",
+    "WaveView",
+    "generate_load",
+    "open_sim_frontend",
+    "run_cluster",
+    "run_engine",
+]

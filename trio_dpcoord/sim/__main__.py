@@ -1,0 +1,129 @@
+"""``python -m trio_dpcoord.sim engine --rank R ...``: run one simulated DP rank.
+
+Exit status: 0 when stopped (SIGTERM, SIGINT, or stdin closed with
+``--exit-on-stdin-eof``), 3 on a collective timeout, 4 when the coordinator sent an
+invalid broadcast, 2 on bad arguments. The failure is printed as one stderr line
+starting with ``trio_dpcoord.sim engine rank R:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from .collective import CollectiveTimeoutError
+from .engine import EngineConfig, EngineProtocolError, run_engine
+
+EXIT_COLLECTIVE_TIMEOUT = 3
+EXIT_PROTOCOL_ERROR = 4
+
+logger = logging.getLogger("trio_dpcoord.sim")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trio_dpcoord.sim")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("engine", help="run one simulated DP engine (one rank)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--engines", type=int, required=True, help="DP size")
+    p.add_argument("--coordinator-input", required=True, help="coordinator broadcast (XPUB)")
+    p.add_argument("--coordinator-output", required=True, help="coordinator output (PULL)")
+    p.add_argument("--request-address", required=True, help="front-end request ROUTER")
+    p.add_argument("--completion-address", required=True, help="front-end completion PULL")
+    p.add_argument("--collective-address", required=True, help="rank 0 binds, all connect")
+    p.add_argument("--step-time", type=float, default=0.002, help="seconds per step")
+    p.add_argument("--tokens", type=int, default=8, help="tokens for requests without max")
+    p.add_argument("--max-running", type=int, default=8, help="requests advanced per step")
+    p.add_argument("--sync-interval", type=int, default=16, help="dp_sync_interval")
+    p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument(
+        "--legacy-wake",
+        action="store_true",
+        help="pre-0.33 engine: no start_wave for requests stamped with the current wave",
+    )
+    p.add_argument(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="exit when stdin closes (the parent died): no orphan engines",
+    )
+    p.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+async def _watch_stdin(cancel: trio.CancelScope) -> None:
+    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stream:
+        while await stream.receive_some(4096):
+            pass
+    logger.info("stdin closed: the parent is gone, stopping")
+    cancel.cancel()
+
+
+async def _watch_signals(cancel: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            cancel.cancel()
+            return
+
+
+async def _main(config: EngineConfig, exit_on_eof: bool) -> None:
+    failure: CollectiveTimeoutError | EngineProtocolError | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, nursery.cancel_scope)
+        if exit_on_eof:
+            nursery.start_soon(_watch_stdin, nursery.cancel_scope)
+        try:
+            await run_engine(config)
+        except (CollectiveTimeoutError, EngineProtocolError) as exc:
+            failure = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s rank {args.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = EngineConfig(
+            rank=args.rank,
+            engine_count=args.engines,
+            coordinator_input_address=args.coordinator_input,
+            coordinator_output_address=args.coordinator_output,
+            request_address=args.request_address,
+            completion_address=args.completion_address,
+            collective_address=args.collective_address,
+            step_time=args.step_time,
+            tokens_per_request=args.tokens,
+            max_running=args.max_running,
+            sync_interval=args.sync_interval,
+            collective_timeout=args.collective_timeout,
+            report_start_wave=not args.legacy_wake,
+        )
+    except ValueError as exc:
+        print(f"trio_dpcoord.sim engine: {exc}", file=sys.stderr)
+        return 2
+    prefix = f"trio_dpcoord.sim engine rank {args.rank}:"
+    try:
+        trio.run(_main, config, args.exit_on_stdin_eof)
+    except CollectiveTimeoutError as exc:
+        print(f"{prefix} {exc}", file=sys.stderr, flush=True)
+        return EXIT_COLLECTIVE_TIMEOUT
+    except EngineProtocolError as exc:
+        print(f"{prefix} {exc}", file=sys.stderr, flush=True)
+        return EXIT_PROTOCOL_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,596 @@
+"""A whole simulated cluster: coordinator, front-end, N engine processes and a load.
+
+:func:`run_cluster` is what ``examples/launch_cluster.py`` runs, and what tests and
+benchmarks reuse. Two modes:
+
+* ``inproc``: the front-end embeds :func:`trio_dpcoord.open_coordinator`;
+* ``standalone``: ``python -m trio_dpcoord serve`` runs in its own process and the
+  front-end follows it with :func:`trio_dpcoord.open_frontend`.
+
+Engines are ``python -m trio_dpcoord.sim engine`` processes, one per DP rank, each in
+its own session (a terminal's Ctrl-C reaches only the launcher, which stops them in
+order) and each watching its stdin: if the launcher dies, the pipe closes and every
+engine exits, so no orphan survives. Every child is reaped before :func:`run_cluster`
+returns or raises, Ctrl-C and cancellation included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import trio
+
+from .. import open_coordinator, open_frontend
+from .frontend import LoadPlan, SimFrontend, WakePath, WaveView, generate_load, open_sim_frontend
+from .frontend import percentile as _percentile
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterReport",
+    "EmbeddedCoordinator",
+    "Mode",
+    "Progress",
+    "run_cluster",
+]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["inproc", "standalone"]
+_COLLECTIVE_TIMEOUT_MARK = "collective timeout"
+
+
+class _Counters(Protocol):
+    @property
+    def errors(self) -> int: ...
+
+
+class EmbeddedCoordinator(WaveView, Protocol):
+    """What ``inproc`` mode needs from the embedded coordinator (``open_coordinator``'s
+    handle, or a test's stand-in)."""
+
+    @property
+    def engine_input_address(self) -> str: ...
+
+    @property
+    def engine_output_address(self) -> str: ...
+
+    async def wait_ready(self) -> None: ...
+
+    @property
+    def counters(self) -> _Counters: ...
+
+
+CoordinatorFactory = Callable[[int], AbstractAsyncContextManager[EmbeddedCoordinator]]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """How to run the cluster; the defaults are the launcher's."""
+
+    engines: int = 4
+    mode: Mode = "inproc"
+    wake_path: WakePath = "both"
+    load: LoadPlan = field(default_factory=LoadPlan)
+    step_time: float = 0.002
+    max_running: int = 8
+    sync_interval: int = 16
+    collective_timeout: float = 10.0
+    ready_timeout: float = 30.0
+    stall_timeout: float | None = None
+    """Fail when requests are pending and none finished for this long (default: twice
+    the collective timeout plus 5 s)."""
+    engine_log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("engines must be >= 1")
+        if self.mode not in ("inproc", "standalone"):
+            raise ValueError(f"mode must be inproc or standalone, got {self.mode!r}")
+
+
+@dataclass(slots=True)
+class ClusterReport:
+    """The outcome of one run; :attr:`ok` decides the launcher's exit status."""
+
+    mode: str
+    engines: int
+    wake_path: str
+    seed: int
+    planned: int
+    requests: int = 0
+    completed: int = 0
+    waves: int = 0
+    coordinator_errors: int = 0
+    frontend_errors: int = 0
+    wave_regressions: int = 0
+    notifications: int = 0
+    pauses: int = 0
+    collective_timeouts: list[str] = field(default_factory=list)
+    engine_failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    wake_latencies: list[float] = field(default_factory=list)
+    engine_pids: list[int] = field(default_factory=list)
+    coordinator_pid: int | None = None
+    duration: float = 0.0
+
+    @property
+    def errors(self) -> int:
+        return (
+            self.coordinator_errors
+            + self.frontend_errors
+            + self.wave_regressions
+            + len(self.engine_failures)
+            + len(self.failures)
+        )
+
+    @property
+    def ok(self) -> bool:
+        """Every planned request completed, no collective timed out, no error counted."""
+        return (
+            self.requests == self.planned
+            and self.completed == self.planned
+            and not self.collective_timeouts
+            and self.errors == 0
+        )
+
+    def wake_latency_ms(self) -> dict[str, float | int | None]:
+        def ms(q: float) -> float | None:
+            value = _percentile(self.wake_latencies, q)
+            return None if math.isnan(value) else round(value * 1000.0, 3)
+
+        return {
+            "p50": ms(50),
+            "p99": ms(99),
+            "max": ms(100),
+            "count": len(self.wake_latencies),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "mode": self.mode,
+            "engines": self.engines,
+            "wake_path": self.wake_path,
+            "seed": self.seed,
+            "requests": self.requests,
+            "completed": self.completed,
+            "waves": self.waves,
+            "errors": self.errors,
+            "coordinator_errors": self.coordinator_errors,
+            "collective_timeouts": list(self.collective_timeouts),
+            "engine_failures": list(self.engine_failures),
+            "failures": list(self.failures),
+            "wave_regressions": self.wave_regressions,
+            "frontend_notifications": self.notifications,
+            "pauses": self.pauses,
+            "wake_latency_ms": self.wake_latency_ms(),
+            "duration_s": round(self.duration, 3),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A live view for progress displays."""
+
+    completed: int
+    total: int
+    sent: int
+    wave: int
+    running: bool
+    engine_pending: tuple[int, ...]
+    engine_running: tuple[bool, ...]
+
+
+def _child_environment() -> dict[str, str]:
+    """Our environment, with this very ``trio_dpcoord`` first on the children's path: the
+    engines and the coordinator process run the same code as the launcher, installed or
+    not."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    if root not in sys.path:  # imported from a checkout by path, not installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _default_log_line(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+class _Fleet:
+    """The engine processes: spawned, watched, and always reaped."""
+
+    def __init__(self, report: ClusterReport, log_line: Callable[[str], None]) -> None:
+        self.report = report
+        self.processes: list[trio.Process] = []
+        self.stopping = False
+        self.on_failure: Callable[[], None] = lambda: None
+        self._log_line = log_line
+
+    async def watch(self, rank: int, process: trio.Process) -> None:
+        code = await process.wait()
+        if not self.stopping:
+            message = f"engine {rank} (pid {process.pid}) exited with status {code}"
+            self.report.engine_failures.append(message)
+            logger.error("%s", message)
+            self.on_failure()
+
+    async def forward_stderr(self, rank: int, stream: trio.abc.ReceiveStream) -> None:
+        buffer = b""
+        async for chunk in stream:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                self._line(raw)
+        if buffer:
+            self._line(buffer)
+
+    def _line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        if _COLLECTIVE_TIMEOUT_MARK in line and "trio_dpcoord.sim engine rank" in line:
+            self.report.collective_timeouts.append(line)
+        self._log_line(line)
+
+    async def stop(self) -> None:
+        """Close every engine's stdin (they exit on EOF), then terminate, then kill."""
+        self.stopping = True
+        for process in self.processes:
+            if process.stdin is not None:
+                await process.stdin.aclose()
+        await _reap(self.processes, grace=5.0)
+
+
+async def _reap(processes: list[trio.Process], *, grace: float) -> None:
+    """Wait ``grace`` s for ``processes`` to exit, then SIGTERM, then SIGKILL; reap all."""
+    with trio.move_on_after(grace):
+        for process in processes:
+            await process.wait()
+    for process in processes:
+        if process.returncode is None:
+            process.terminate()
+    with trio.move_on_after(2.0):
+        for process in processes:
+            await process.wait()
+    for process in processes:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@asynccontextmanager
+async def _engine_fleet(
+    config: ClusterConfig,
+    *,
+    coordinator_input: str,
+    coordinator_output: str,
+    frontend: SimFrontend,
+    collective_address: str,
+    report: ClusterReport,
+    log_line: Callable[[str], None],
+) -> AsyncIterator[_Fleet]:
+    fleet = _Fleet(report, log_line)
+    async with trio.open_nursery() as nursery:
+        try:
+            for rank in range(config.engines):
+                command = [
+                    sys.executable,
+                    "-m",
+                    "trio_dpcoord.sim",
+                    "engine",
+                    f"--rank={rank}",
+                    f"--engines={config.engines}",
+                    f"--coordinator-input={coordinator_input}",
+                    f"--coordinator-output={coordinator_output}",
+                    f"--request-address={frontend.request_address}",
+                    f"--completion-address={frontend.completion_address}",
+                    f"--collective-address={collective_address}",
+                    f"--step-time={config.step_time}",
+                    f"--max-running={config.max_running}",
+                    f"--sync-interval={config.sync_interval}",
+                    f"--collective-timeout={config.collective_timeout}",
+                    f"--log-level={config.engine_log_level}",
+                    "--exit-on-stdin-eof",
+                ]
+                if config.wake_path == "frontend":
+                    command.append("--legacy-wake")
+                process = await trio.lowlevel.open_process(
+                    command,
+                    stdin=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    env=_child_environment(),
+                )
+                fleet.processes.append(process)
+                report.engine_pids.append(process.pid)
+                assert process.stderr is not None
+                nursery.start_soon(fleet.forward_stderr, rank, process.stderr)
+                nursery.start_soon(fleet.watch, rank, process)
+            yield fleet
+        finally:
+            with trio.CancelScope(shield=True):
+                await fleet.stop()
+
+
+@dataclass(slots=True)
+class _Serve:
+    process: trio.Process
+    front: str
+    back_pub: str
+    back_out: str
+    final: dict[str, Any] | None = None
+
+
+async def _read_line(stream: trio.abc.ReceiveStream, buffer: bytearray) -> bytes | None:
+    while b"\n" not in buffer:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    line, _, rest = bytes(buffer).partition(b"\n")
+    buffer[:] = rest
+    return line
+
+
+@asynccontextmanager
+async def _serve_process(
+    config: ClusterConfig, report: ClusterReport, log_line: Callable[[str], None]
+) -> AsyncIterator[_Serve]:
+    """``python -m trio_dpcoord serve`` for the duration of the block; SIGTERM on exit."""
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable,
+            "-m",
+            "trio_dpcoord",
+            "serve",
+            "--exit-on-stdin-eof",
+            f"--engines={config.engines}",
+            f"--log-level={config.engine_log_level}",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=_child_environment(),
+    )
+    report.coordinator_pid = process.pid
+    assert process.stdout is not None and process.stderr is not None
+    stdout = process.stdout
+    buffer = bytearray()
+    serve: _Serve | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_forward_lines, process.stderr, log_line)
+            try:
+                with trio.fail_after(config.ready_timeout):
+                    first = await _read_line(stdout, buffer)
+                if first is None:
+                    raise RuntimeError(
+                        f"the coordinator process exited with status {await process.wait()} "
+                        "before printing its endpoints"
+                    )
+                endpoints = json.loads(first)
+                serve = _Serve(
+                    process, endpoints["front"], endpoints["back_pub"], endpoints["back_out"]
+                )
+                yield serve
+            finally:
+                with trio.CancelScope(shield=True):
+                    if process.returncode is None:
+                        process.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(5.0):
+                        while (line := await _read_line(stdout, buffer)) is not None:
+                            record = json.loads(line) if line.startswith(b"{") else None
+                            if (
+                                serve is not None
+                                and isinstance(record, dict)
+                                and "counters" in record
+                            ):
+                                serve.final = record["counters"]
+                    await _reap([process], grace=2.0)
+    finally:
+        if process.returncode is None:  # pragma: no cover - defensive: never orphan it
+            with trio.CancelScope(shield=True):
+                await _reap([process], grace=0.0)
+
+
+async def _forward_lines(stream: trio.abc.ReceiveStream, log_line: Callable[[str], None]) -> None:
+    buffer = bytearray()
+    while (line := await _read_line(stream, buffer)) is not None:
+        log_line(line.decode(errors="replace").rstrip())
+
+
+async def _monitor(
+    frontend: SimFrontend,
+    config: ClusterConfig,
+    report: ClusterReport,
+    progress: Callable[[Progress], None] | None,
+    fail: Callable[[str], None],
+) -> None:
+    """Progress ticks, wave sampling and the stall guard."""
+    stall = config.stall_timeout
+    if stall is None:
+        stall = 2 * config.collective_timeout + 5.0
+    last_completed = -1
+    last_change = trio.current_time()
+    while True:
+        frontend.check_front_wave()
+        now = trio.current_time()
+        if frontend.completed != last_completed or frontend.pending == 0:
+            last_completed = frontend.completed
+            last_change = now
+        elif now - last_change > stall:
+            fail(
+                f"stalled: {frontend.pending} requests pending and none finished for "
+                f"{stall:g} s (engines running: {frontend.engine_running})"
+            )
+            return
+        if progress is not None:
+            snapshot = frontend.view.snapshot()
+            progress(
+                Progress(
+                    completed=frontend.completed,
+                    total=report.planned,
+                    sent=frontend.sent,
+                    wave=snapshot.current_wave,
+                    running=snapshot.engines_running,
+                    engine_pending=frontend.per_engine_pending(),
+                    engine_running=tuple(frontend.engine_running),
+                )
+            )
+        await trio.sleep(0.1)
+
+
+async def run_cluster(
+    config: ClusterConfig,
+    *,
+    progress: Callable[[Progress], None] | None = None,
+    log_line: Callable[[str], None] = _default_log_line,
+    coordinator_factory: CoordinatorFactory | None = None,
+) -> ClusterReport:
+    """Run the whole cluster once and report; never leaves a child process behind.
+
+    ``progress`` is called about ten times a second; ``log_line`` receives every stderr
+    line of the child processes (default: written to our stderr).
+    ``coordinator_factory(engine_count)`` replaces the embedded coordinator in
+    ``inproc`` mode (tests use it to plug in a deliberately broken one).
+    Failures of the cluster (an engine dying, a collective timeout, a stall, a start-up
+    timeout) end the run early and are recorded in the report, not raised.
+    """
+    report = ClusterReport(
+        mode=config.mode,
+        engines=config.engines,
+        wake_path=config.wake_path,
+        seed=config.load.seed,
+        planned=config.load.requests,
+    )
+    started = trio.current_time()
+    workdir = Path(tempfile.mkdtemp(prefix="trio-dpcoord-cluster-"))
+    frontend: SimFrontend | None = None
+    coordinator: EmbeddedCoordinator | None = None
+    serve: _Serve | None = None
+    try:
+        with trio.CancelScope() as run_scope:
+
+            def fail(message: str) -> None:
+                report.failures.append(message)
+                logger.error("%s", message)
+                run_scope.cancel()
+
+            async with AsyncExitStack() as stack:
+                view: WaveView
+                if config.mode == "inproc":
+                    factory = coordinator_factory or _default_coordinator(config)
+                    coordinator = await stack.enter_async_context(factory(config.engines))
+                    view = coordinator
+                    engine_input = coordinator.engine_input_address
+                    engine_output = coordinator.engine_output_address
+                else:
+                    serve = await stack.enter_async_context(
+                        _serve_process(config, report, log_line)
+                    )
+                    view = await stack.enter_async_context(
+                        open_frontend(serve.front, engine_count=config.engines)
+                    )
+                    engine_input, engine_output = serve.back_pub, serve.back_out
+                frontend = await stack.enter_async_context(
+                    open_sim_frontend(view, config.engines, wake_path=config.wake_path)
+                )
+                fleet = await stack.enter_async_context(
+                    _engine_fleet(
+                        config,
+                        coordinator_input=engine_input,
+                        coordinator_output=engine_output,
+                        frontend=frontend,
+                        collective_address=f"ipc://{workdir}/collective",
+                        report=report,
+                        log_line=log_line,
+                    )
+                )
+                fleet.on_failure = run_scope.cancel
+                with trio.move_on_after(config.ready_timeout) as ready_scope:
+                    if coordinator is not None:
+                        await coordinator.wait_ready()
+                    await frontend.wait_for(lambda f: all(f.engine_ready))
+                if ready_scope.cancelled_caught:
+                    fail(
+                        f"engines not ready after {config.ready_timeout:g} s: ready "
+                        f"{frontend.engine_ready}"
+                    )
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_monitor, frontend, config, report, progress, fail)
+                        await generate_load(frontend, config.load)
+                        nursery.cancel_scope.cancel()
+                if progress is not None:
+                    progress(
+                        Progress(
+                            frontend.completed,
+                            report.planned,
+                            frontend.sent,
+                            view.snapshot().current_wave,
+                            view.snapshot().engines_running,
+                            frontend.per_engine_pending(),
+                            tuple(frontend.engine_running),
+                        )
+                    )
+                _collect(report, frontend, coordinator)
+    except (Exception, BaseExceptionGroup) as exc:
+        if not isinstance(exc, Exception) and not _all_exceptions(exc):
+            raise
+        report.failures.append(f"{type(exc).__name__}: {exc}")
+        logger.exception("cluster run failed")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if frontend is not None:
+        _collect(report, frontend, coordinator)
+    if serve is not None:
+        if serve.final is None:
+            report.failures.append("the coordinator process printed no final counters")
+        else:
+            report.coordinator_errors = int(serve.final.get("errors", 0))
+    report.duration = trio.current_time() - started
+    return report
+
+
+def _all_exceptions(group: BaseException) -> bool:
+    if isinstance(group, BaseExceptionGroup):
+        return all(_all_exceptions(e) for e in group.exceptions)
+    return isinstance(group, Exception)
+
+
+def _default_coordinator(config: ClusterConfig) -> CoordinatorFactory:
+    def factory(engine_count: int) -> AbstractAsyncContextManager[EmbeddedCoordinator]:
+        return open_coordinator(engine_count, ready_timeout=config.ready_timeout)
+
+    return factory
+
+
+def _collect(
+    report: ClusterReport, frontend: SimFrontend, coordinator: EmbeddedCoordinator | None
+) -> None:
+    report.requests = frontend.sent
+    report.completed = frontend.completed
+    report.waves = len(frontend.waves_completed)
+    report.frontend_errors = frontend.bad_messages
+    report.wave_regressions = frontend.wave_regressions
+    report.notifications = frontend.notifications
+    report.pauses = frontend.pauses
+    report.wake_latencies = list(frontend.wake_latencies)
+    if coordinator is not None:
+        report.coordinator_errors = coordinator.counters.errors

@@ -1,0 +1,538 @@
+"""A simulated MoE DP engine (one DP rank), faithful to PROTOCOL.md §6 (checklist §6.9).
+
+Sockets, as a vLLM ``DPEngineCoreProc`` has them:
+
+* XSUB to the coordinator's broadcast socket, identity = rank (2 bytes LE), sends ``01``
+  and blocks until ``READY``; then handles ``START_DP_WAVE [W, exclude]``;
+* PUSH to the coordinator's output socket: stats-only, ``start_wave`` and (rank 0)
+  ``wave_complete`` ``EngineCoreOutputs`` frames from the codec;
+* DEALER (identity = rank) to the front-end's request ROUTER: ``ADD`` requests (wave stamp
+  at index 12), sim commands (UTILITY, see :mod:`.messages`);
+* PUSH to the front-end's completion PULL: per-step ``EngineCoreOutputs`` with outputs,
+  ``finish_reason`` and ``finished_requests``, plus status events;
+* the per-step collective with every other rank (:mod:`.collective`), rank 0 hosting it.
+
+The busy loop follows §6.5 step by step; the scheduler is a toy: a waiting queue, at
+most ``max_running`` running requests, one token per running request per step, a request
+finishes (``finish_reason`` 1, length) after ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections import deque
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import msgpack
+import trio
+import zmq
+
+from .. import protocol
+from ..trio_zmq import AsyncSocket, open_context, open_socket
+from . import messages
+from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError, rank_identity
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["EngineConfig", "EngineProtocolError", "SimEngine", "run_engine"]
+
+logger = logging.getLogger(__name__)
+
+_FINISH_LENGTH = 1
+_FINISH_ABORT = 2
+
+
+class EngineProtocolError(Exception):
+    """The coordinator sent something a vLLM engine would die on (PROTOCOL.md §4.1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one simulated DP rank needs to know."""
+
+    rank: int
+    engine_count: int
+    coordinator_input_address: str
+    """The coordinator's broadcast (XPUB, "back-pub") address."""
+    coordinator_output_address: str
+    """The coordinator's engine-output (PULL, "back-out") address."""
+    request_address: str
+    """The front-end's request ROUTER."""
+    completion_address: str
+    """The front-end's completion PULL."""
+    collective_address: str
+    """Where rank 0 binds the collective ROUTER and every rank connects."""
+    step_time: float = 0.002
+    """Seconds one forward pass (real or dummy) takes."""
+    tokens_per_request: int = 8
+    """Tokens generated for a request that carries no ``max_tokens``."""
+    max_running: int = 8
+    """Per-step capacity: how many requests one step advances."""
+    sync_interval: int = 16
+    """``dp_sync_interval``: the all-reduce runs on step 1 and every multiple of this."""
+    collective_timeout: float = 10.0
+    report_start_wave: bool = True
+    """vLLM >= 0.33 behaviour: report ``start_wave`` for every request reaching an idle
+    engine. False emulates older engines (report only for stale-wave requests), which
+    rely on the front-end to wake the other ranks."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.engine_count:
+            raise ValueError(f"rank {self.rank} out of range for {self.engine_count} engines")
+        if self.step_time < 0 or self.collective_timeout <= 0:
+            raise ValueError("step_time must be >= 0 and collective_timeout > 0")
+        if self.tokens_per_request < 1 or self.max_running < 1 or self.sync_interval < 1:
+            raise ValueError("tokens_per_request, max_running and sync_interval must be >= 1")
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    remaining: int
+    generated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+_Input = protocol.EngineCoreRequest | protocol.StartDPWave | messages.UtilityCall | _Abort
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    steps: int = 0
+    dummy_steps: int = 0
+    waves: int = 0
+    requests_finished: int = 0
+    start_waves_sent: int = 0
+    broadcasts_dropped: int = 0
+    bad_requests: int = 0
+    stats_sent: int = 0
+
+
+class SimEngine:
+    """One DP rank's state machine and busy loop; sockets are handed in by :func:`run_engine`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.rank = config.rank
+        # §6.2 state
+        self.current_wave = 0
+        self.step_counter = 0
+        self.engines_running = False
+        self.pending_pause = False
+        self.ignore_start_dp_wave = False
+        self.scheduler_paused = False
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.counters = EngineCounters()
+        self._last_counts: tuple[int, int] | None = None
+        self._pause_calls: list[int] = []
+        self._ready = trio.Event()
+        self._input_send, self._input_receive = trio.open_memory_channel[_Input](math.inf)
+        self._coordinator: AsyncSocket | None = None
+        self._frontend: AsyncSocket | None = None
+        self._collective: CollectiveClient | None = None
+
+    # --- receivers -------------------------------------------------------------------
+
+    async def _broadcast_receiver(
+        self, sub: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        await sub.send(protocol.SUBSCRIBE)
+        task_status.started()
+        while True:
+            frames = await sub.recv_multipart()
+            try:
+                message = protocol.decode_engine_broadcast(frames)
+            except protocol.ProtocolError as exc:
+                # A vLLM engine's input thread raises here and the engine dies (§4.1).
+                raise EngineProtocolError(
+                    f"rank {self.rank}: invalid broadcast from the coordinator at wave "
+                    f"{self.current_wave}: {exc}"
+                ) from exc
+            if message == "READY":
+                if not self._ready.is_set():
+                    logger.debug("rank %d: READY at wave %d", self.rank, self.current_wave)
+                    self._ready.set()
+                continue
+            assert isinstance(message, protocol.StartDPWave)
+            self._input_send.send_nowait(message)
+
+    async def _request_receiver(
+        self, dealer: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            frames = await dealer.recv_multipart()
+            try:
+                kind = protocol.decode_request_type(frames[0])
+                if kind is protocol.RequestType.ADD:
+                    self._input_send.send_nowait(protocol.decode_engine_request(frames))
+                elif kind is protocol.RequestType.UTILITY:
+                    self._input_send.send_nowait(messages.decode_utility_call(frames))
+                elif kind is protocol.RequestType.ABORT and len(frames) == 2:
+                    ids = msgpack.unpackb(frames[1])
+                    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                        raise protocol.ProtocolError("ABORT payload must be a list of str")
+                    self._input_send.send_nowait(_Abort(tuple(ids)))
+                else:
+                    raise protocol.ProtocolError(f"unexpected {kind.name} on the request socket")
+            except (protocol.ProtocolError, ValueError, msgpack.UnpackException) as exc:
+                self.counters.bad_requests += 1
+                logger.warning(
+                    "rank %d: dropping a bad front-end message at wave %d: %s",
+                    self.rank,
+                    self.current_wave,
+                    exc,
+                )
+
+    # --- sending (only the busy loop sends on these sockets) ------------------------
+
+    async def _to_coordinator(self, out: protocol.EngineCoreOutputs) -> None:
+        assert self._coordinator is not None
+        await self._coordinator.send(protocol.encode_engine_core_outputs(out))
+
+    async def _to_frontend(self, frame: bytes) -> None:
+        assert self._frontend is not None
+        await self._frontend.send(frame)
+
+    async def _status(self, event: str, wave: int, call_id: int = 0) -> None:
+        await self._to_frontend(messages.status_output(self.rank, event, wave, call_id))
+
+    async def _send_start_wave(self, wave: int) -> None:
+        self.counters.start_waves_sent += 1
+        logger.debug("rank %d: start_wave(%d)", self.rank, wave)
+        await self._to_coordinator(
+            protocol.EngineCoreOutputs(engine_index=self.rank, start_wave=wave)
+        )
+
+    async def _maybe_publish_stats(self) -> None:
+        """§6.6: a stats-only message whenever (running, waiting) changed."""
+        counts = (len(self.running), len(self.waiting))
+        if counts == self._last_counts:
+            return
+        self._last_counts = counts
+        self.counters.stats_sent += 1
+        usage = min(1.0, len(self.running) / self.config.max_running) * 0.9
+        stats = protocol.SchedulerStats(
+            num_running_reqs=counts[0],
+            num_waiting_reqs=counts[1],
+            step_counter=self.step_counter,
+            current_wave=self.current_wave,
+            kv_cache_usage=usage,
+        )
+        await self._to_coordinator(
+            protocol.EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
+        )
+
+    # --- input handling (§6.3, §6.4, §6.8) --------------------------------------------
+
+    def _has_unfinished(self) -> bool:
+        """Local work the scheduler can run (a paused scheduler keeps but does not run it)."""
+        return not self.scheduler_paused and bool(self.waiting or self.running)
+
+    async def _handle(self, item: _Input) -> None:
+        if isinstance(item, protocol.EngineCoreRequest):
+            await self._on_add(item)
+        elif isinstance(item, protocol.StartDPWave):
+            self._on_start_dp_wave(item)
+        elif isinstance(item, messages.UtilityCall):
+            await self._on_utility(item)
+        else:
+            await self._on_abort(item)
+
+    async def _on_add(self, request: protocol.EngineCoreRequest) -> None:
+        tokens = request.max_tokens or self.config.tokens_per_request
+        self.waiting.append(_Request(request.request_id, max(1, tokens)))
+        stamped = request.current_wave
+        if stamped > self.current_wave:
+            logger.debug(
+                "rank %d: adopting wave %d from a request (was %d)",
+                self.rank,
+                stamped,
+                self.current_wave,
+            )
+            self.current_wave = stamped
+        if self.config.report_start_wave:
+            # vLLM 0.33.0: wake itself first (R5), then tell the coordinator.
+            if not self.engines_running and not self.scheduler_paused:
+                self.engines_running = True
+                await self._send_start_wave(self.current_wave)
+        elif stamped < self.current_wave and not self.engines_running:
+            # Pre-0.33 engines reported only requests stamped for a finished wave (R2);
+            # the local work makes this rank step anyway.
+            await self._send_start_wave(self.current_wave)
+
+    def _on_start_dp_wave(self, start: protocol.StartDPWave) -> None:
+        if self.ignore_start_dp_wave:
+            self.counters.broadcasts_dropped += 1
+            logger.debug(
+                "rank %d: paused, dropping START_DP_WAVE(%d) at wave %d",
+                self.rank,
+                start.wave,
+                self.current_wave,
+            )
+            return
+        if start.exclude_engine_index == self.rank or start.wave < self.current_wave:
+            return
+        if start.wave != self.current_wave:
+            logger.debug(
+                "rank %d: wave %d -> %d by START_DP_WAVE", self.rank, self.current_wave, start.wave
+            )
+        self.current_wave = start.wave
+        self.engines_running = True
+
+    async def _on_utility(self, call: messages.UtilityCall) -> None:
+        if call.method == messages.PAUSE_SCHEDULER:
+            self.scheduler_paused = True
+            if self.ignore_start_dp_wave:  # already paused: nothing to agree on
+                await self._status(messages.EVENT_PAUSED, self.current_wave, call.call_id)
+                return
+            # §6.8: every rank must reach the next sync point to agree.
+            self.pending_pause = True
+            self.engines_running = True
+            self._pause_calls.append(call.call_id)
+            logger.debug("rank %d: pause requested at wave %d", self.rank, self.current_wave)
+        elif call.method == messages.RESUME_SCHEDULER:
+            self.scheduler_paused = False
+            self.ignore_start_dp_wave = False
+            logger.debug("rank %d: resumed at wave %d", self.rank, self.current_wave)
+            await self._status(messages.EVENT_RESUMED, self.current_wave, call.call_id)
+            # Requests kept during the pause: wake the group as a new request would.
+            if self._has_unfinished() and not self.engines_running:
+                self.engines_running = True
+                if self.config.report_start_wave:
+                    await self._send_start_wave(self.current_wave)
+        else:
+            self.counters.bad_requests += 1
+            logger.warning(
+                "rank %d: unknown command %r at wave %d", self.rank, call.method, self.current_wave
+            )
+
+    async def _on_abort(self, abort: _Abort) -> None:
+        ids = set(abort.request_ids)
+        dropped = [r for r in (*self.waiting, *self.running) if r.request_id in ids]
+        if not dropped:
+            return
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        self.running = [r for r in self.running if r.request_id not in ids]
+        await self._send_outputs([(r, _FINISH_ABORT) for r in dropped])
+
+    async def _send_outputs(self, items: list[tuple[_Request, int | None]]) -> None:
+        outputs = tuple(
+            protocol.EngineCoreOutput(
+                r.request_id, (r.generated,) if reason != _FINISH_ABORT else (), reason
+            )
+            for r, reason in items
+        )
+        finished = tuple(r.request_id for r, reason in items if reason is not None)
+        await self._to_frontend(
+            protocol.encode_engine_core_outputs(
+                protocol.EngineCoreOutputs(
+                    engine_index=self.rank,
+                    outputs=outputs,
+                    timestamp=trio.current_time(),
+                    finished_requests=finished or None,
+                    weight_version="default",
+                )
+            )
+        )
+
+    # --- the busy loop (§6.5) ---------------------------------------------------------
+
+    async def _real_step(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            self.running.append(self.waiting.popleft())
+        await trio.sleep(self.config.step_time)
+        items: list[tuple[_Request, int | None]] = []
+        still_running = []
+        for request in self.running:
+            request.generated += 1
+            request.remaining -= 1
+            if request.remaining <= 0:
+                items.append((request, _FINISH_LENGTH))
+                self.counters.requests_finished += 1
+            else:
+                items.append((request, None))
+                still_running.append(request)
+        self.running = still_running
+        await self._send_outputs(items)
+
+    async def _busy_loop(self) -> None:
+        assert self._collective is not None
+        receive = self._input_receive
+        while True:
+            was_running = self.engines_running
+            if not self.engines_running and not self._has_unfinished():
+                await self._handle(await receive.receive())  # idle: block, no busy loop
+            while True:
+                try:
+                    item = receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                await self._handle(item)
+            await self._maybe_publish_stats()
+
+            real = self._has_unfinished()
+            if not real and not self.engines_running:
+                continue  # fully idle (e.g. an excluded START_DP_WAVE), no collective
+            if self.step_counter == 0:  # the first step of a wave on this rank
+                await self._status(messages.EVENT_RUNNING, self.current_wave)
+            if real:
+                await self._real_step()
+                await self._maybe_publish_stats()
+            else:
+                self.counters.dummy_steps += 1
+                await trio.sleep(self.config.step_time)  # a dummy batch for the peers
+            self.counters.steps += 1
+
+            self.step_counter += 1
+            sync = self.step_counter == 1 or self.step_counter % self.config.sync_interval == 0
+            result = await self._collective.step(
+                wave=self.current_wave,
+                step=self.step_counter,
+                has_unfinished=self._has_unfinished(),
+                pending_pause=self.pending_pause,
+            )
+            if sync:
+                size = self.config.engine_count
+                pause_consensus = result.pending_pause == size
+                if pause_consensus:
+                    self.ignore_start_dp_wave = True
+                    self.pending_pause = False
+                self.engines_running = result.unfinished > 0 or result.pending_pause % size != 0
+            else:
+                self.engines_running = True
+
+            if not self.engines_running:
+                ended = self.current_wave
+                if self.rank == 0:
+                    await self._to_coordinator(
+                        protocol.EngineCoreOutputs(engine_index=0, wave_complete=ended)
+                    )
+                self.counters.waves += 1
+                self.current_wave += 1
+                self.step_counter = 0
+                logger.debug("rank %d: wave %d complete -> %d", self.rank, ended, self.current_wave)
+                await self._status(messages.EVENT_IDLE, ended)
+                if self.ignore_start_dp_wave:
+                    calls, self._pause_calls = self._pause_calls, []
+                    for call_id in calls:
+                        await self._status(messages.EVENT_PAUSED, self.current_wave, call_id)
+            elif not was_running and self.rank == 0 and not self.pending_pause:
+                # §6.5 step 7 / R8: mirror the paused -> running edge to the coordinator.
+                await self._send_start_wave(self.current_wave)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect every socket, wait for READY, say hello, then step forever."""
+        cfg = self.config
+        identity = rank_identity(cfg.rank)
+        async with AsyncExitStack() as stack:
+            context = await stack.enter_async_context(open_context())
+            router: AsyncSocket | None = None
+            if cfg.rank == 0:
+                router = await stack.enter_async_context(
+                    open_socket(
+                        context,
+                        zmq.ROUTER,
+                        bind=cfg.collective_address,
+                        options={zmq.RCVHWM: 0, zmq.SNDHWM: 0},
+                    )
+                )
+            collective = await stack.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.DEALER,
+                    connect=cfg.collective_address,
+                    options={zmq.IDENTITY: identity, zmq.RCVHWM: 0, zmq.SNDHWM: 0},
+                )
+            )
+            sub = await stack.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.XSUB,
+                    connect=cfg.coordinator_input_address,
+                    options={zmq.IDENTITY: identity},
+                )
+            )
+            self._coordinator = await stack.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.PUSH,
+                    connect=cfg.coordinator_output_address,
+                    options={zmq.SNDHWM: 0},
+                )
+            )
+            self._frontend = await stack.enter_async_context(
+                open_socket(
+                    context, zmq.PUSH, connect=cfg.completion_address, options={zmq.SNDHWM: 0}
+                )
+            )
+            dealer = await stack.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.DEALER,
+                    connect=cfg.request_address,
+                    options={zmq.IDENTITY: identity, zmq.RCVHWM: 0, zmq.SNDHWM: 0},
+                )
+            )
+            self._collective = CollectiveClient(
+                collective, cfg.rank, timeout=cfg.collective_timeout
+            )
+            # Entered last, exited first: tasks stop before their sockets close.
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            if router is not None:
+                host = CollectiveHost(router, cfg.engine_count, timeout=cfg.collective_timeout)
+                await nursery.start(host.run)
+            await nursery.start(self._broadcast_receiver, sub)
+            await self._ready.wait()
+            await nursery.start(self._request_receiver, dealer)
+            await dealer.send(messages.encode_hello(cfg.rank))
+            logger.info("rank %d of %d ready", cfg.rank, cfg.engine_count)
+            task_status.started()
+            try:
+                await self._busy_loop()
+            except CollectiveTimeoutError:
+                logger.error(
+                    "rank %d: collective failed at wave %d step %d",
+                    cfg.rank,
+                    self.current_wave,
+                    self.step_counter,
+                )
+                raise
+
+
+async def run_engine(config: EngineConfig) -> None:
+    """Run one simulated DP rank until cancelled.
+
+    Raises :class:`CollectiveTimeoutError` when a step's collective times out (some rank
+    never arrived) and :class:`EngineProtocolError` when the coordinator broadcasts
+    something a vLLM engine would die on (unwrapped from trio's exception groups).
+    """
+    try:
+        await SimEngine(config).run()
+    except BaseExceptionGroup as group:
+        fatal = _first_leaf(group, (CollectiveTimeoutError, EngineProtocolError))
+        if fatal is None:
+            raise
+        raise fatal from None
+
+
+def _first_leaf(
+    group: BaseExceptionGroup[BaseException], kinds: tuple[type[BaseException], ...]
+) -> BaseException | None:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_leaf(exc, kinds)
+            if found is not None:
+                return found
+        elif isinstance(exc, kinds):
+            return exc
+    return None

@@ -1,0 +1,434 @@
+"""A simulated trio front-end and load generator for the simulated engines.
+
+The front-end does what vLLM's DP client does (PROTOCOL.md §7.1-§7.2): it stamps each
+request with the coordinator's current wave, chooses the engine with the shared
+:class:`~trio_dpcoord.EngineChooser`, and sends ``ADD`` over a ROUTER to the engine's
+DEALER (identity = rank). With the ``frontend`` or ``both`` wake path it also calls
+``notify_first_request`` when the snapshot says the engines are paused, like pre-0.33
+front-ends (§7.4). It works with anything shaped like a :class:`WaveView`: the embedded
+:class:`~trio_dpcoord.Coordinator` or a front-end of the standalone process.
+
+It also measures, honestly, what a user of the coordinator cares about:
+
+* **wake latency**: from sending a request while every engine's last status event said
+  "idle" (the cluster is asleep) until the last engine's "running" event (sent when it
+  takes the first step of a wave) has arrived here. Arrival times at the front-end are
+  used, so the figure includes the status message's own delivery (a slight
+  over-estimate, never an under-estimate of the engines' wake-up);
+* **wave monotonicity**: the wave in the coordinator's snapshot, and the wave in every
+  engine's status events, must never decrease; a decrease is counted in
+  ``wave_regressions``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+import trio
+import zmq
+
+from .. import EngineChooser, protocol
+from ..trio_zmq import AsyncSocket, open_context, open_socket
+from . import messages
+from .collective import rank_identity
+
+__all__ = [
+    "LoadPlan",
+    "SimFrontend",
+    "WakePath",
+    "WaveView",
+    "generate_load",
+    "open_sim_frontend",
+    "percentile",
+]
+
+logger = logging.getLogger(__name__)
+
+WakePath = Literal["engine", "frontend", "both"]
+WAKE_PATHS: tuple[WakePath, ...] = ("engine", "frontend", "both")
+
+
+class _Snapshot(Protocol):
+    @property
+    def current_wave(self) -> int: ...
+
+    @property
+    def engines_running(self) -> bool: ...
+
+
+class WaveView(Protocol):
+    """What the simulated front-end needs from a coordinator (embedded or remote)."""
+
+    def snapshot(self) -> _Snapshot: ...
+
+    def engine_loads(self) -> Sequence[tuple[int, int, float]]: ...
+
+    def notify_first_request(self, engine_index: int) -> None: ...
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(slots=True)
+class _WakeMeasurement:
+    started: float
+    waiting_for: set[int]
+
+
+@dataclass(slots=True)
+class _Call:
+    event: str
+    replied: set[int] = field(default_factory=set)
+
+
+class SimFrontend:
+    """One simulated front-end (client 0 of 1); created by :func:`open_sim_frontend`."""
+
+    def __init__(
+        self,
+        view: WaveView,
+        engine_count: int,
+        *,
+        wake_path: WakePath,
+        router: AsyncSocket,
+        request_address: str,
+        completion_address: str,
+    ) -> None:
+        if wake_path not in WAKE_PATHS:
+            raise ValueError(f"wake_path must be one of {WAKE_PATHS}, got {wake_path!r}")
+        self.view = view
+        self.engine_count = engine_count
+        self.wake_path: WakePath = wake_path
+        self.request_address = request_address
+        self.completion_address = completion_address
+        self.chooser = EngineChooser(engine_count)
+        self._router = router
+        self._observers = trio.lowlevel.ParkingLot()
+        self._next_request = 0
+        self._next_call = 1
+        self._pending: dict[str, int] = {}
+        self._calls: dict[int, _Call] = {}
+        self._wake: _WakeMeasurement | None = None
+        self.engine_ready = [False] * engine_count
+        self.engine_running = [False] * engine_count
+        self.engine_wave = [0] * engine_count
+        self.front_wave = 0
+        self.sent = 0
+        self.completed = 0
+        self.tokens = 0
+        self.notifications = 0
+        self.pauses = 0
+        self.wave_regressions = 0
+        self.bad_messages = 0
+        self.waves_completed: set[int] = set()
+        self.wake_latencies: list[float] = []
+
+    # --- observing -------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not yet finished."""
+        return len(self._pending)
+
+    def per_engine_pending(self) -> tuple[int, ...]:
+        counts = [0] * self.engine_count
+        for engine in self._pending.values():
+            counts[engine] += 1
+        return tuple(counts)
+
+    async def wait_for(self, predicate: Callable[[SimFrontend], bool]) -> None:
+        """Wait until ``predicate(self)`` holds; re-checked after every received message."""
+        while not predicate(self):
+            await self._observers.park()
+
+    def _changed(self) -> None:
+        self._observers.unpark_all()
+
+    def _observe_front_wave(self, wave: int) -> None:
+        if wave < self.front_wave:
+            self.wave_regressions += 1
+            logger.error(
+                "front-end saw the coordinator's wave go back: %d -> %d", self.front_wave, wave
+            )
+        self.front_wave = max(self.front_wave, wave)
+
+    def check_front_wave(self) -> None:
+        """Sample the coordinator's wave (the progress display calls this regularly)."""
+        self._observe_front_wave(self.view.snapshot().current_wave)
+
+    # --- requests and commands -------------------------------------------------------
+
+    def _loads(self) -> Sequence[tuple[int, int, float]]:
+        loads = self.view.engine_loads()
+        if len(loads) != self.engine_count:  # no report yet from a remote coordinator
+            return ((0, 0, 0.0),) * self.engine_count
+        return loads
+
+    async def submit(self, max_tokens: int | None = None, *, engine: int | None = None) -> str:
+        """Stamp, route and send one request; returns its id.
+
+        ``engine`` pins the request to one engine (vLLM's explicit ``data_parallel_rank``
+        bypass, §7.2); by default the shared engine-choice score picks it.
+        """
+        snapshot = self.view.snapshot()
+        self._observe_front_wave(snapshot.current_wave)
+        if engine is None:
+            engine = self.chooser.choose(self._loads())
+        elif not 0 <= engine < self.engine_count:
+            raise ValueError(f"engine {engine} out of range for {self.engine_count} engines")
+        request_id = f"req-{self._next_request}"
+        self._next_request += 1
+        if self._wake is None and not any(self.engine_running):
+            self._wake = _WakeMeasurement(trio.current_time(), set(range(self.engine_count)))
+        request = protocol.EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=(1, 2, 3, 4),
+            arrival_time=time.time(),
+            current_wave=snapshot.current_wave,
+            max_tokens=max_tokens,
+        )
+        self._pending[request_id] = engine
+        self.sent += 1
+        await self._router.send_multipart(
+            [rank_identity(engine), *protocol.encode_add_request(request)]
+        )
+        if self.wake_path != "engine" and not snapshot.engines_running:
+            self.notifications += 1
+            self.view.notify_first_request(engine)
+        return request_id
+
+    async def _command(self, method: str, event: str, engines: Sequence[int] | None) -> None:
+        targets = list(range(self.engine_count) if engines is None else engines)
+        call_id = self._next_call
+        self._next_call += 1
+        call = self._calls[call_id] = _Call(event)
+        try:
+            for engine in targets:
+                await self._router.send_multipart(
+                    [
+                        rank_identity(engine),
+                        *messages.encode_utility_call(messages.UtilityCall(0, call_id, method)),
+                    ]
+                )
+            await self.wait_for(lambda _: call.replied >= set(targets))
+        finally:
+            del self._calls[call_id]
+
+    async def pause_engines(self) -> None:
+        """Two-phase pause of every engine (§6.8); returns once all agreed and stopped.
+
+        Pause every engine: a rank with a pending pause keeps stepping until all ranks
+        agree at a sync point.
+        """
+        self.pauses += 1
+        await self._command(messages.PAUSE_SCHEDULER, messages.EVENT_PAUSED, None)
+
+    async def resume_engines(self, engines: Sequence[int] | None = None) -> None:
+        """Resume ``engines`` (default: all); returns once they acknowledged.
+
+        A resumed engine that kept requests during the pause wakes the group at once
+        (``start_wave``), and a rank that is still paused drops the coordinator's
+        broadcast: resume the engines without kept requests first.
+        """
+        await self._command(messages.RESUME_SCHEDULER, messages.EVENT_RESUMED, engines)
+
+    # --- receivers -------------------------------------------------------------------
+
+    async def _hello_receiver(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            frames = await self._router.recv_multipart()
+            rank = messages.decode_hello(frames[-1]) if len(frames) == 2 else None
+            if rank is None or rank >= self.engine_count or frames[0] != rank_identity(rank):
+                self.bad_messages += 1
+                logger.warning(
+                    "front-end: unexpected message on the request socket: %r", frames[:2]
+                )
+                continue
+            self.engine_ready[rank] = True
+            self._changed()
+
+    async def _completion_receiver(
+        self, pull: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            for frame in await pull.recv_batch():
+                try:
+                    out = protocol.decode_engine_core_outputs(frame)
+                except protocol.ProtocolError as exc:
+                    self.bad_messages += 1
+                    logger.warning("front-end: undecodable engine output: %s", exc)
+                    continue
+                self._apply_output(out)
+            self._changed()
+
+    def _apply_output(self, out: protocol.EngineCoreOutputs) -> None:
+        rank = out.engine_index
+        if rank >= self.engine_count:
+            self.bad_messages += 1
+            logger.warning("front-end: output from unknown engine %d", rank)
+            return
+        status = messages.parse_status(out)
+        if status is not None:
+            self._apply_status(status)
+            return
+        self.tokens += sum(len(o.new_token_ids) for o in out.outputs)
+        for request_id in out.finished_requests or ():
+            engine = self._pending.pop(request_id, None)
+            if engine is None:
+                self.bad_messages += 1
+                logger.warning("front-end: engine %d finished unknown request %r", rank, request_id)
+                continue
+            self.chooser.finished(engine)
+            self.completed += 1
+
+    def _apply_status(self, status: messages.EngineStatus) -> None:
+        rank = status.engine_index
+        if status.wave < self.engine_wave[rank]:
+            self.wave_regressions += 1
+            logger.error(
+                "engine %d reported wave %d after wave %d (%s)",
+                rank,
+                status.wave,
+                self.engine_wave[rank],
+                status.event,
+            )
+        self.engine_wave[rank] = max(self.engine_wave[rank], status.wave)
+        if status.event == messages.EVENT_RUNNING:
+            self.engine_running[rank] = True
+            wake = self._wake
+            if wake is not None:
+                wake.waiting_for.discard(rank)
+                if not wake.waiting_for:
+                    self.wake_latencies.append(trio.current_time() - wake.started)
+                    self._wake = None
+        elif status.event == messages.EVENT_IDLE:
+            self.engine_running[rank] = False
+            self.waves_completed.add(status.wave)
+        call = self._calls.get(status.call_id)
+        if call is not None and call.event == status.event:
+            call.replied.add(rank)
+
+
+@asynccontextmanager
+async def open_sim_frontend(
+    view: WaveView,
+    engine_count: int,
+    *,
+    wake_path: WakePath = "both",
+    request_address: str | None = None,
+    completion_address: str | None = None,
+) -> AsyncIterator[SimFrontend]:
+    """Bind the request ROUTER and completion PULL, start the receivers, yield the front-end.
+
+    Addresses default to ``ipc://`` paths in a private temporary directory, removed on
+    exit. Engines connect to :attr:`SimFrontend.request_address` and
+    :attr:`SimFrontend.completion_address`.
+    """
+    private: Path | None = None
+    if request_address is None or completion_address is None:
+        private = Path(tempfile.mkdtemp(prefix="trio-dpcoord-sim-"))
+    try:
+        async with AsyncExitStack() as stack:
+            context = await stack.enter_async_context(open_context())
+            router = await stack.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.ROUTER,
+                    options={zmq.ROUTER_MANDATORY: 1, zmq.SNDHWM: 0, zmq.RCVHWM: 0},
+                )
+            )
+            pull = await stack.enter_async_context(
+                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0})
+            )
+            bound_requests = router.bind(request_address or f"ipc://{private}/requests")
+            bound_completions = pull.bind(completion_address or f"ipc://{private}/completions")
+            frontend = SimFrontend(
+                view,
+                engine_count,
+                wake_path=wake_path,
+                router=router,
+                request_address=bound_requests,
+                completion_address=bound_completions,
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(frontend._hello_receiver)
+                await nursery.start(frontend._completion_receiver, pull)
+                try:
+                    yield frontend
+                finally:
+                    nursery.cancel_scope.cancel()
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """A repeatable load: bursts of requests separated by idle gaps.
+
+    After each burst the generator waits until every request finished, then sleeps a
+    random gap, so that the cluster goes idle and many waves start and end; short gaps
+    land while the wave is still winding down (requests stamped for a finished wave,
+    R2/R3). Every ``pause_every`` bursts (0: never) it pauses and resumes all engines in
+    the gap, as a weight update would.
+    """
+
+    requests: int = 400
+    seed: int = 0
+    burst: tuple[int, int] = (10, 40)
+    gap: tuple[float, float] = (0.0, 0.15)
+    tokens: tuple[int, int] = (4, 16)
+    pause_every: int = 5
+
+    def __post_init__(self) -> None:
+        if self.requests < 0 or self.pause_every < 0:
+            raise ValueError("requests and pause_every must be >= 0")
+        for name, (low, high) in (("burst", self.burst), ("tokens", self.tokens)):
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must be 1 <= MIN <= MAX, got {low} {high}")
+        if not 0 <= self.gap[0] <= self.gap[1]:
+            raise ValueError(f"gap must be 0 <= MIN <= MAX, got {self.gap}")
+
+
+async def generate_load(frontend: SimFrontend, plan: LoadPlan) -> None:
+    """Send ``plan.requests`` requests and wait until all have finished."""
+    rng = random.Random(plan.seed)
+    sent = 0
+    bursts = 0
+    while sent < plan.requests:
+        size = min(rng.randint(*plan.burst), plan.requests - sent)
+        for _ in range(size):
+            await frontend.submit(max_tokens=rng.randint(*plan.tokens))
+            # Spread some requests over a few steps, so that bursts straddle steps.
+            await trio.sleep(rng.uniform(0.0, 0.003) if rng.random() < 0.2 else 0)
+        sent += size
+        bursts += 1
+        await frontend.wait_for(lambda f: f.pending == 0)
+        if sent >= plan.requests:
+            break
+        if plan.pause_every and bursts % plan.pause_every == 0:
+            await frontend.pause_engines()
+            await frontend.resume_engines()
+        await trio.sleep(rng.uniform(*plan.gap))
