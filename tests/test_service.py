@@ -298,10 +298,15 @@ async def test_wait_ready_times_out_with_a_clear_error() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, ready_timeout=0.3) as coordinator:
             addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
-            async with connect_engines(*addresses, 1):
-                await coordinator.wait_for(lambda c: c.subscriptions().current == 1)
-                with pytest.raises(ReadyTimeoutError, match="1 of 3 engines subscribed"):
+            async with connect_engines(*addresses, 1, first_index=1) as engines:
+                await engines[0].stats(0, 0)  # an engine that announces itself before READY
+                await coordinator.wait_for(
+                    lambda c: c.subscriptions().current == 1 and c.silent_engines() == [0, 2]
+                )
+                with pytest.raises(ReadyTimeoutError, match="1 of 3 engines subscribed") as info:
                     await coordinator.wait_ready()
+                assert "never heard from" in str(info.value)
+                assert str(info.value).endswith(": [0, 2]")
 
 
 async def test_cancellation_with_engines_connected_closes_everything(

@@ -182,6 +182,7 @@ class Coordinator:
         self._unsubscribed = 0
         self._late_subscriptions = 0
         self._front_ends = 0
+        self._heard_from: set[int] = set()
         self._engine_messages = 0
         self._stats_applied = 0
         self._wave_starts = 0
@@ -218,11 +219,22 @@ class Coordinator:
             await self._ready.wait()
             return
         view = self.subscriptions()
+        silent = self.silent_engines()
         raise ReadyTimeoutError(
             f"start-up gate still closed after {self.ready_timeout} s: "
             f"{view.current} of {self._expected_engines} engines subscribed to "
-            f"{self.engine_input_address} ({self._expected_engines - view.current} missing)"
+            f"{self.engine_input_address} ({self._expected_engines - view.current} missing); "
+            f"ranks never heard from on {self.engine_output_address}: {silent}"
         )
+
+    def silent_engines(self) -> list[int]:
+        """Ranks that never sent anything on the engine output socket.
+
+        Subscription frames carry no identity, so this is how a stuck start-up gate can
+        name the engines that never showed up, when engines report before READY (the
+        simulated engines announce themselves; vLLM's engines first report after it).
+        """
+        return [i for i in range(self._loads.engine_count) if i not in self._heard_from]
 
     async def wait_for(self, predicate: Callable[[Coordinator], bool]) -> None:
         """Wait until ``predicate(self)`` holds; re-checked after every observable change.
@@ -526,6 +538,7 @@ class Coordinator:
         classify = protocol.classify_output
         kinds = protocol.OutputKind
         control = (kinds.STATS, kinds.WAVE_COMPLETE, kinds.START_WAVE)
+        heard_from = self._heard_from
         while True:
             batch = await pull.recv_multipart_batch()
             self._engine_messages += len(batch)
@@ -541,6 +554,7 @@ class Coordinator:
                 except protocol.ProtocolError as exc:
                     self._reject("undecodable_engine_output", str(exc))
                     continue
+                heard_from.add(out.engine_index)
                 kind = classify(out)
                 if kind in control:
                     self._apply_engine_output(out, kind)
