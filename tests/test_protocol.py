@@ -1050,3 +1050,88 @@ def test_add_request_round_trip(req: EngineCoreRequest) -> None:
     canonical(frames[1])
     assert len(msgpack.unpackb(frames[1])) == 22
     assert decode_engine_request(frames) == req
+
+
+# ------------------------------------------------------------------ the coordinator's hot path
+
+
+def general_decode(frame: bytes) -> tuple[P.OutputKind, int, object] | str:
+    """The reference: full decode then classify, reduced to what the hot path returns."""
+    try:
+        out = decode_engine_core_outputs(frame)
+    except ProtocolError:
+        return "ProtocolError"
+    kind = P.classify_output(out)
+    value: object = None
+    if kind is P.OutputKind.STATS:
+        s = out.scheduler_stats
+        assert s is not None
+        value = (
+            s.num_running_reqs,
+            s.num_waiting_reqs,
+            s.step_counter,
+            s.current_wave,
+            s.kv_cache_usage,
+        )
+    elif kind is P.OutputKind.WAVE_COMPLETE:
+        value = out.wave_complete
+    elif kind is P.OutputKind.START_WAVE:
+        value = out.start_wave
+    return kind, out.engine_index, value
+
+
+def hot_decode(frame: bytes) -> tuple[P.OutputKind, int, object] | str:
+    try:
+        return P.decode_coordinator_output(frame)
+    except ProtocolError:
+        return "ProtocolError"
+
+
+@given(eco_strategy)
+def test_coordinator_hot_path_agrees_with_the_general_decoder(out: EngineCoreOutputs) -> None:
+    frame = encode_engine_core_outputs(out)
+    assert hot_decode(frame) == general_decode(frame)
+
+
+@given(msgpack_values)
+def test_coordinator_hot_path_agrees_on_arbitrary_msgpack(value: Any) -> None:
+    frame = pack(value)
+    assert hot_decode(frame) == general_decode(frame)
+
+
+@given(st.data())
+def test_coordinator_hot_path_agrees_on_mutated_control_frames(
+    vectors: Vectors, data: st.DataObject
+) -> None:
+    name = data.draw(
+        st.sampled_from(
+            [
+                "eco_scheduler_stats_moe",
+                "eco_scheduler_stats_dense",
+                "eco_wave_complete",
+                "eco_start_wave",
+                "eco_utility_output",
+                "eco_normal_output_batch",
+            ]
+        )
+    )
+    wire = msgpack.unpackb(frames_of(vectors[name])[0], raw=False)
+    i = data.draw(st.integers(0, len(wire) - 1))
+    wire[i] = data.draw(msgpack_values)
+    frame = pack(
+        wire[: data.draw(st.integers(0, len(wire) + 1))] if data.draw(st.booleans()) else wire
+    )
+    assert hot_decode(frame) == general_decode(frame)
+
+
+def test_coordinator_hot_path_on_the_vectors(vectors: Vectors) -> None:
+    expected = {
+        "eco_scheduler_stats_moe": (P.OutputKind.STATS, 2, (12, 3, 17, 5, 0.4375)),
+        "eco_wave_complete": (P.OutputKind.WAVE_COMPLETE, 0, 5),
+        "eco_start_wave": (P.OutputKind.START_WAVE, 2, 6),
+        "eco_utility_output": (P.OutputKind.UTILITY_REPLY, 0, None),
+    }
+    for name, result in expected.items():
+        assert P.decode_coordinator_output(frames_of(vectors[name])[0]) == result
+    batch = P.decode_coordinator_output(frames_of(vectors["eco_normal_output_batch"])[0])
+    assert batch[0] is P.OutputKind.REQUEST_BATCH

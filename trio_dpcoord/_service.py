@@ -134,6 +134,11 @@ class _RejectLog:
             self._suppressed[reason] += 1
 
 
+_STATS: Final = protocol.OutputKind.STATS
+_WAVE_COMPLETE: Final = protocol.OutputKind.WAVE_COMPLETE
+_CONTROL: Final = frozenset(
+    {protocol.OutputKind.STATS, protocol.OutputKind.WAVE_COMPLETE, protocol.OutputKind.START_WAVE}
+)
 _MAX_WAVE: Final = (1 << 64) - 1
 """Waves travel as msgpack uint64: a wave_complete for this one has no next wave to send."""
 _MAX_ENGINES: Final = 1 << 16
@@ -187,10 +192,6 @@ class Coordinator:
         self._stats_applied = 0
         self._wave_starts = 0
         self._ready_broadcasts = 0
-        # Broadcasts queued for, or held by, the broadcaster; the initial READY counts
-        # from the start. While it is 0 a wave start may leave at once (see below).
-        self._broadcasts_pending = 1
-        self._back_pub: AsyncSocket | None = None
         self._front_publishes = 0
         self._commands = 0
         self._broadcast_send, self._broadcast_receive = trio.open_memory_channel[list[bytes]](
@@ -314,16 +315,7 @@ class Coordinator:
     _expected_engines: int = 0
 
     def _enqueue_wave_start(self, start: WaveStart) -> None:
-        frames = protocol.encode_start_dp_wave(start.wave, start.exclude)
-        # Fast path for wake latency: with nothing queued or in flight ahead of it, the
-        # broadcast leaves right here (a non-blocking send; XPUB drops, never blocks)
-        # instead of one scheduler pass later in the broadcaster: same order, ~40 us less.
-        back_pub = self._back_pub
-        if self._broadcasts_pending == 0 and back_pub is not None and back_pub.send_nowait(frames):
-            self._wave_starts += 1
-        else:
-            self._broadcasts_pending += 1
-            self._broadcast_send.send_nowait(frames)
+        self._broadcast_send.send_nowait(protocol.encode_start_dp_wave(start.wave, start.exclude))
         self._enqueue_wave_publish()
 
     def _enqueue_wave_publish(self) -> None:
@@ -345,92 +337,60 @@ class Coordinator:
                 return
             if not self.wave_coordination:
                 return
-            before = self._wave.snapshot
+            # _state logs every transition (old and new wave) at DEBUG
             start = self._wave.start_wave_for_first_request(command.wave, command.engine)
             if start is not None:
-                logger.info(
-                    "first request for engine %r stamped wave %d: START_DP_WAVE wave %d -> %d,"
-                    " exclude %r",
-                    command.engine,
-                    command.wave,
-                    before.current_wave,
-                    start.wave,
-                    start.exclude,
-                )
                 self._enqueue_wave_start(start)
 
     def _apply_engine_output(
-        self, out: protocol.EngineCoreOutputs, kind: protocol.OutputKind
+        self, kind: protocol.OutputKind, engine_index: int, value: protocol.StatsFields | int
     ) -> None:
-        kinds = protocol.OutputKind
+        """Apply one control report (§5.4, §5.5); ``value`` as decode_coordinator_output."""
         with self._lock:
-            if kind is kinds.STATS:
-                stats = out.scheduler_stats
-                assert stats is not None
-                outcome = self._loads.apply_stats(
-                    out.engine_index,
-                    stats.num_waiting_reqs,
-                    stats.num_running_reqs,
-                    stats.kv_cache_usage,
-                    wave=stats.current_wave,
-                    step=stats.step_counter,
-                )
-                if outcome is StatsOutcome.UNKNOWN_ENGINE:
+            if kind is _STATS:
+                assert isinstance(value, tuple)
+                running, waiting, step, wave, usage = value
+                outcome = self._loads.apply_stats(engine_index, waiting, running, usage, wave, step)
+                if outcome is StatsOutcome.APPLIED:
+                    self._stats_applied += 1
+                    self._nudge_publisher()
+                elif outcome is StatsOutcome.UNKNOWN_ENGINE:
                     self._reject(
                         "unknown_engine_index",
-                        f"stats from engine {out.engine_index}, table has "
+                        f"stats from engine {engine_index}, table has "
                         f"{self._loads.engine_count} engines",
                     )
-                    return
-                if outcome is StatsOutcome.OUT_OF_ORDER:
+                else:
                     logger.debug(
                         "out-of-order stats from engine %d: wave %d step %d",
-                        out.engine_index,
-                        stats.current_wave,
-                        stats.step_counter,
+                        engine_index,
+                        wave,
+                        step,
                     )
-                self._stats_applied += 1
-                self._nudge_publisher()
+                    self._stats_applied += 1
+                    self._nudge_publisher()
                 return
             if not self.wave_coordination:
                 return  # §5.7: wave fields are ignored without wave coordination
-            if out.engine_index >= self._loads.engine_count:
+            assert isinstance(value, int)
+            if engine_index >= self._loads.engine_count:
                 self._reject(
                     "unknown_engine_index",
-                    f"wave report from engine {out.engine_index}, table has "
+                    f"wave report from engine {engine_index}, table has "
                     f"{self._loads.engine_count} engines",
                 )
-                return
-            if out.wave_complete is not None and out.wave_complete >= _MAX_WAVE:
-                self._reject(
-                    "wave_out_of_range",
-                    f"wave_complete({out.wave_complete}) from engine {out.engine_index}: "
-                    "the next wave does not fit in uint64",
-                )
-                return
-            before = self._wave.snapshot
-            if kind is kinds.WAVE_COMPLETE:
-                assert out.wave_complete is not None
-                if self._wave.wave_complete(out.wave_complete):
-                    logger.info(
-                        "wave_complete(%d) from engine %d: wave %d -> %d, paused",
-                        out.wave_complete,
-                        out.engine_index,
-                        before.current_wave,
-                        self._wave.snapshot.current_wave,
+            elif kind is _WAVE_COMPLETE:
+                if value >= _MAX_WAVE:
+                    self._reject(
+                        "wave_out_of_range",
+                        f"wave_complete({value}) from engine {engine_index}: "
+                        "the next wave does not fit in uint64",
                     )
+                elif self._wave.wave_complete(value):
                     self._enqueue_wave_publish()
             else:
-                assert out.start_wave is not None
-                start = self._wave.engine_start_wave(out.start_wave, out.engine_index)
+                start = self._wave.engine_start_wave(value, engine_index)
                 if start is not None:
-                    logger.info(
-                        "start_wave(%d) from engine %d: wave %d -> %d, START_DP_WAVE",
-                        out.start_wave,
-                        out.engine_index,
-                        before.current_wave,
-                        start.wave,
-                    )
                     self._enqueue_wave_start(start)
 
     def _nudge_publisher(self) -> None:
@@ -473,7 +433,6 @@ class Coordinator:
                         logger.info(
                             "late engine subscription (%d subscribed): READY again", current
                         )
-                        self._broadcasts_pending += 1
                         self._broadcast_send.send_nowait([protocol.READY])
                     elif current >= self._expected_engines:
                         logger.info("all %d engines subscribed: opening the gate", current)
@@ -498,13 +457,11 @@ class Coordinator:
         task_status.started()
         await self._gate_open.wait()
         await xpub.send(protocol.READY)
-        self._broadcasts_pending -= 1
         self._ready_broadcasts += 1
         self._ready.set()
         logger.info("READY sent to %d engines", self.subscriptions().current)
         async for frames in self._broadcast_receive:
             await xpub.send_multipart(frames)
-            self._broadcasts_pending -= 1
             if frames[0] == protocol.READY:
                 self._ready_broadcasts += 1
                 self._ready.set()
@@ -534,10 +491,8 @@ class Coordinator:
         state, and any broadcast they cause waits behind READY in the broadcaster.
         """
         task_status.started()
-        decode = protocol.decode_engine_core_outputs
-        classify = protocol.classify_output
-        kinds = protocol.OutputKind
-        control = (kinds.STATS, kinds.WAVE_COMPLETE, kinds.START_WAVE)
+        decode = protocol.decode_coordinator_output
+        apply = self._apply_engine_output
         heard_from = self._heard_from
         while True:
             batch = await pull.recv_multipart_batch()
@@ -550,18 +505,18 @@ class Coordinator:
                     )
                     continue
                 try:
-                    out = decode(frames[0])
+                    kind, engine_index, value = decode(frames[0])
                 except protocol.ProtocolError as exc:
                     self._reject("undecodable_engine_output", str(exc))
                     continue
-                heard_from.add(out.engine_index)
-                kind = classify(out)
-                if kind in control:
-                    self._apply_engine_output(out, kind)
+                heard_from.add(engine_index)
+                if kind in _CONTROL:
+                    assert value is not None
+                    apply(kind, engine_index, value)
                 else:
                     self._reject(
                         f"non_control_output_{kind.name.lower()}",
-                        f"{kind.name} from engine {out.engine_index} is not for the coordinator",
+                        f"{kind.name} from engine {engine_index} is not for the coordinator",
                     )
             self._changed()
 
@@ -741,7 +696,6 @@ async def open_coordinator(
                     allow_remote=allow_remote,
                     what="front",
                 )
-            handle._back_pub = back_pub
             if ready_timeout is not None:
                 handle._ready_deadline = trio.current_time() + ready_timeout
             try:

@@ -242,7 +242,6 @@ class LoadTable:
         waiting: int,
         running: int,
         kv_cache_usage: float,
-        *,
         wave: int = 0,
         step: int = 0,
     ) -> StatsOutcome:

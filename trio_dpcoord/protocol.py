@@ -56,8 +56,10 @@ __all__ = [
     "ScaleElasticEP",
     "SchedulerStats",
     "StartDPWave",
+    "StatsFields",
     "Subscription",
     "classify_output",
+    "decode_coordinator_output",
     "decode_engine_broadcast",
     "decode_engine_core_outputs",
     "decode_engine_request",
@@ -601,7 +603,15 @@ def _new_stats(
     return o
 
 
+StatsFields = tuple[int, int, int, int, float]
+"""``(num_running_reqs, num_waiting_reqs, step_counter, current_wave, kv_cache_usage)``."""
+
+
 def _decode_stats(d: object) -> SchedulerStats:
+    return _new_stats(*_decode_stats_fields(d))
+
+
+def _decode_stats_fields(d: object) -> StatsFields:
     if type(d) is not dict:
         raise ProtocolError(f"scheduler_stats must be a map or nil, got {_tname(d)}")
     get = d.get
@@ -626,7 +636,7 @@ def _decode_stats(d: object) -> SchedulerStats:
         _uint(wave, "scheduler_stats.current_wave")
     if type(kv) is not float or not math.isfinite(kv):
         kv = _finite_float(kv, "scheduler_stats.kv_cache_usage")
-    return _new_stats(running, waiting, step, wave, kv)
+    return running, waiting, step, wave, kv
 
 
 def _decode_outputs(items: list[Any]) -> tuple[EngineCoreOutput, ...]:
@@ -658,7 +668,10 @@ def decode_engine_core_outputs(frame: bytes) -> EngineCoreOutputs:
     ``start_wave`` int >= 0 or nil; ``weight_version`` str or nil. Anything else raises
     ProtocolError.
     """
-    obj = _unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES)
+    return _decode_engine_core_outputs(_unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES))
+
+
+def _decode_engine_core_outputs(obj: Any) -> EngineCoreOutputs:
     if type(obj) is not list:
         raise ProtocolError(f"EngineCoreOutputs must be a msgpack array, got {_tname(obj)}")
     if len(obj) < 9:
@@ -743,6 +756,61 @@ def classify_output(out: EngineCoreOutputs) -> OutputKind:
     if stats:
         return OutputKind.STATS
     return OutputKind.EMPTY
+
+
+def decode_coordinator_output(frame: bytes) -> tuple[OutputKind, int, StatsFields | int | None]:
+    """Decode and classify one frame of the coordinator's output socket in one pass.
+
+    The coordinator's hot path: equivalent to :func:`decode_engine_core_outputs` then
+    :func:`classify_output`, returning ``(kind, engine_index, value)`` where ``value`` is
+    the :data:`StatsFields` tuple for STATS, the wave for WAVE_COMPLETE / START_WAVE, and
+    None otherwise. The shapes engines send the coordinator (a full 9-slot array with no
+    outputs, utility reply or finished requests) are checked field by field without
+    building objects; anything else takes the general decoder, so both paths accept and
+    reject exactly the same frames.
+    """
+    obj = _unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES)
+    if (
+        type(obj) is list
+        and len(obj) == 9
+        and obj[1] == []
+        and obj[4] is None
+        and obj[5] is None
+        and obj[8] is None
+        and type(obj[3]) is float
+        and type(obj[0]) is int
+        and obj[0] >= 0
+    ):
+        stats, wc, sw = obj[2], obj[6], obj[7]
+        if wc is None and sw is None:
+            if stats is not None:
+                return OutputKind.STATS, obj[0], _decode_stats_fields(stats)
+        elif stats is None and (wc is None or sw is None):
+            wave = sw if wc is None else wc
+            if type(wave) is int and wave >= 0:
+                return (
+                    OutputKind.START_WAVE if wc is None else OutputKind.WAVE_COMPLETE,
+                    obj[0],
+                    wave,
+                )
+    out = _decode_engine_core_outputs(obj)
+    kind = classify_output(out)
+    if kind is OutputKind.STATS:
+        st = out.scheduler_stats
+        assert st is not None
+        fields: StatsFields = (
+            st.num_running_reqs,
+            st.num_waiting_reqs,
+            st.step_counter,
+            st.current_wave,
+            st.kv_cache_usage,
+        )
+        return kind, out.engine_index, fields
+    if kind is OutputKind.WAVE_COMPLETE:
+        return kind, out.engine_index, out.wave_complete
+    if kind is OutputKind.START_WAVE:
+        return kind, out.engine_index, out.start_wave
+    return kind, out.engine_index, None
 
 
 # --------------------------------------------------------------------------- front publish

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from .cluster import ClusterConfig, ClusterReport, EmbeddedCoordinator, Mode, Progress, run_cluster
 from .collective import AllReduceResult, CollectiveTimeoutError
-from .engine import EngineConfig, EngineProtocolError, run_engine
+from .engine import (
+    CoordinatorLostError,
+    EngineConfig,
+    EngineProtocolError,
+    SimEngine,
+    run_engine,
+    run_sim_engine,
+)
 from .frontend import LoadPlan, SimFrontend, WakePath, WaveView, generate_load, open_sim_frontend
 
 __all__ = [
@@ -26,12 +33,14 @@ __all__ = [
     "ClusterConfig",
     "ClusterReport",
     "CollectiveTimeoutError",
+    "CoordinatorLostError",
     "EmbeddedCoordinator",
     "EngineConfig",
     "EngineProtocolError",
     "LoadPlan",
     "Mode",
     "Progress",
+    "SimEngine",
     "SimFrontend",
     "WakePath",
     "WaveView",
@@ -39,4 +48,5 @@ __all__ = [
     "open_sim_frontend",
     "run_cluster",
     "run_engine",
+    "run_sim_engine",
 ]

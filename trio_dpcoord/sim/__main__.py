@@ -2,7 +2,8 @@
 
 Exit status: 0 when stopped (SIGTERM, SIGINT, or stdin closed with
 ``--exit-on-stdin-eof``), 3 on a collective timeout, 4 when the coordinator sent an
-invalid broadcast, 2 on bad arguments. The failure is printed as one stderr line
+invalid broadcast, 5 when the coordinator stayed unreachable for
+``--coordinator-timeout`` seconds, 2 on bad arguments. The failure is printed as one stderr line
 starting with ``trio_dpcoord.sim engine rank R:``.
 """
 
@@ -18,10 +19,11 @@ from collections.abc import Sequence
 import trio
 
 from .collective import CollectiveTimeoutError
-from .engine import EngineConfig, EngineProtocolError, run_engine
+from .engine import CoordinatorLostError, EngineConfig, EngineProtocolError, run_engine
 
 EXIT_COLLECTIVE_TIMEOUT = 3
 EXIT_PROTOCOL_ERROR = 4
+EXIT_COORDINATOR_LOST = 5
 
 logger = logging.getLogger("trio_dpcoord.sim")
 
@@ -42,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=8, help="requests advanced per step")
     p.add_argument("--sync-interval", type=int, default=16, help="dp_sync_interval")
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument(
+        "--coordinator-timeout",
+        type=float,
+        default=None,
+        help="exit (status 5) when the coordinator stays unreachable this long "
+        "(default: log the loss and keep waiting)",
+    )
     p.add_argument(
         "--legacy-wake",
         action="store_true",
@@ -73,14 +82,14 @@ async def _watch_signals(cancel: trio.CancelScope) -> None:
 
 
 async def _main(config: EngineConfig, exit_on_eof: bool) -> None:
-    failure: CollectiveTimeoutError | EngineProtocolError | None = None
+    failure: CollectiveTimeoutError | EngineProtocolError | CoordinatorLostError | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, nursery.cancel_scope)
         if exit_on_eof:
             nursery.start_soon(_watch_stdin, nursery.cancel_scope)
         try:
             await run_engine(config)
-        except (CollectiveTimeoutError, EngineProtocolError) as exc:
+        except (CollectiveTimeoutError, EngineProtocolError, CoordinatorLostError) as exc:
             failure = exc
         finally:
             nursery.cancel_scope.cancel()
@@ -109,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sync_interval=args.sync_interval,
             collective_timeout=args.collective_timeout,
             report_start_wave=not args.legacy_wake,
+            coordinator_timeout=args.coordinator_timeout,
         )
     except ValueError as exc:
         print(f"trio_dpcoord.sim engine: {exc}", file=sys.stderr)
@@ -122,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineProtocolError as exc:
         print(f"{prefix} {exc}", file=sys.stderr, flush=True)
         return EXIT_PROTOCOL_ERROR
+    except CoordinatorLostError as exc:
+        print(f"{prefix} {exc}", file=sys.stderr, flush=True)
+        return EXIT_COORDINATOR_LOST
     return 0
 
 

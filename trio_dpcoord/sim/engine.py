@@ -15,6 +15,28 @@ Sockets, as a vLLM ``DPEngineCoreProc`` has them:
 The busy loop follows §6.5 step by step; the scheduler is a toy: a waiting queue, at
 most ``max_running`` running requests, one token per running request per step, a request
 finishes (``finish_reason`` 1, length) after ``max_tokens`` tokens.
+
+Deliberate deviations from vLLM's engines, each harmless to the coordinator protocol:
+
+* **Announcement.** Right after connecting, before waiting for READY, the engine pushes
+  one zero stats report (a valid stats-only ``EngineCoreOutputs`` with its rank, wave 0,
+  step 0) to the coordinator, and again after every reconnection. vLLM engines first
+  report after READY; announcing earlier lets a stuck start-up gate name the ranks it
+  never heard from (``ReadyTimeoutError``, vLLM issue #52330), and lets a restarted
+  coordinator learn every rank's load at once.
+* **Coordinator watch.** A ZeroMQ socket monitor (plus ZMTP heartbeats) on the
+  broadcast XSUB: when the connection to the coordinator drops, the engine logs an ERROR
+  naming the address and its wave at once (vLLM engines wait silently, issue #32136),
+  keeps running (ZeroMQ reconnects; the XSUB re-sends its subscription, so a restarted
+  coordinator sees it and answers READY), and with ``coordinator_timeout`` exits with
+  :class:`CoordinatorLostError` if it stays gone that long.
+* **A wake dropped during a pause is honoured on resume.** After pause consensus the
+  engine drops ``START_DP_WAVE`` (it never re-arms a paused engine, vLLM issue #36594),
+  but remembers the newest wave it dropped; on ``resume_scheduler`` it joins that wave
+  if it is not over, so the group runs the wave the coordinator already announced and
+  rank 0's ``wave_complete`` brings the coordinator's ``engines_running`` back to False
+  (otherwise it stays latched True while the engines sleep, issues #51476/#51481, and the
+  next engine's ``start_wave`` for that wave would be ignored).
 """
 
 from __future__ import annotations
@@ -31,6 +53,7 @@ import trio
 import zmq
 
 from .. import protocol
+from .._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
 from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError, rank_identity
@@ -38,7 +61,15 @@ from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["EngineConfig", "EngineProtocolError", "SimEngine", "run_engine"]
+__all__ = [
+    "CoordinatorLostError",
+    "EngineConfig",
+    "EngineCounters",
+    "EngineProtocolError",
+    "SimEngine",
+    "run_engine",
+    "run_sim_engine",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +79,10 @@ _FINISH_ABORT = 2
 
 class EngineProtocolError(Exception):
     """The coordinator sent something a vLLM engine would die on (PROTOCOL.md §4.1)."""
+
+
+class CoordinatorLostError(Exception):
+    """The connection to the coordinator stayed down for ``coordinator_timeout`` s."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +114,17 @@ class EngineConfig:
     """vLLM >= 0.33 behaviour: report ``start_wave`` for every request reaching an idle
     engine. False emulates older engines (report only for stale-wave requests), which
     rely on the front-end to wake the other ranks."""
+    coordinator_timeout: float | None = None
+    """Exit (:class:`CoordinatorLostError`) when the coordinator stays unreachable this
+    long; None: log the loss and keep waiting for it to come back."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.engine_count:
             raise ValueError(f"rank {self.rank} out of range for {self.engine_count} engines")
         if self.step_time < 0 or self.collective_timeout <= 0:
             raise ValueError("step_time must be >= 0 and collective_timeout > 0")
+        if self.coordinator_timeout is not None and self.coordinator_timeout <= 0:
+            raise ValueError("coordinator_timeout must be positive")
         if self.tokens_per_request < 1 or self.max_running < 1 or self.sync_interval < 1:
             raise ValueError("tokens_per_request, max_running and sync_interval must be >= 1")
 
@@ -101,7 +141,14 @@ class _Abort:
     request_ids: tuple[str, ...]
 
 
-_Input = protocol.EngineCoreRequest | protocol.StartDPWave | messages.UtilityCall | _Abort
+@dataclass(frozen=True, slots=True)
+class _Announce:
+    """The connection to the coordinator is back: report this rank's load again."""
+
+
+_Input = (
+    protocol.EngineCoreRequest | protocol.StartDPWave | messages.UtilityCall | _Abort | _Announce
+)
 
 
 @dataclass(slots=True)
@@ -114,6 +161,9 @@ class EngineCounters:
     broadcasts_dropped: int = 0
     bad_requests: int = 0
     stats_sent: int = 0
+    coordinator_disconnects: int = 0
+    coordinator_reconnects: int = 0
+    deferred_wakes: int = 0
 
 
 class SimEngine:
@@ -134,6 +184,9 @@ class SimEngine:
         self.counters = EngineCounters()
         self._last_counts: tuple[int, int] | None = None
         self._pause_calls: list[int] = []
+        self._dropped_wave: int | None = None
+        self.coordinator_lost = trio.Event()
+        """Set when the connection to the coordinator dropped (and not cleared)."""
         self._ready = trio.Event()
         self._input_send, self._input_receive = trio.open_memory_channel[_Input](math.inf)
         self._coordinator: AsyncSocket | None = None
@@ -245,6 +298,9 @@ class SimEngine:
             self._on_start_dp_wave(item)
         elif isinstance(item, messages.UtilityCall):
             await self._on_utility(item)
+        elif isinstance(item, _Announce):
+            self._last_counts = None  # force a report of the current counts
+            await self._maybe_publish_stats()
         else:
             await self._on_abort(item)
 
@@ -273,6 +329,8 @@ class SimEngine:
     def _on_start_dp_wave(self, start: protocol.StartDPWave) -> None:
         if self.ignore_start_dp_wave:
             self.counters.broadcasts_dropped += 1
+            if self._dropped_wave is None or start.wave > self._dropped_wave:
+                self._dropped_wave = start.wave
             logger.debug(
                 "rank %d: paused, dropping START_DP_WAVE(%d) at wave %d",
                 self.rank,
@@ -304,6 +362,18 @@ class SimEngine:
             self.scheduler_paused = False
             self.ignore_start_dp_wave = False
             logger.debug("rank %d: resumed at wave %d", self.rank, self.current_wave)
+            dropped, self._dropped_wave = self._dropped_wave, None
+            if dropped is not None and dropped >= self.current_wave and not self.engines_running:
+                # The coordinator started this wave while we were paused: run it now.
+                self.counters.deferred_wakes += 1
+                logger.info(
+                    "rank %d: resumed; joining wave %d announced during the pause (was %d)",
+                    self.rank,
+                    dropped,
+                    self.current_wave,
+                )
+                self.current_wave = dropped
+                self.engines_running = True
             await self._status(messages.EVENT_RESUMED, self.current_wave, call.call_id)
             # Requests kept during the pause: wake the group as a new request would.
             if self._has_unfinished() and not self.engines_running:
@@ -430,6 +500,58 @@ class SimEngine:
                 # §6.5 step 7 / R8: mirror the paused -> running edge to the coordinator.
                 await self._send_start_wave(self.current_wave)
 
+    async def _announce(self) -> None:
+        """A zero stats report before READY (see the module docstring): the coordinator
+        hears this rank's index even while its start-up gate is still closed."""
+        self.counters.stats_sent += 1
+        stats = protocol.SchedulerStats(
+            num_running_reqs=0,
+            num_waiting_reqs=0,
+            step_counter=0,
+            current_wave=0,
+            kv_cache_usage=0.0,
+        )
+        await self._to_coordinator(
+            protocol.EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
+        )
+
+    async def _watch_coordinator(self, monitor: ConnectionMonitor) -> None:
+        """Say at once when the coordinator's connection drops; give up after
+        ``coordinator_timeout`` if configured; re-announce when it is back."""
+        address = self.config.coordinator_input_address
+        timeout = self.config.coordinator_timeout
+        while True:
+            if monitor.connected or timeout is None:
+                await monitor.wait_changed()
+            else:
+                with trio.move_on_after(max(0.0, timeout - monitor.down_for())):
+                    await monitor.wait_changed()
+                if not monitor.connected and monitor.down_for() >= timeout:
+                    raise CoordinatorLostError(
+                        f"rank {self.rank}: the coordinator at {address} has been unreachable "
+                        f"for {timeout:g} s (wave {self.current_wave}); giving up"
+                    )
+            if not monitor.connected:
+                self.counters.coordinator_disconnects += 1
+                self.coordinator_lost.set()
+                logger.error(
+                    "rank %d: lost the coordinator at %s during wave %d (running=%s); "
+                    "waiting for it to come back",
+                    self.rank,
+                    address,
+                    self.current_wave,
+                    self.engines_running,
+                )
+            elif monitor.reconnects > self.counters.coordinator_reconnects:
+                self.counters.coordinator_reconnects = monitor.reconnects
+                logger.warning(
+                    "rank %d: reconnected to the coordinator at %s at wave %d",
+                    self.rank,
+                    address,
+                    self.current_wave,
+                )
+                self._input_send.send_nowait(_Announce())
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect every socket, wait for READY, say hello, then step forever."""
         cfg = self.config
@@ -456,18 +578,20 @@ class SimEngine:
             )
             sub = await stack.enter_async_context(
                 open_socket(
-                    context,
-                    zmq.XSUB,
-                    connect=cfg.coordinator_input_address,
-                    options={zmq.IDENTITY: identity},
+                    context, zmq.XSUB, options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS}
                 )
             )
+            # Watch the connection from before it exists, so the first handshake counts.
+            monitor = await stack.enter_async_context(
+                open_connection_monitor(context, sub, f"rank {cfg.rank} coordinator link")
+            )
+            sub.connect(cfg.coordinator_input_address)
             self._coordinator = await stack.enter_async_context(
                 open_socket(
                     context,
                     zmq.PUSH,
                     connect=cfg.coordinator_output_address,
-                    options={zmq.SNDHWM: 0},
+                    options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS},
                 )
             )
             self._frontend = await stack.enter_async_context(
@@ -492,6 +616,8 @@ class SimEngine:
                 host = CollectiveHost(router, cfg.engine_count, timeout=cfg.collective_timeout)
                 await nursery.start(host.run)
             await nursery.start(self._broadcast_receiver, sub)
+            await self._announce()
+            nursery.start_soon(self._watch_coordinator, monitor)
             await self._ready.wait()
             await nursery.start(self._request_receiver, dealer)
             await dealer.send(messages.encode_hello(cfg.rank))
@@ -513,13 +639,22 @@ async def run_engine(config: EngineConfig) -> None:
     """Run one simulated DP rank until cancelled.
 
     Raises :class:`CollectiveTimeoutError` when a step's collective times out (some rank
-    never arrived) and :class:`EngineProtocolError` when the coordinator broadcasts
-    something a vLLM engine would die on (unwrapped from trio's exception groups).
+    never arrived), :class:`EngineProtocolError` when the coordinator broadcasts
+    something a vLLM engine would die on and :class:`CoordinatorLostError` when the
+    coordinator stayed unreachable for ``coordinator_timeout`` (unwrapped from trio's
+    exception groups).
     """
+    await run_sim_engine(SimEngine(config))
+
+
+async def run_sim_engine(engine: SimEngine) -> None:
+    """:func:`run_engine` for an engine object the caller keeps (to read its counters)."""
     try:
-        await SimEngine(config).run()
+        await engine.run()
     except BaseExceptionGroup as group:
-        fatal = _first_leaf(group, (CollectiveTimeoutError, EngineProtocolError))
+        fatal = _first_leaf(
+            group, (CollectiveTimeoutError, EngineProtocolError, CoordinatorLostError)
+        )
         if fatal is None:
             raise
         raise fatal from None

@@ -1,0 +1,238 @@
+"""Helper processes of the benchmarks: ``python -m benchmarks._procs ROLE ...``.
+
+* ``coordinator``: the embedded coordinator, i.e. :func:`open_coordinator` in a trio
+  program (front socket on, so figures read the same as the standalone process). Prints
+  the endpoints as one JSON line, like ``trio-dpcoord serve``; then takes commands on
+  stdin (``nfr WAVES GAP_S``: trigger that many waves with ``notify_first_request`` and
+  print their CLOCK_MONOTONIC start times); EOF stops it.
+* ``forwarder``: the baseline, a plain blocking pyzmq PULL -> ``msgpack.unpackb`` ->
+  XPUB loop in one thread, no trio: it turns every ``start_wave`` into START_DP_WAVE.
+  With ``--ingest N`` it also times how fast it took in the last 95% of N messages.
+* ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
+  as it can (``--count``) or paced (``--rate``) until SIGTERM.
+* ``exec``: set the parent-death signal, then exec the given command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import msgpack
+import zmq
+
+from benchmarks._util import now_ns, set_parent_death_signal, stats_frame
+
+if TYPE_CHECKING:
+    from trio_dpcoord import Coordinator
+
+# trio and trio_dpcoord are imported only by the roles that use them: the baseline
+# forwarder's memory and start-up must not include them.
+
+logger = logging.getLogger(__name__)
+
+
+def _emit(record: dict[str, object]) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+# --- the embedded coordinator ------------------------------------------------------------
+
+
+async def _stdin_lines() -> AsyncIterator[str]:
+    import trio
+
+    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stream:
+        buffer = b""
+        while True:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                yield line.decode()
+
+
+def _paused(coordinator: Coordinator) -> bool:
+    return not coordinator.snapshot().engines_running
+
+
+async def _coordinator_main(args: argparse.Namespace) -> None:
+    import trio
+
+    from trio_dpcoord import open_coordinator
+
+    async with open_coordinator(
+        args.engines,
+        engine_input_address=args.back_pub,
+        engine_output_address=args.back_out,
+        front_address=args.front or None,
+        ready_timeout=None,
+    ) as coordinator:
+        _emit(
+            {
+                "front": coordinator.front_address,
+                "back_pub": coordinator.engine_input_address,
+                "back_out": coordinator.engine_output_address,
+            }
+        )
+        async for line in _stdin_lines():
+            words = line.split()
+            if words and words[0] == "nfr":
+                waves, gap = int(words[1]), float(words[2])
+                starts: list[int] = []
+                for _ in range(waves):
+                    await coordinator.wait_for(_paused)
+                    await trio.sleep(gap)
+                    starts.append(now_ns())
+                    coordinator.notify_first_request(0)
+                _emit({"t0_ns": starts})
+            elif words and words[0] == "counters":
+                counters = coordinator.counters
+                _emit(
+                    {
+                        "engine_messages": counters.engine_messages,
+                        "stats_applied": counters.stats_applied,
+                        "wave_starts": counters.wave_starts,
+                        "rejected": counters.rejected,
+                    }
+                )
+
+
+# --- the baseline forwarder --------------------------------------------------------------
+
+
+def _forwarder_main(args: argparse.Namespace) -> None:
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.bind(args.back_out)
+    xpub = context.socket(zmq.XPUB)
+    xpub.bind(args.back_pub)
+    _emit({"front": None, "back_pub": args.back_pub, "back_out": args.back_out})
+    unpackb = msgpack.unpackb
+    packb = msgpack.packb
+    recv = pull.recv
+    send_multipart = xpub.send_multipart
+    start_frame = b"\x02"
+    total = args.ingest
+    mark = max(1, total // 20) if total else -1
+    count = 0
+    t_mark = 0
+    while True:
+        message = unpackb(recv())
+        count += 1
+        start = message[7]
+        if start is not None:
+            send_multipart([start_frame, packb([start, message[0]])])
+        if count == mark:
+            t_mark = now_ns()
+        elif count == total:
+            seconds = (now_ns() - t_mark) / 1e9
+            _emit({"messages": total - mark, "seconds": seconds})
+
+
+# --- engine pushers ----------------------------------------------------------------------
+
+
+_stop_requested = False
+
+
+def _request_stop(signum: int, frame: FrameType | None) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def _pusher_main(args: argparse.Namespace) -> None:
+    if args.count:
+        # waiting = messages sent so far, so a front publish tells how many were applied
+        frames = [stats_frame(args.engine, i + 1, i + 1) for i in range(args.count)]
+    else:
+        frames = [stats_frame(args.engine, i % 64, i + 1) for i in range(2000)]
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 10_000)
+    push.connect(args.address)
+    signal.signal(signal.SIGTERM, _request_stop)
+    _emit({"ready": True, "frame_bytes": len(frames[0])})
+    if sys.stdin.readline().strip() != "go":
+        return
+    send = push.send
+    start = time.monotonic()
+    sent = 0
+    if args.count:
+        for frame in frames:
+            send(frame)
+        sent = len(frames)
+    else:
+        pool = len(frames)
+        rate = args.rate
+        while not _stop_requested:
+            due = int((time.monotonic() - start) * rate)
+            while sent < due:
+                send(frames[sent % pool])
+                sent += 1
+            time.sleep(0.0005)
+    _emit({"sent": sent, "seconds": time.monotonic() - start})
+    if args.count:
+        sys.stdin.read()  # keep the socket (and its queue) until the runner is done
+    push.close()
+    context.term()
+
+
+def _exec_main(argv: Sequence[str]) -> None:
+    os.execvp(argv[0], list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    set_parent_death_signal()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._procs")
+    roles = parser.add_subparsers(dest="role", required=True)
+    coordinator = roles.add_parser("coordinator")
+    coordinator.add_argument("--engines", type=int, required=True)
+    forwarder = roles.add_parser("forwarder")
+    forwarder.add_argument("--ingest", type=int, default=0)
+    for role in (coordinator, forwarder):
+        role.add_argument("--back-pub", required=True)
+        role.add_argument("--back-out", required=True)
+        role.add_argument("--front")
+    pusher = roles.add_parser("pusher")
+    pusher.add_argument("--address", required=True)
+    pusher.add_argument("--engine", type=int, default=0)
+    pusher.add_argument("--count", type=int, default=0)
+    pusher.add_argument("--rate", type=float, default=1000.0)
+    runner = roles.add_parser("exec")
+    runner.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        if args.role == "coordinator":
+            import trio
+
+            trio.run(_coordinator_main, args)
+        elif args.role == "forwarder":
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            _forwarder_main(args)
+        elif args.role == "pusher":
+            _pusher_main(args)
+        else:
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            _exec_main(command)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

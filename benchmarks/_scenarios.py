@@ -1,0 +1,497 @@
+"""The measurements. Each returns plain dicts; :mod:`benchmarks.run` turns them into rows.
+
+Processes: the coordinator under test (``inproc``: :func:`open_coordinator` in a small
+trio program; ``standalone``: ``python -m trio_dpcoord serve``) or the baseline
+(``forwarder``) runs in its own process; this process plays the engines with blocking
+pyzmq; stats pushers are separate processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import trio
+import zmq
+
+from benchmarks._util import (
+    REPO_ROOT,
+    Child,
+    cpu_ns,
+    procs,
+    python_module,
+    rss_bytes,
+    spawn,
+    summarize_us,
+    with_death_signal,
+)
+from benchmarks._wake import WakeProbe
+from trio_dpcoord import open_coordinator, protocol
+from trio_dpcoord.testing import connect_engines
+
+COORDINATOR_KINDS = ("inproc", "standalone")
+
+
+@dataclass
+class Env:
+    """Where a run keeps its sockets and logs, and how big it is."""
+
+    quick: bool
+    log_dir: Path
+    profile_dir: Path | None = None
+    socket_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dpbench-")))
+    _counter: Iterator[int] = field(default_factory=itertools.count)
+
+    def address(self, name: str) -> str:
+        return f"ipc://{self.socket_dir}/{name}-{next(self._counter)}"
+
+    def cleanup(self) -> None:
+        for path in self.socket_dir.glob("*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        with contextlib.suppress(OSError):
+            self.socket_dir.rmdir()
+
+
+def standalone_unavailable() -> str | None:
+    """Why the standalone CLI cannot be benchmarked, or None if it can."""
+    if importlib.util.find_spec("trio_dpcoord.cli") is None:
+        return "trio_dpcoord/cli.py does not exist yet"
+    result = subprocess.run(
+        python_module("trio_dpcoord", "serve", "--help"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"`python -m trio_dpcoord serve --help` failed: {tail[0]}"
+    return None
+
+
+@contextlib.contextmanager
+def serving(
+    env: Env, kind: str, engines: int, *, ingest: int = 0, with_front: bool = True
+) -> Iterator[tuple[Child, dict[str, Any]]]:
+    """Start a coordinator (or the forwarder baseline); yield it and its endpoints."""
+    back_pub, back_out, front = env.address("bp"), env.address("bo"), env.address("fr")
+    if kind == "inproc":
+        argv = procs(
+            "coordinator",
+            "--engines",
+            str(engines),
+            "--back-pub",
+            back_pub,
+            "--back-out",
+            back_out,
+            "--front",
+            front if with_front else "",
+        )
+    elif kind == "standalone":
+        argv = with_death_signal(
+            python_module(
+                "trio_dpcoord",
+                "serve",
+                "--engines",
+                str(engines),
+                "--back-pub",
+                back_pub,
+                "--back-out",
+                back_out,
+                "--front",
+                front,
+                "--log-level",
+                "WARNING",
+            )
+        )
+    elif kind == "forwarder":
+        argv = procs("forwarder", "--back-pub", back_pub, "--back-out", back_out)
+        if ingest:
+            argv += ["--ingest", str(ingest)]
+    else:
+        raise ValueError(kind)
+    name = f"{kind}-{engines}-{next(env._counter)}"
+    if env.profile_dir is not None and kind != "forwarder":
+        out = env.profile_dir / f"{name}.txt"
+        argv = ["py-spy", "record", "--format", "raw", "--rate", "250", "-o", str(out), "--", *argv]
+    with spawn(name, argv, env.log_dir, eof_grace=3.0) as child:
+        info = child.read_json(60)
+        yield child, info
+
+
+@contextlib.contextmanager
+def pushers(
+    env: Env, address: str, count: int, *, per_pusher: int = 0, rate: float = 0.0, engines: int
+) -> Iterator[list[Child]]:
+    """``count`` pusher processes, started (frames pre-encoded) but not yet told to go."""
+    with contextlib.ExitStack() as stack:
+        children = []
+        for k in range(count):
+            argv = procs("pusher", "--address", address, "--engine", str(k % engines))
+            argv += ["--count", str(per_pusher)] if per_pusher else ["--rate", str(rate)]
+            children.append(stack.enter_context(spawn(f"pusher-{k}", argv, env.log_dir)))
+        for child in children:
+            child.read_json(120)
+        yield children
+
+
+def _stop_paced(children: list[Child]) -> float:
+    """SIGTERM paced pushers; the rate they achieved together (messages/s)."""
+    for child in children:
+        child.popen.send_signal(signal.SIGTERM)
+    total = 0.0
+    for child in children:
+        report = child.read_json(10)
+        total += report["sent"] / max(report["seconds"], 1e-9)
+    return total
+
+
+# --- 1. ingest throughput ----------------------------------------------------------------
+
+
+def ingest(env: Env, kind: str, total: int, pusher_count: int) -> dict[str, Any]:
+    """Decoded-and-applied stats messages per second, with the queue kept full."""
+    per = total // pusher_count
+    total = per * pusher_count
+    if kind == "forwarder":
+        with serving(env, kind, pusher_count, ingest=total) as (child, info):
+            with pushers(
+                env, info["back_out"], pusher_count, per_pusher=per, engines=pusher_count
+            ) as ps:
+                for p in ps:
+                    p.send_line("go")
+                report = child.read_json(300)
+        rate = report["messages"] / report["seconds"]
+        return {"rate": rate, "messages": report["messages"], "seconds": report["seconds"]}
+    with serving(env, kind, pusher_count) as (child, info):
+        with WakeProbe(info["back_pub"], info["back_out"], pusher_count) as probe:
+            probe.wait_ready(expect_ready=True)
+            front = probe.context.socket(zmq.SUB)
+            front.setsockopt(zmq.LINGER, 0)
+            front.setsockopt(zmq.SUBSCRIBE, b"")
+            front.connect(info["front"])
+            with pushers(
+                env, info["back_out"], pusher_count, per_pusher=per, engines=pusher_count
+            ) as ps:
+                for p in ps:
+                    p.send_line("go")
+                samples = _applied_samples(front, total, timeout_s=300)
+    return _rate_from_samples(samples, total)
+
+
+def _applied_samples(
+    front: zmq.Socket[bytes], total: int, timeout_s: float
+) -> list[tuple[int, int]]:
+    """(time, stats applied so far) from each front publish, until all were applied.
+
+    Each pusher's k-th frame reports ``waiting = k``, so the counts a publish carries
+    sum to the number of stats messages the coordinator has applied.
+    """
+    samples: list[tuple[int, int]] = []
+    deadline = time.monotonic() + timeout_s
+    applied = 0
+    while applied < total:
+        if time.monotonic() > deadline or not front.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"only {applied} of {total} stats applied")
+        frame = front.recv()
+        arrived = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        counts = protocol.decode_front_publish(frame).counts
+        if counts is None:
+            continue
+        applied = sum(waiting for waiting, _, _ in counts)
+        samples.append((arrived, applied))
+    return samples
+
+
+def _rate_from_samples(samples: list[tuple[int, int]], total: int) -> dict[str, Any]:
+    """Rate between the first publish past 5% and the last one before 100% (both while
+    the queue was still full), so start-up and the tail do not count."""
+    start = next(s for s in samples if s[1] >= total * 0.05)
+    before_end = [s for s in samples if s[1] < total and s[0] > start[0]]
+    coarse = not before_end
+    end = before_end[-1] if before_end else samples[-1]
+    seconds = (end[0] - start[0]) / 1e9
+    if seconds <= 0:
+        return {"rate": math.nan, "messages": 0, "seconds": 0.0, "coarse": True}
+    messages = end[1] - start[1]
+    return {"rate": messages / seconds, "messages": messages, "seconds": seconds, "coarse": coarse}
+
+
+# --- 2./3. wake latency --------------------------------------------------------------------
+
+
+@dataclass
+class _Subject:
+    """One process under test in an interleaved wake measurement."""
+
+    kind: str
+    child: Child
+    probe: WakeProbe
+    triggers: tuple[str, ...]
+    back_out: str
+
+
+def wake_compare(
+    env: Env,
+    engines: int,
+    waves: int,
+    variants: dict[str, tuple[str, ...]],
+    *,
+    chunk: int = 50,
+    gap_s: float = 0.001,
+    load_rate: float = 0.0,
+    load_pushers: int = 4,
+) -> dict[str, dict[str, Any]]:
+    """Wake latency of several subjects, measured in interleaved chunks of ``chunk`` waves.
+
+    ``variants`` maps a kind (``forwarder``, ``inproc``, ``standalone``) to its
+    triggers (``start_wave``, ``notify_first_request``). Interleaving exposes every
+    subject to the same background noise of a shared machine. With ``load_rate``,
+    paced pushers send that many stats messages per second to every non-forwarder
+    subject (split between them) for the whole measurement.
+    Returns p50/p99/max in microseconds per ``"kind trigger"``.
+    """
+    with contextlib.ExitStack() as stack:
+        subjects: list[_Subject] = []
+        for kind, triggers in variants.items():
+            child, info = stack.enter_context(
+                serving(env, kind, engines, with_front=kind == "standalone")
+            )
+            probe = stack.enter_context(WakeProbe(info["back_pub"], info["back_out"], engines))
+            probe.wait_ready(expect_ready=kind != "forwarder")
+            probe.start_wave_latencies(20, gap_s)  # warm-up
+            subjects.append(_Subject(kind, child, probe, triggers, info["back_out"]))
+        paced: list[Child] = []
+        loaded = [s for s in subjects if s.kind != "forwarder"]
+        if load_rate > 0 and loaded:
+            per_subject = load_rate / load_pushers
+            for subject in loaded:
+                paced += stack.enter_context(
+                    pushers(
+                        env,
+                        subject.back_out,
+                        load_pushers,
+                        rate=per_subject,
+                        engines=engines,
+                    )
+                )
+            for p in paced:
+                p.send_line("go")
+            time.sleep(0.3)
+        latencies: dict[str, list[int]] = {
+            f"{s.kind} {t}": [] for s in subjects for t in s.triggers
+        }
+        done = 0
+        while done < waves:
+            size = min(chunk, waves - done)
+            for subject in subjects:
+                for trigger in subject.triggers:
+                    latencies[f"{subject.kind} {trigger}"] += _chunk(subject, trigger, size, gap_s)
+            done += size
+        achieved = _stop_paced(paced) if paced else 0.0
+    results: dict[str, dict[str, Any]] = {}
+    for label, values in latencies.items():
+        results[label] = dict(summarize_us(values))
+        if load_rate > 0 and not label.startswith("forwarder"):
+            results[label]["load_rate_target"] = load_rate
+            results[label]["load_rate_achieved"] = achieved / max(len(loaded), 1)
+    return results
+
+
+def _chunk(subject: _Subject, trigger: str, waves: int, gap_s: float) -> list[int]:
+    if trigger == "start_wave":
+        return subject.probe.start_wave_latencies(waves, gap_s)
+    subject.child.send_line(f"nfr {waves} {gap_s}")
+    arrivals = subject.probe.answer_waves(waves)
+    starts = subject.child.read_json(60)["t0_ns"]
+    return [a - s for a, s in zip(arrivals, starts, strict=True)]
+
+
+# --- 4. request hot path -------------------------------------------------------------------
+
+
+def _per_call_ns(call: Any, arg: Any, calls: int, repeats: int = 5) -> float:
+    """Best of ``repeats`` loops of ``calls`` calls (timeit's convention), ns per call."""
+    best = math.inf
+    for _ in range(repeats):
+        if arg is None:
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                call()
+            elapsed = time.perf_counter_ns() - t0
+        else:
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                call(arg)
+            elapsed = time.perf_counter_ns() - t0
+        best = min(best, elapsed / calls)
+    return best
+
+
+def hot_path(env: Env, calls: int) -> dict[str, float]:
+    """ns per ``snapshot()`` / ``notify_first_request()`` with the engines running,
+    against reading a tuple under a ``threading.Lock``."""
+    lock = threading.Lock()
+    state = (3, True)
+
+    def read_tuple() -> tuple[int, bool]:
+        with lock:
+            return state
+
+    def read_tuple_arg(engine: int) -> tuple[int, bool]:
+        with lock:
+            return state
+
+    async def measure() -> dict[str, float]:
+        async with open_coordinator(2, ready_timeout=30) as coordinator:
+            async with connect_engines(
+                coordinator.engine_input_address, coordinator.engine_output_address, 2
+            ) as engines:
+                await coordinator.wait_ready()
+                coordinator.notify_first_request(0)
+                for engine in engines[1:]:
+                    with trio.fail_after(10):
+                        await engine.next_broadcast()  # READY
+                        await engine.next_broadcast()  # START_DP_WAVE
+                assert coordinator.snapshot().engines_running
+                return {
+                    "snapshot_ns": _per_call_ns(coordinator.snapshot, None, calls),
+                    "notify_first_request_ns": _per_call_ns(
+                        coordinator.notify_first_request, 0, calls
+                    ),
+                    "engine_loads_ns": _per_call_ns(coordinator.engine_loads, None, calls),
+                    "baseline_ns": _per_call_ns(read_tuple, None, calls),
+                    "baseline_arg_ns": _per_call_ns(read_tuple_arg, 0, calls),
+                }
+
+    return trio.run(measure)
+
+
+# --- 5. scale ------------------------------------------------------------------------------
+
+
+def scale_point(env: Env, kind: str, engines: int, waves: int) -> dict[str, float]:
+    """Resident memory and CPU per wave with ``engines`` engines connected (sub + push)."""
+    with serving(env, kind, engines) as (child, info):
+        with WakeProbe(info["back_pub"], info["back_out"], engines, push_per_engine=True) as probe:
+            probe.wait_ready(expect_ready=kind != "forwarder", timeout_s=60)
+            probe.send_stats_from_all()
+            probe.start_wave_latencies(10, 0.0005)
+            time.sleep(0.3)
+            rss = rss_bytes(child.pid)
+            cpu0 = cpu_ns(child.pid)
+            latencies = probe.start_wave_latencies(waves, 0.0005)
+            cpu1 = cpu_ns(child.pid)
+    return {
+        "rss_mib": rss / 2**20,
+        "cpu_per_wave_us": (cpu1 - cpu0) / waves / 1000,
+        "wake_p50_us": summarize_us(latencies)["p50"],
+    }
+
+
+def front_publish_cost(engines: int, calls: int) -> dict[str, float]:
+    """ns per timed front publish (lock, counts, encode) against ``msgpack.packb``."""
+
+    async def measure() -> dict[str, float]:
+        with tempfile.TemporaryDirectory(prefix="dpbench-") as tmp:
+            async with open_coordinator(
+                engines, front_address=f"ipc://{tmp}/front", ready_timeout=None
+            ) as coordinator:
+                for index in range(engines):
+                    coordinator._loads.apply_stats(index, index, 4, 0.25, wave=0, step=1)
+                take = coordinator._take_timed_publish
+
+                def publish() -> bytes:
+                    coordinator._loads.stats_changed = True
+                    return take()
+
+                counts = [[index, 4, 0.25] for index in range(engines)]
+                message = [counts, 3, True]
+                packb = msgpack.packb
+                return {
+                    "publish_ns": _per_call_ns(publish, None, calls),
+                    "baseline_ns": _per_call_ns(packb, message, calls),
+                    "bytes": float(len(publish())),
+                }
+
+    return trio.run(measure)
+
+
+# --- 6. end to end -------------------------------------------------------------------------
+
+
+LAUNCHER = REPO_ROOT / "examples" / "launch_cluster.py"
+
+
+def end_to_end(env: Env, timeout_s: float) -> dict[str, Any]:
+    """``examples/launch_cluster.py --json`` at its defaults; its last stdout line."""
+    argv = with_death_signal([sys.executable, str(LAUNCHER), "--json"])
+    log_path = env.log_dir / "launch_cluster.log"
+    with spawn("launch_cluster", argv, env.log_dir) as child:
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        last: dict[str, Any] | None = None
+        with contextlib.suppress(RuntimeError):  # EOF: it exited
+            while time.monotonic() < deadline:
+                last = child.read_json(max(deadline - time.monotonic(), 0.1))
+        wall = time.monotonic() - t0
+        status = child.popen.wait(timeout=30)
+    if status != 0 or last is None:
+        raise RuntimeError(f"launch_cluster.py exited {status}; see {log_path}")
+    last["wall_seconds"] = wall
+    return last
+
+
+def e2e_unavailable() -> str | None:
+    if not LAUNCHER.exists():
+        return "examples/launch_cluster.py does not exist yet"
+    return None
+
+
+def machine() -> dict[str, str]:
+    uname = os.uname()
+    return {
+        "uname": " ".join(
+            (uname.sysname, uname.nodename, uname.release, uname.version, uname.machine)
+        ),
+        "nproc": str(os.cpu_count()),
+        "python": sys.version.split()[0],
+        "trio": trio.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+
+
+def _finite(value: object) -> object:
+    """NaN/inf become null: strict JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dump(path: Path, value: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_finite(value), indent=2, allow_nan=False)
+    path.write_text(text + "\n")

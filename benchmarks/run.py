@@ -1,0 +1,473 @@
+"""Entry point: ``python -m benchmarks [--quick] [--json PATH] [--only SECTIONS]``.
+
+Every figure is printed next to a baseline measured in the same run on the same machine,
+and as a ratio to it; see ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import _scenarios as sc
+from benchmarks._util import REPO_ROOT
+
+logger = logging.getLogger("benchmarks")
+
+SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e")
+E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
+LOAD_FRACTION = 0.5
+"""Stats load during (3), as a fraction of the coordinator's ingest throughput from (1):
+at 1.0 it would be saturated by definition and latency would be its queue length."""
+
+
+@dataclass
+class Row:
+    """One figure: value next to its same-run baseline, the ratio, and the target."""
+
+    section: str
+    figure: str
+    value: float | None
+    unit: str
+    baseline: float | None = None
+    baseline_label: str = ""
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.value is None or not self.baseline:
+            return None
+        return self.value / self.baseline
+
+
+@dataclass
+class Sizes:
+    ingest_total: int
+    ingest_rounds: int
+    ingest_pushers: int
+    waves: int
+    wake_engines: tuple[int, ...]
+    load_engines: tuple[int, ...]
+    hot_calls: int
+    scale_engines: tuple[int, ...]
+    scale_waves: int
+    publish_calls: int
+    e2e_timeout_s: float
+
+
+QUICK = Sizes(
+    ingest_total=160_000,
+    ingest_rounds=2,
+    ingest_pushers=4,
+    waves=300,
+    wake_engines=(2, 8, 64),
+    load_engines=(8,),
+    hot_calls=200_000,
+    scale_engines=(2, 16, 64, 128, 256),
+    scale_waves=100,
+    publish_calls=2_000,
+    e2e_timeout_s=60,
+)
+FULL = Sizes(
+    ingest_total=400_000,
+    ingest_rounds=3,
+    ingest_pushers=4,
+    waves=2_000,
+    wake_engines=(2, 8, 64),
+    load_engines=(2, 8, 64),
+    hot_calls=1_000_000,
+    scale_engines=(2, 4, 8, 16, 32, 64, 128, 256),
+    scale_waves=500,
+    publish_calls=10_000,
+    e2e_timeout_s=300,
+)
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,} {unit}".strip()
+    if abs(value) >= 1000:
+        text = f"{value:,.0f}"
+    elif abs(value) >= 10:
+        text = f"{value:.1f}"
+    else:
+        text = f"{value:.2f}"
+    return f"{text} {unit}".strip()
+
+
+def render(rows: Sequence[Row]) -> str:
+    header = ("section", "figure", "value", "baseline (same run)", "ratio", "target", "met")
+    lines = [header]
+    for r in rows:
+        ratio = r.ratio
+        met = {True: "yes", False: "NO", None: ""}[r.met]
+        value = _fmt(r.value, r.unit) if r.value is not None else (r.note or "-")
+        baseline = f"{_fmt(r.baseline, r.unit)} {r.baseline_label}".strip() if r.baseline else ""
+        lines.append(
+            (
+                r.section,
+                r.figure,
+                value,
+                baseline,
+                f"{ratio:.2f}x" if ratio is not None else "",
+                r.target,
+                met,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["| " + " | ".join(c.ljust(w) for c, w in zip(lines[0], widths, strict=True)) + " |"]
+    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in lines[1:]:
+        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+    return "\n".join(out)
+
+
+class Runner:
+    def __init__(self, env: sc.Env, sizes: Sizes) -> None:
+        self.env = env
+        self.sizes = sizes
+        self.rows: list[Row] = []
+        self.details: dict[str, Any] = {}
+        self.standalone_reason = sc.standalone_unavailable()
+
+    def guarded(self, section: str, figure: str, step: Callable[[], None]) -> None:
+        """Run one measurement; a failure becomes a row saying so, not a crash."""
+        try:
+            step()
+        except Exception as exc:
+            logger.error("%s / %s failed:\n%s", section, figure, traceback.format_exc())
+            self.rows.append(Row(section, figure, None, "", note=f"failed: {exc!r}"[:160]))
+
+    def skipped(self, section: str, figure: str, reason: str) -> None:
+        self.rows.append(Row(section, figure, None, "", note=f"skipped: {reason}"))
+
+    # -- 1 ---------------------------------------------------------------------------------
+
+    def ingest(self) -> None:
+        """Rounds of (forwarder, inproc, standalone), interleaved; best round of each.
+
+        Background load on a shared machine only ever slows a run down, so the best
+        round is the least disturbed one, for the baseline and the coordinator alike.
+        """
+        s = self.sizes
+        kinds = ["forwarder", *sc.COORDINATOR_KINDS]
+        if self.standalone_reason:
+            kinds.remove("standalone")
+        runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+        failures: dict[str, str] = {}
+        for _ in range(s.ingest_rounds):
+            for kind in kinds:
+                if kind in failures:
+                    continue
+                try:
+                    runs[kind].append(sc.ingest(self.env, kind, s.ingest_total, s.ingest_pushers))
+                except Exception as exc:
+                    logger.error("ingest %s failed:\n%s", kind, traceback.format_exc())
+                    failures[kind] = f"failed: {exc!r}"[:160]
+        best = {kind: max(r, key=lambda x: x["rate"]) for kind, r in runs.items() if r}
+        self.details["ingest_rounds"] = runs
+        for kind, result in best.items():
+            self.details[f"ingest_{kind}"] = result
+        base = best.get("forwarder")
+        for kind in sc.COORDINATOR_KINDS:
+            figure = f"ingest, {kind} ({s.ingest_pushers} pushers)"
+            if kind == "standalone" and self.standalone_reason:
+                self.skipped("1 ingest", figure, self.standalone_reason)
+                continue
+            if kind not in best or base is None:
+                note = failures.get(kind) or failures.get("forwarder", "failed")
+                self.rows.append(Row("1 ingest", figure, None, "", note=note))
+                continue
+            rates = ", ".join(f"{r['rate']:,.0f}" for r in runs[kind])
+            row = Row(
+                "1 ingest",
+                figure,
+                best[kind]["rate"],
+                "msg/s",
+                base["rate"],
+                "PULL+unpackb loop",
+                ">= 0.5x",
+                note=f"rounds: {rates}",
+            )
+            row.met = row.ratio is not None and row.ratio >= 0.5
+            if best[kind].get("coarse"):
+                row.note += "; coarse: drained within one publish interval"
+            self.rows.append(row)
+
+    # -- 2 ---------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        s = self.sizes
+        for n in s.wake_engines:
+            variants: dict[str, tuple[str, ...]] = {
+                "forwarder": ("start_wave",),
+                "inproc": ("start_wave", "notify_first_request"),
+            }
+            if n == 8:
+                if self.standalone_reason:
+                    self.skipped("2 wake", f"N={n} standalone", self.standalone_reason)
+                else:
+                    variants["standalone"] = ("start_wave",)
+            result = sc.wake_compare(self.env, n, s.waves, variants)
+            self.details[f"wake_{n}"] = result
+            base = result["forwarder start_wave"]
+            for label, values in result.items():
+                if label.startswith("forwarder"):
+                    continue
+                for stat, limit in (("p50", 2.0), ("p99", 3.0), ("max", None)):
+                    row = Row(
+                        "2 wake",
+                        f"N={n} {label} {stat}",
+                        values[stat],
+                        "us",
+                        base[stat],
+                        "forwarder",
+                    )
+                    if n == 8 and limit is not None:
+                        row.target = f"<= {limit:g}x"
+                        row.met = row.ratio is not None and row.ratio <= limit
+                    self.rows.append(row)
+
+    # -- 3 ---------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        s = self.sizes
+        inproc_rate = self.details.get("ingest_inproc", {}).get("rate")
+        if not inproc_rate:
+            inproc_rate = sc.ingest(self.env, "inproc", s.ingest_total // 2, s.ingest_pushers)[
+                "rate"
+            ]
+        rate = LOAD_FRACTION * inproc_rate
+        for n in s.load_engines:
+            idle_key = f"wake_{n}"
+            if idle_key not in self.details:
+                self.details[idle_key] = sc.wake_compare(
+                    self.env, n, s.waves, {"forwarder": ("start_wave",)}
+                )
+            idle = self.details[idle_key]["forwarder start_wave"]
+            result = sc.wake_compare(
+                self.env, n, s.waves, {"inproc": ("start_wave",)}, load_rate=rate
+            )["inproc start_wave"]
+            self.details[f"load_{n}"] = result
+            note = (
+                f"stats at {result['load_rate_achieved']:,.0f} msg/s"
+                f" ({LOAD_FRACTION:g} x the inproc ingest rate of (1))"
+            )
+            for stat in ("p50", "p99", "max"):
+                row = Row(
+                    "3 wake+load",
+                    f"N={n} inproc start_wave {stat}",
+                    result[stat],
+                    "us",
+                    idle[stat],
+                    "idle forwarder",
+                    note=note if stat == "p99" else "",
+                )
+                if n == 8 and stat == "p99":
+                    row.target = "<= 5x"
+                    row.met = row.ratio is not None and row.ratio <= 5.0
+                self.rows.append(row)
+
+    # -- 4 ---------------------------------------------------------------------------------
+
+    def hot(self) -> None:
+        result = sc.hot_path(self.env, self.sizes.hot_calls)
+        self.details["hot_path"] = result
+        for name, key, base_key in (
+            ("snapshot()", "snapshot_ns", "baseline_ns"),
+            ("notify_first_request() while running", "notify_first_request_ns", "baseline_arg_ns"),
+            ("engine_loads() (2 engines)", "engine_loads_ns", "baseline_ns"),
+        ):
+            row = Row("4 hot path", name, result[key], "ns", result[base_key], "tuple under Lock")
+            if key != "engine_loads_ns":
+                row.target = "<= 3x"
+                row.met = row.ratio is not None and row.ratio <= 3.0
+            self.rows.append(row)
+
+    # -- 5 ---------------------------------------------------------------------------------
+
+    def scale(self) -> None:
+        s = self.sizes
+        points: dict[str, dict[int, dict[str, float]]] = {"inproc": {}, "forwarder": {}}
+        for n in s.scale_engines:
+            for kind in ("forwarder", "inproc"):
+                points[kind][n] = sc.scale_point(self.env, kind, n, s.scale_waves)
+            pub = sc.front_publish_cost(n, s.publish_calls)
+            points["inproc"][n]["front_publish_us"] = pub["publish_ns"] / 1000
+            points["forwarder"][n]["front_publish_us"] = pub["baseline_ns"] / 1000
+        self.details["scale"] = {k: {str(n): v for n, v in p.items()} for k, p in points.items()}
+        coord, base = points["inproc"], points["forwarder"]
+        for n in s.scale_engines:
+            rss = Row(
+                "5 scale", f"RSS N={n}", coord[n]["rss_mib"], "MiB", base[n]["rss_mib"], "forwarder"
+            )
+            if n == 256:
+                rss.target = "< 50 MiB"
+                rss.met = coord[n]["rss_mib"] < 50
+            self.rows.append(rss)
+        for n in s.scale_engines:
+            self.rows.append(
+                Row(
+                    "5 scale",
+                    f"CPU per wave N={n}",
+                    coord[n]["cpu_per_wave_us"],
+                    "us",
+                    base[n]["cpu_per_wave_us"],
+                    "forwarder",
+                )
+            )
+        for n in s.scale_engines:
+            self.rows.append(
+                Row(
+                    "5 scale",
+                    f"front publish N={n}",
+                    coord[n]["front_publish_us"],
+                    "us",
+                    base[n]["front_publish_us"],
+                    "msgpack.packb",
+                )
+            )
+        slope, r2 = _linear_fit([(n, coord[n]["rss_mib"]) for n in s.scale_engines])
+        base_slope, _ = _linear_fit([(n, base[n]["rss_mib"]) for n in s.scale_engines])
+        fit = Row(
+            "5 scale",
+            "RSS growth per engine",
+            slope * 1024,
+            "KiB",
+            base_slope * 1024,
+            "forwarder",
+            "linear",
+            r2 >= 0.9 or slope * 1024 < 64,
+            note=f"least squares over N, R^2 = {r2:.3f}",
+        )
+        self.rows.append(fit)
+
+    # -- 6 ---------------------------------------------------------------------------------
+
+    def e2e(self) -> None:
+        reason = sc.e2e_unavailable()
+        if reason:
+            self.skipped("6 end to end", "launch_cluster.py", reason)
+            return
+        summary = sc.end_to_end(self.env, self.sizes.e2e_timeout_s)
+        self.details["e2e"] = summary
+        requests = summary.get("completed", summary.get("requests"))
+        seconds = summary.get("duration_s") or summary.get("elapsed_s")
+        rps = summary.get("requests_per_s") or summary.get("rps")
+        if rps is None and requests and seconds:
+            rps = requests / seconds
+        note = "" if rps is not None else "no requests/s or elapsed figure in its summary"
+        self.rows.append(Row("6 end to end", "launch_cluster requests/s", rps, "req/s", note=note))
+        wake = summary.get("wake_latency_ms") or {}
+        for stat in ("p50", "p99"):
+            value = wake.get(stat)
+            note = "not in its summary" if value is None else E2E_WAKE_NOTE
+            self.rows.append(
+                Row(
+                    "6 end to end",
+                    f"launch_cluster wake {stat}",
+                    None if value is None else value * 1000,
+                    "us",
+                    note=note if stat == "p50" else "",
+                )
+            )
+        errors = summary.get("errors")
+        self.rows.append(
+            Row(
+                "6 end to end",
+                "launch_cluster errors",
+                errors,
+                "",
+                target="0",
+                met=None if errors is None else errors == 0,
+            )
+        )
+
+
+def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope and R^2 of y over x."""
+    n = len(points)
+    if n < 2:
+        return math.nan, math.nan
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    syy = sum((y - my) ** 2 for _, y in points)
+    slope = sxy / sxx if sxx else math.nan
+    r2 = (sxy * sxy) / (sxx * syy) if sxx and syy else 1.0
+    return slope, r2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="trio_dpcoord benchmarks, each figure next to a same-run baseline.",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="run coordinator processes under `py-spy record --format raw` into DIR "
+        "(profiling aid: RSS and CPU figures then describe py-spy, not the coordinator)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("trio_dpcoord").setLevel(logging.WARNING)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    log_dir = REPO_ROOT / "benchmarks" / "results" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    env = sc.Env(quick=args.quick, log_dir=log_dir, profile_dir=args.profile)
+    runner = Runner(env, QUICK if args.quick else FULL)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        for section in SECTIONS:
+            if section in sections:
+                logger.info("running %s", section)
+                runner.guarded(section, "(section)", getattr(runner, section))
+    finally:
+        env.cleanup()
+    elapsed = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+    mode = "quick" if args.quick else "full"
+    host = sc.machine()
+    meta = {
+        "date": started.isoformat(timespec="seconds"),
+        "mode": mode,
+        "elapsed_s": round(elapsed, 1),
+        "machine": host,
+        "standalone": runner.standalone_reason or "available",
+    }
+    print(f"\ntrio_dpcoord benchmarks ({mode}), {meta['date']}, {elapsed:.0f} s")
+    print(
+        f"machine: {host['uname']}, {host['nproc']} CPUs, Python {host['python']}, "
+        f"pyzmq {host['pyzmq']} (libzmq {host['libzmq']}), trio {host['trio']}\n"
+    )
+    print(render(runner.rows))
+    if args.json:
+        rows = [dict(asdict(r), ratio=r.ratio) for r in runner.rows]
+        sc.dump(args.json, {"meta": meta, "figures": rows, "details": runner.details})
+        print(f"\nJSON written to {args.json}")
+    return 0
