@@ -61,6 +61,9 @@ class HandCoordinator:
     async def open_gate(self, engines: int) -> None:
         for _ in range(engines):
             assert await self.xpub.recv() == protocol.SUBSCRIBE
+        # every simulated engine announces itself (one zero stats report) before READY
+        announced = [await self.next_output() for _ in range(engines)]
+        assert sorted(o.engine_index for o in announced) == list(range(engines))
         await self.xpub.send(protocol.READY)
 
     async def start_dp_wave(self, wave: int, exclude: int | None) -> None:

@@ -12,6 +12,13 @@ Two tasks, one way each::
     scale(), notify_first_request() ─► [send channel] ─► sender ─► XSUB ─► coordinator
 
 The sender is the only code that sends on the XSUB (its subscription included).
+
+A third task follows the connection itself (a ZeroMQ socket monitor plus ZMTP
+heartbeats): a lost connection is logged at once, and with ``coordinator_timeout`` the
+front-end gives up with :class:`CoordinatorError` instead of following a dead coordinator
+forever (vLLM issue #32136). ZeroMQ reconnects by itself and the XSUB re-sends its
+subscription, so a coordinator restarted on the same address is followed again and its
+next publish arrives.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import zmq
 from . import protocol
 from ._balance import EngineChooser
 from ._errors import CoordinatorClosedError, CoordinatorError
+from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
 from ._service import _only, _RejectLog
 from ._state import EngineLoad, WaveSnapshot
 from .trio_zmq import AsyncSocket, open_context, open_socket
@@ -38,6 +46,9 @@ if sys.version_info < (3, 11):  # pragma: no cover
 __all__ = ["Frontend", "open_frontend"]
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 5.0
+"""The coordinator publishes at least this often (PublishSchedule's heartbeat)."""
 
 
 class Frontend:
@@ -71,6 +82,8 @@ class Frontend:
         self._reject = _RejectLog()
         self._observers = trio.lowlevel.ParkingLot()
         self._send, self._send_queue = trio.open_memory_channel[bytes](math.inf)
+        self._monitor: ConnectionMonitor | None = None
+        self._lost: CoordinatorError | None = None
 
     # --- reading the coordinator's state ---------------------------------------------
 
@@ -106,6 +119,16 @@ class Frontend:
         """
         since = self.last_publish_time if self.last_publish_time is not None else self._opened_at
         return trio.current_time() - since
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection to the coordinator's front socket is up now."""
+        return self._monitor is not None and self._monitor.connected
+
+    @property
+    def disconnects(self) -> int:
+        """How many times the connection to the coordinator dropped."""
+        return self._monitor.disconnects if self._monitor is not None else 0
 
     async def wait_for(self, predicate: Callable[[Frontend], bool]) -> None:
         """Wait until ``predicate(self)`` holds; re-checked after every batch of publishes.
@@ -238,6 +261,59 @@ class Frontend:
                 self._counts = latest_counts
             self._observers.unpark_all()
 
+    def _give_up_at(self, monitor: ConnectionMonitor, timeout: float | None) -> float:
+        if timeout is None:
+            return math.inf
+        if monitor.down_since is not None:
+            return monitor.down_since + timeout
+        since = self.last_publish_time or self._opened_at
+        return since + max(timeout, 2 * HEARTBEAT_INTERVAL)
+
+    async def _watch_connection(
+        self,
+        monitor: ConnectionMonitor,
+        give_up_after: float | None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Log connection drops at once; with ``give_up_after``, raise when the coordinator
+        is gone: the connection down that long, or no publish for
+        ``max(give_up_after, 2 * HEARTBEAT_INTERVAL)`` s while connected (a hung one)."""
+        task_status.started()
+        seen_disconnects = 0
+        timeout = give_up_after
+        while True:
+            with trio.move_on_at(self._give_up_at(monitor, timeout)):
+                await monitor.wait_changed()
+                if monitor.disconnects > seen_disconnects:
+                    seen_disconnects = monitor.disconnects
+                    logger.warning(
+                        "lost the connection to the coordinator at %s (last wave %d); reconnecting",
+                        self.front_address,
+                        self._snapshot.current_wave,
+                    )
+                elif monitor.connected:
+                    logger.info("connected to the coordinator at %s", self.front_address)
+                continue
+            if trio.current_time() < self._give_up_at(monitor, timeout):
+                continue  # a publish or a reconnection moved the deadline
+            if monitor.down_since is not None:
+                why = (
+                    f"connection down for {monitor.down_for():.1f} s"
+                    if monitor.ever_connected
+                    else "never connected"
+                )
+            else:
+                why = "connected, but silent"
+            message = (
+                f"no publish from the coordinator at {self.front_address} for "
+                f"{self.coordinator_silent_for():.1f} s ({why}; coordinator_timeout "
+                f"{timeout:g} s): it is gone"
+            )
+            logger.error("%s", message)
+            self._lost = CoordinatorError(message)
+            raise self._lost
+
     def _close(self) -> None:
         self._closed = True
         self._send.close()
@@ -251,6 +327,7 @@ async def open_frontend(
     client_index: int = 0,
     client_count: int = 1,
     engine_count: int | None = None,
+    coordinator_timeout: float | None = None,
 ) -> AsyncIterator[Frontend]:
     """Follow a coordinator's front socket for the duration of the block.
 
@@ -260,7 +337,15 @@ async def open_frontend(
     lets :meth:`Frontend.choose_engine` work before the first publish arrives.
 
     Yields once the XSUB is connected and subscribed (the coordinator answers a
-    subscription with a publish as soon as its start-up gate is open). Leaving the
+    subscription with a publish as soon as its start-up gate is open). A dropped
+    connection is logged at once (WARNING); ZeroMQ reconnects and re-subscribes, so a
+    coordinator restarted on the same address is followed again. With
+    ``coordinator_timeout`` the block is cancelled and :class:`CoordinatorError` ("no
+    publish from the coordinator ... it is gone", also logged at ERROR) raised when the
+    connection has been down that long (a dead coordinator process drops it at once; an
+    unreachable host after the 3 s heartbeat timeout), or when no publish came for
+    ``max(coordinator_timeout, 10)`` s while connected (a healthy coordinator publishes
+    at least every 5 s). Leaving the
     block stops both tasks and closes the socket; a failure inside raises
     :class:`CoordinatorError` with the original exceptions as its cause; an exception
     from the block itself propagates unchanged.
@@ -269,6 +354,8 @@ async def open_frontend(
         raise ValueError("need client_count >= 1 and 0 <= client_index < client_count")
     if engine_count is not None and engine_count < 1:
         raise ValueError(f"engine_count must be positive, got {engine_count!r}")
+    if coordinator_timeout is not None and not coordinator_timeout > 0:
+        raise ValueError(f"coordinator_timeout must be positive, got {coordinator_timeout!r}")
     handle = Frontend(
         front_address,
         client_index=client_index,
@@ -281,8 +368,13 @@ async def open_frontend(
             context = await stack.enter_async_context(open_context())
             try:
                 sub = await stack.enter_async_context(
-                    open_socket(context, zmq.XSUB, connect=front_address, options={zmq.LINGER: 0})
+                    open_socket(context, zmq.XSUB, options={zmq.LINGER: 0, **HEARTBEAT_OPTIONS})
                 )
+                # Monitored before connecting, so that the first handshake is seen.
+                handle._monitor = await stack.enter_async_context(
+                    open_connection_monitor(context, sub, "front-end coordinator link")
+                )
+                sub.connect(front_address)
             except zmq.ZMQError as exc:
                 raise CoordinatorError(
                     f"cannot connect to the coordinator's front socket {front_address!r}: {exc}"
@@ -291,6 +383,10 @@ async def open_frontend(
                 async with trio.open_nursery() as nursery:
                     await nursery.start(handle._publish_receiver, sub)
                     await nursery.start(handle._sender, sub)
+                    await nursery.start(handle._monitor.run)
+                    await nursery.start(
+                        handle._watch_connection, handle._monitor, coordinator_timeout
+                    )
                     logger.info(
                         "front-end %d of %d following the coordinator at %s",
                         client_index,
@@ -312,6 +408,10 @@ async def open_frontend(
                     1
                 ]
                 if internal is not None:
+                    if handle._lost is not None and _only(
+                        internal, lambda e: e is handle._lost or isinstance(e, trio.Cancelled)
+                    ):
+                        raise handle._lost from None
                     raise CoordinatorError(f"front-end task failed: {internal!r}") from internal
             if body_error is not None:
                 raise body_error

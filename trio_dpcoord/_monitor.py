@@ -52,8 +52,9 @@ class ConnectionMonitor:
     never connected yet; None while connected.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pair: AsyncSocket) -> None:
         self.name = name
+        self._pair = pair
         self.connected = False
         self.ever_connected = False
         self.down_since: float | None = trio.current_time()
@@ -86,12 +87,11 @@ class ConnectionMonitor:
             return
         self._changed.unpark_all()
 
-    async def _run(
-        self, pair: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply the monitor's events until cancelled; start it in the caller's nursery."""
         task_status.started()
         while True:
-            frames = await pair.recv_multipart()
+            frames = await self._pair.recv_multipart()
             try:
                 event = int(parse_monitor_message(frames)["event"])
             except (ValueError, KeyError, TypeError) as exc:
@@ -106,21 +106,25 @@ class ConnectionMonitor:
 async def open_connection_monitor(
     context: zmq.Context[zmq.Socket[bytes]], socket: AsyncSocket, name: str
 ) -> AsyncIterator[ConnectionMonitor]:
-    """Watch ``socket``'s connection for the duration of the block (a task reads the
-    monitor's PAIR socket). Enter it before the socket has a chance to connect, so that
-    the first handshake is seen."""
-    monitor = ConnectionMonitor(name)
+    """Watch ``socket``'s connection for the duration of the block: start
+    :meth:`ConnectionMonitor.run` in a nursery inside it. Enter it before the socket has
+    a chance to connect, so that the first handshake is seen. (No nursery of its own, so
+    exceptions pass through the block unwrapped.)"""
     address = f"inproc://trio-dpcoord-monitor-{id(socket):x}-{next(_counter)}"
     socket.zmq_socket.monitor(address, _EVENTS)
     try:
         async with open_socket(context, zmq.PAIR, connect=address) as pair:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(monitor._run, pair)
-                try:
-                    yield monitor
-                finally:
-                    nursery.cancel_scope.cancel()
+            try:
+                yield ConnectionMonitor(name, pair)
+            finally:
+                # Stop the monitor while its PAIR peer still exists: libzmq sends a last
+                # event on stopping, and that send would block forever with no peer.
+                _stop(socket)
     finally:
-        if not socket.closed:
-            with contextlib.suppress(zmq.ZMQError):  # the context may already be gone
-                socket.zmq_socket.disable_monitor()
+        _stop(socket)
+
+
+def _stop(socket: AsyncSocket) -> None:
+    if not socket.closed:
+        with contextlib.suppress(zmq.ZMQError):  # already stopped, or the context is gone
+            socket.zmq_socket.disable_monitor()

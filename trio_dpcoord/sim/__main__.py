@@ -10,6 +10,7 @@ starting with ``trio_dpcoord.sim engine rank R:``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -62,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
         help="exit when stdin closes (the parent died): no orphan engines",
     )
     p.add_argument("--log-level", default="WARNING")
+    soak = commands.add_parser("soak", help="run the long soak against `trio-dpcoord serve`")
+    soak.add_argument("--waves", type=int, default=10_000)
+    soak.add_argument("--messages", type=int, default=1_000_000)
+    soak.add_argument("--engines", type=int, default=4)
+    soak.add_argument("--warmup-waves", type=int, default=1_000)
+    soak.add_argument("--pause-every", type=int, default=200)
+    soak.add_argument("--push-pause", type=float, default=0.01)
+    soak.add_argument("--log-level", default="INFO")
     return parser
 
 
@@ -97,8 +106,29 @@ async def _main(config: EngineConfig, exit_on_eof: bool) -> None:
         raise failure
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from .soak import SoakConfig, run_soak
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = SoakConfig(
+        waves=args.waves,
+        messages=args.messages,
+        engines=args.engines,
+        warmup_waves=args.warmup_waves,
+        pause_every=args.pause_every,
+        push_pause=args.push_pause,
+    )
+    report = trio.run(run_soak, config)
+    print(json.dumps(report.to_json()), flush=True)
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "soak":
+        return _soak(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s rank {args.rank} %(levelname)s %(name)s: %(message)s",

@@ -195,6 +195,8 @@ class Progress:
     running: bool
     engine_pending: tuple[int, ...]
     engine_running: tuple[bool, ...]
+    engine_pids: tuple[int, ...] = ()
+    """The engine processes by rank (for tools that inject faults)."""
 
 
 def _child_environment() -> dict[str, str]:
@@ -216,8 +218,14 @@ def _default_log_line(line: str) -> None:
 class _Fleet:
     """The engine processes: spawned, watched, and always reaped."""
 
-    def __init__(self, report: ClusterReport, log_line: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        report: ClusterReport,
+        log_line: Callable[[str], None],
+        frontend: SimFrontend | None = None,
+    ) -> None:
         self.report = report
+        self.frontend = frontend
         self.processes: list[trio.Process] = []
         self.stopping = False
         self.on_failure: Callable[[], None] = lambda: None
@@ -226,7 +234,21 @@ class _Fleet:
     async def watch(self, rank: int, process: trio.Process) -> None:
         code = await process.wait()
         if not self.stopping:
-            message = f"engine {rank} (pid {process.pid}) exited with status {code}"
+            # Which wave the rank was in, from its last status event at the front-end.
+            where = "before its first wave"
+            if self.frontend is not None:
+                wave = self.frontend.engine_wave[rank]
+                if self.frontend.engine_running[rank]:
+                    where = f"during wave {wave}"
+                elif wave or 0 in self.frontend.waves_completed:
+                    where = f"idle after wave {wave}"
+            status = f"status {code}"
+            if code < 0:
+                status += f" ({signal.Signals(-code).name})"
+            message = (
+                f"engine {rank} (pid {process.pid}) vanished {where}: rank {rank} "
+                f"exited with {status}"
+            )
             self.report.engine_failures.append(message)
             logger.error("%s", message)
             self.on_failure()
@@ -284,7 +306,7 @@ async def _engine_fleet(
     report: ClusterReport,
     log_line: Callable[[str], None],
 ) -> AsyncIterator[_Fleet]:
-    fleet = _Fleet(report, log_line)
+    fleet = _Fleet(report, log_line, frontend)
     async with trio.open_nursery() as nursery:
         try:
             for rank in range(config.engines):
@@ -451,6 +473,7 @@ async def _monitor(
                     running=snapshot.engines_running,
                     engine_pending=frontend.per_engine_pending(),
                     engine_running=tuple(frontend.engine_running),
+                    engine_pids=tuple(report.engine_pids),
                 )
             )
         await trio.sleep(0.1)

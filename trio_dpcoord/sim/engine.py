@@ -193,6 +193,11 @@ class SimEngine:
         self._frontend: AsyncSocket | None = None
         self._collective: CollectiveClient | None = None
 
+    @property
+    def ready(self) -> bool:
+        """Whether READY arrived from the coordinator."""
+        return self._ready.is_set()
+
     # --- receivers -------------------------------------------------------------------
 
     async def _broadcast_receiver(
@@ -617,6 +622,7 @@ class SimEngine:
                 await nursery.start(host.run)
             await nursery.start(self._broadcast_receiver, sub)
             await self._announce()
+            await nursery.start(monitor.run)
             nursery.start_soon(self._watch_coordinator, monitor)
             await self._ready.wait()
             await nursery.start(self._request_receiver, dealer)

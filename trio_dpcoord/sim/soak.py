@@ -1,0 +1,228 @@
+"""A long run of the simulated cluster against the standalone coordinator (issue 7, soak).
+
+``python -m trio_dpcoord.sim soak --waves 10000 --messages 1000000`` starts
+``trio-dpcoord serve``, a simulated engine fleet and a front-end that sends tiny bursts
+(1-2 requests of 1-2 tokens, no gap) so that waves are short, and pauses/resumes every
+``pause_every`` bursts. Because a real wave produces only a dozen engine messages, bare
+stats pushers (:mod:`trio_dpcoord.testing` peers, not subscribed) add load on the
+coordinator's engine output socket until the total reaches ``messages``. It samples the
+coordinator process's resident memory (``VmRSS``) after a warm-up and at the end, and
+reports waves, messages, stranded requests and wave regressions.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import tempfile
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .. import open_frontend
+from ..testing import connect_engines
+from .cluster import ClusterConfig, ClusterReport, _engine_fleet, _serve_process
+from .frontend import LoadPlan, open_sim_frontend
+
+__all__ = ["SoakConfig", "SoakReport", "run_soak", "vm_rss_kib"]
+
+logger = logging.getLogger(__name__)
+
+
+def vm_rss_kib(pid: int) -> int:
+    """The resident set size of process ``pid`` in KiB, from ``/proc/<pid>/status``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    waves: int = 10_000
+    messages: int = 1_000_000
+    engines: int = 4
+    warmup_waves: int = 1_000
+    pause_every: int = 200
+    pushers: int = 2
+    push_batch: int = 50
+    push_pause: float = 0.01
+    step_time: float = 0.0005
+    sync_interval: int = 4
+    collective_timeout: float = 10.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class SoakReport:
+    waves: int = 0
+    requests: int = 0
+    completed: int = 0
+    stranded: int = 0
+    pauses: int = 0
+    wave_regressions: int = 0
+    final_wave: int = 0
+    pushed_messages: int = 0
+    coordinator_engine_messages: int | None = None
+    coordinator_errors: int | None = None
+    rss_warmup_kib: int = 0
+    rss_end_kib: int = 0
+    rss_max_kib: int = 0
+    duration_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def rss_growth_percent(self) -> float:
+        return 100.0 * (self.rss_end_kib - self.rss_warmup_kib) / max(1, self.rss_warmup_kib)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.failures
+            and self.stranded == 0
+            and self.wave_regressions == 0
+            and self.coordinator_errors == 0
+            and self.rss_growth_percent < 5.0
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["rss_growth_percent"] = round(self.rss_growth_percent, 2)
+        record["ok"] = self.ok
+        return record
+
+
+async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
+    """Run the soak once; every child process is reaped before it returns."""
+    report = SoakReport()
+    cluster = ClusterConfig(
+        engines=config.engines,
+        mode="standalone",
+        wake_path="both",
+        load=LoadPlan(requests=0),
+        step_time=config.step_time,
+        sync_interval=config.sync_interval,
+        collective_timeout=config.collective_timeout,
+        engine_log_level="ERROR",
+    )
+    lines: list[str] = []
+    sink = log_line if log_line is not None else lines.append
+    fleet_report = ClusterReport("standalone", config.engines, "both", config.seed, 0)
+    workdir = Path(tempfile.mkdtemp(prefix="trio-dpcoord-soak-"))
+    started = trio.current_time()
+    rng = random.Random(config.seed)
+    try:
+        async with AsyncExitStack() as stack:
+            serve = await stack.enter_async_context(_serve_process(cluster, fleet_report, sink))
+            pid = serve.process.pid
+            view = await stack.enter_async_context(
+                open_frontend(serve.front, engine_count=config.engines)
+            )
+            frontend = await stack.enter_async_context(
+                open_sim_frontend(view, config.engines, wake_path="both")
+            )
+            await stack.enter_async_context(
+                _engine_fleet(
+                    cluster,
+                    coordinator_input=serve.back_pub,
+                    coordinator_output=serve.back_out,
+                    frontend=frontend,
+                    collective_address=f"ipc://{workdir}/collective",
+                    report=fleet_report,
+                    log_line=sink,
+                )
+            )
+            with trio.fail_after(60):
+                await frontend.wait_for(lambda f: all(f.engine_ready))
+            peers = await stack.enter_async_context(
+                connect_engines(serve.back_pub, serve.back_out, config.pushers, subscribe=False)
+            )
+            with trio.CancelScope() as run_scope:
+                async with trio.open_nursery() as nursery:
+                    pushers_done = 0
+
+                    def budget_left() -> bool:
+                        # The fleet's own traffic (about 3 messages per engine per wave) is
+                        # under-estimated on purpose, so the total surely reaches the
+                        # target; the coordinator's final counter is the figure reported.
+                        fleet = 2 * config.engines * len(frontend.waves_completed)
+                        return report.pushed_messages + fleet < config.messages
+
+                    async def push(index: int) -> None:
+                        nonlocal pushers_done
+                        peer = peers[index]
+                        while budget_left():
+                            for _ in range(config.push_batch):
+                                await peer.stats(0, 0, 0.0, wave=0, step=0)
+                            report.pushed_messages += config.push_batch
+                            await trio.sleep(config.push_pause)
+                        pushers_done += 1
+
+                    async def watch() -> None:
+                        while True:
+                            await trio.sleep(1.0)
+                            report.rss_max_kib = max(report.rss_max_kib, vm_rss_kib(pid))
+                            if fleet_report.engine_failures or fleet_report.collective_timeouts:
+                                report.failures += fleet_report.engine_failures
+                                report.failures += fleet_report.collective_timeouts
+                                run_scope.cancel()
+                                return
+
+                    for index in range(config.pushers):
+                        nursery.start_soon(push, index)
+                    nursery.start_soon(watch)
+                    bursts = 0
+                    while len(frontend.waves_completed) < config.waves:
+                        for _ in range(rng.randint(1, 2)):
+                            await frontend.submit(max_tokens=rng.randint(1, 2))
+                        bursts += 1
+                        with trio.fail_after(2 * config.collective_timeout + 5):
+                            await frontend.wait_for(lambda f: f.pending == 0)
+                        if config.pause_every and bursts % config.pause_every == 0:
+                            await frontend.pause_engines()
+                            await frontend.resume_engines()
+                        if not report.rss_warmup_kib and (
+                            len(frontend.waves_completed) >= config.warmup_waves
+                        ):
+                            report.rss_warmup_kib = vm_rss_kib(pid)
+                            logger.info(
+                                "warm-up done: coordinator VmRSS %d KiB", report.rss_warmup_kib
+                            )
+                        if bursts % 500 == 0:
+                            logger.info(
+                                "soak: %d waves, %d requests, %d pushed",
+                                len(frontend.waves_completed),
+                                frontend.sent,
+                                report.pushed_messages,
+                            )
+                    # every pusher finishes its share before the end sample
+                    with trio.fail_after(900):
+                        while pushers_done < config.pushers:  # noqa: ASYNC110 - counters
+                            await trio.sleep(0.2)
+                    with trio.move_on_after(2 * config.collective_timeout):
+                        await frontend.wait_for(lambda f: f.pending == 0)
+                    await trio.sleep(0.5)  # let the coordinator drain its socket
+                    report.rss_end_kib = vm_rss_kib(pid)
+                    report.rss_max_kib = max(report.rss_max_kib, report.rss_end_kib)
+                    nursery.cancel_scope.cancel()
+            report.waves = len(frontend.waves_completed)
+            report.requests = frontend.sent
+            report.completed = frontend.completed
+            report.stranded = frontend.pending
+            report.pauses = frontend.pauses
+            report.wave_regressions = frontend.wave_regressions
+            report.final_wave = view.snapshot().current_wave
+        if serve.final is not None:
+            report.coordinator_engine_messages = int(serve.final["engine_messages"])
+            report.coordinator_errors = int(serve.final["errors"])
+        else:
+            report.failures.append("the coordinator printed no final counters")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report.failures += fleet_report.failures
+    report.duration_s = trio.current_time() - started
+    return report
