@@ -409,3 +409,42 @@ async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish()
                     publish = protocol.decode_front_publish(await sub.recv())
                     assert publish == protocol.FrontPublish(((0, 0, 0.0), (0, 0, 0.0)), 0, False)
             await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 0)
+
+
+async def test_a_first_request_start_nobody_confirms_is_not_latched() -> None:
+    """Paused engines drop START_DP_WAVE: without an engine's report the coordinator
+    goes back to paused, publishes it, and accepts the next start_wave of that wave."""
+    with trio.fail_after(GUARD):
+        async with (
+            open_coordinator(2, front_address="", wake_confirm_timeout=0.3) as coordinator,
+            open_context() as context,
+        ):
+            assert coordinator.front_address is not None
+            async with open_socket(context, zmq.XSUB, connect=coordinator.front_address) as sub:
+                await sub.send(protocol.SUBSCRIBE)
+                await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 1)
+                addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+                async with connect_engines(*addresses, 2) as engines:
+                    await expect_broadcast(engines, [protocol.READY])
+                    coordinator.notify_first_request(1)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
+                    # the engines say nothing (they are paused): back to paused
+                    await wave_is(coordinator, 0, False)
+                    publishes = []
+                    while (publish := protocol.decode_front_publish(await sub.recv())) != (
+                        protocol.FrontPublish(None, 0, False)
+                    ):
+                        publishes.append(publish)
+                    assert protocol.FrontPublish(None, 0, True) in publishes
+                    # resumed, engine 1 reports its kept request: a real start, not a duplicate
+                    await engines[1].start_wave(0)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
+                    await wave_is(coordinator, 0, True)
+                    # once an engine confirmed (rank 0's mirror), nothing expires
+                    await engines[0].wave_complete(0)
+                    await wave_is(coordinator, 1, False)
+                    coordinator.notify_first_request(0)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x01\x00"])
+                    await engines[0].start_wave(1)  # the mirror confirms wave 1
+                    await trio.sleep(0.6)  # past the confirmation timeout
+                    assert coordinator.snapshot() == WaveSnapshot(1, True)

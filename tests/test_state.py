@@ -170,6 +170,38 @@ def test_r8_rank0_mirror_after_the_coordinator_missed_the_start() -> None:
     assert state.engine_start_wave(9, 0) is None  # the mirror of a start we already know
 
 
+def test_unconfirmed_first_request_start_does_not_latch_running() -> None:
+    """#51476/#51481: paused engines drop the broadcast; without an engine's word the
+    coordinator goes back to paused, so the next start_wave for the wave is accepted."""
+    state = WaveState(WaveSnapshot(2, False))
+    assert state.start_wave_for_first_request(2, 0) == WaveStart(2, 0)
+    assert state.unconfirmed_wave == 2
+    assert state.expire_unconfirmed_start(2)
+    assert state.snapshot == WaveSnapshot(2, False)
+    # after resume, an engine with a kept request starts the wave: accepted, not a duplicate
+    assert state.engine_start_wave(2, 1) == WaveStart(2, 1)
+    assert not state.expire_unconfirmed_start(2)  # nothing left unconfirmed
+    assert state.snapshot == WaveSnapshot(2, True)
+
+
+@pytest.mark.parametrize("confirmation", ["mirror", "complete", "newer_start"])
+def test_an_engine_report_confirms_the_start(confirmation: str) -> None:
+    state = WaveState(WaveSnapshot(5, False))
+    state.start_wave_for_first_request(5, 3)
+    if confirmation == "mirror":
+        assert state.engine_start_wave(5, 0) is None  # rank 0's mirror (R8)
+        expected = WaveSnapshot(5, True)
+    elif confirmation == "complete":
+        assert state.wave_complete(5)
+        expected = WaveSnapshot(6, False)
+    else:
+        assert state.engine_start_wave(6, 2) == WaveStart(6, 2)
+        expected = WaveSnapshot(6, True)
+    assert state.unconfirmed_wave is None
+    assert not state.expire_unconfirmed_start(5)
+    assert state.snapshot == expected
+
+
 # --- a stateful property test against a reference model --------------------------------------
 
 
@@ -184,6 +216,11 @@ class WaveRules(RuleBasedStateMachine):
         self.model_pending = False
         self.queued: list[FirstRequest] = []
         self.highest_wave_seen = 0
+        self.model_unconfirmed: int | None = None
+
+    def _model_confirm(self, wave: int) -> None:
+        if self.model_unconfirmed is not None and wave >= self.model_unconfirmed:
+            self.model_unconfirmed = None
 
     def _check_unchanged_when_ignored(self, before: WaveSnapshot, start: WaveStart | None) -> None:
         if start is None:
@@ -193,6 +230,7 @@ class WaveRules(RuleBasedStateMachine):
     def wave_complete(self, wave: int) -> None:
         before = self.state.snapshot
         changed = self.state.wave_complete(wave)
+        self._model_confirm(wave)
         if self.model_wave <= wave:
             self.model_wave, self.model_running = wave + 1, False
         else:
@@ -203,6 +241,7 @@ class WaveRules(RuleBasedStateMachine):
     def engine_start_wave(self, wave: int, engine: int) -> None:
         before = self.state.snapshot
         start = self.state.engine_start_wave(wave, engine)
+        self._model_confirm(wave)
         accepted = wave > self.model_wave or (wave == self.model_wave and not self.model_running)
         if accepted:
             assert start == WaveStart(wave, engine)
@@ -245,15 +284,31 @@ class WaveRules(RuleBasedStateMachine):
             else:
                 assert start.exclude == engine
             self.model_running = True
+            self.model_unconfirmed = self.model_wave
         else:
             assert start is None
         self._check_unchanged_when_ignored(before, start)
+
+    @rule(wave=st.integers(0, 12))
+    def expire_unconfirmed_start(self, wave: int) -> None:
+        before = self.state.snapshot
+        changed = self.state.expire_unconfirmed_start(wave)
+        expected = (
+            self.model_unconfirmed == wave and self.model_running and (self.model_wave == wave)
+        )
+        assert changed == expected
+        if expected:
+            self.model_running = self.model_pending = False
+            self.model_unconfirmed = None
+        else:
+            assert self.state.snapshot == before
 
     @invariant()
     def matches_model_and_never_rewinds(self) -> None:
         snap = self.state.snapshot
         assert snap == WaveSnapshot(self.model_wave, self.model_running)
         assert self.state.first_request_pending == self.model_pending
+        assert self.state.unconfirmed_wave == self.model_unconfirmed
         assert snap.current_wave >= self.highest_wave_seen
         self.highest_wave_seen = snap.current_wave
 

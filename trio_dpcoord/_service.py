@@ -9,6 +9,7 @@ One nursery runs, per the design card::
                                            [broadcast channel] ◄──────────────┘
                                                   └─► broadcaster ─► back XPUB ─► engines
     back XPUB subscriptions ─► subscription watcher (start-up gate, READY via the broadcaster)
+    first-request starts ─► wake watchdog (no engine confirmed in time: paused again)
     wave changes, load changes ─► [publish channel] ─► front publisher ─► front XPUB ─► front-ends
 
 Data flows one way. Every socket has exactly one task that sends on it. Transitions run
@@ -166,8 +167,10 @@ class Coordinator:
         wave_coordination: bool,
         stats_interval: float,
         front_enabled: bool,
+        wake_confirm_timeout: float = 30.0,
     ) -> None:
         self.engine_input_address = ""
+        self.wake_confirm_timeout = wake_confirm_timeout
         self.engine_output_address = ""
         self.front_address: str | None = None
         self.ready_timeout = ready_timeout
@@ -199,6 +202,9 @@ class Coordinator:
         )
         self._command_send, self._command_receive = trio.open_memory_channel[Command](math.inf)
         self._publish_send, self._publish_receive = trio.open_memory_channel[PublishItem](math.inf)
+        self._unconfirmed_send, self._unconfirmed_receive = trio.open_memory_channel[
+            tuple[int, float]
+        ](math.inf)
 
     # --- the public contract ------------------------------------------------------------
 
@@ -341,6 +347,8 @@ class Coordinator:
             start = self._wave.start_wave_for_first_request(command.wave, command.engine)
             if start is not None:
                 self._enqueue_wave_start(start)
+                deadline = trio.current_time() + self.wake_confirm_timeout
+                self._unconfirmed_send.send_nowait((start.wave, deadline))
 
     def _apply_engine_output(
         self, kind: protocol.OutputKind, engine_index: int, value: protocol.StatsFields | int
@@ -459,6 +467,7 @@ class Coordinator:
         await xpub.send(protocol.READY)
         self._ready_broadcasts += 1
         self._ready.set()
+        self._changed()
         logger.info("READY sent to %d engines", self.subscriptions().current)
         async for frames in self._broadcast_receive:
             await xpub.send_multipart(frames)
@@ -467,6 +476,7 @@ class Coordinator:
                 self._ready.set()
             else:
                 self._wave_starts += 1
+            self._changed()
 
     async def _command_receiver(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -478,6 +488,31 @@ class Coordinator:
             self._commands += 1
             self._apply_command(command)
             self._changed()
+
+    async def _wake_watchdog(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Un-latches ``engines_running`` when no engine confirms a first-request start.
+
+        Paused engines drop START_DP_WAVE (§6.8); see WaveState.expire_unconfirmed_start.
+        Deadlines arrive in order (one timeout for all), so one sleep at a time serves.
+        """
+        task_status.started()
+        async for wave, deadline in self._unconfirmed_receive:
+            await trio.sleep_until(deadline)
+            with self._lock:
+                expired = self._wave.expire_unconfirmed_start(wave)
+                if expired:
+                    self._enqueue_wave_publish()
+            if expired:
+                logger.warning(
+                    "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused "
+                    "engines drop it): wave %d is paused again",
+                    wave,
+                    self.wake_confirm_timeout,
+                    wave,
+                )
+                self._changed()
 
     async def _engine_output_listener(
         self,
@@ -625,6 +660,7 @@ async def open_coordinator(
     wave_coordination: bool = True,
     stats_interval: float = 0.1,
     allow_remote: bool = False,
+    wake_confirm_timeout: float = 30.0,
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
@@ -641,17 +677,25 @@ async def open_coordinator(
     closes every socket. A failure inside the service raises :class:`CoordinatorError`
     (with the original exceptions as its cause); an exception from the block itself
     propagates unchanged.
+
+    ``wake_confirm_timeout``: a wave started by a first-request notice that no engine
+    confirms within this many seconds (rank 0 reports every start it joins) is taken as
+    dropped by paused engines, and ``engines_running`` goes back to False rather than
+    staying latched (vLLM issues #51476/#51481). Real engines confirm within one step.
     """
     if type(engine_count) is not int or engine_count < 1:
         raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")
     if stats_interval <= 0:
         raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
+    if wake_confirm_timeout <= 0:
+        raise ValueError(f"wake_confirm_timeout must be positive, got {wake_confirm_timeout!r}")
     handle = Coordinator(
         engine_count=engine_count,
         ready_timeout=ready_timeout,
         wave_coordination=wave_coordination,
         stats_interval=stats_interval,
         front_enabled=front_address is not None,
+        wake_confirm_timeout=wake_confirm_timeout,
     )
     handle._expected_engines = engine_count
     private_dir = PrivateIpcDirectory()
@@ -703,6 +747,7 @@ async def open_coordinator(
                     await nursery.start(handle._broadcaster, back_pub)
                     await nursery.start(handle._subscription_watcher, back_pub)
                     await nursery.start(handle._command_receiver)
+                    await nursery.start(handle._wake_watchdog)
                     await nursery.start(handle._engine_output_listener, back_out)
                     if front is not None:
                         await nursery.start(handle._front_publisher, front)

@@ -76,11 +76,12 @@ class WaveState:
     engines even though the snapshot already says running.
     """
 
-    __slots__ = ("_first_request_pending", "_snapshot")
+    __slots__ = ("_first_request_pending", "_snapshot", "_unconfirmed_wave")
 
     def __init__(self, snapshot: WaveSnapshot | None = None) -> None:
         self._snapshot = snapshot if snapshot is not None else WaveSnapshot()
         self._first_request_pending = False
+        self._unconfirmed_wave: int | None = None
 
     @property
     def snapshot(self) -> WaveSnapshot:
@@ -131,6 +132,7 @@ class WaveState:
             return None
         exclude = target_engine_index if request_wave >= current else None
         self._snapshot = WaveSnapshot(current, True)
+        self._unconfirmed_wave = current
         logger.debug(
             "first request (wave %d, engine %r): wave %d running, exclude %r",
             request_wave,
@@ -146,6 +148,7 @@ class WaveState:
         Returns whether the snapshot changed.
         """
         old = self._snapshot
+        self._confirm(wave)
         if old.current_wave > wave:
             logger.debug(
                 "wave_complete(%d) ignored: current wave %d is newer", wave, old.current_wave
@@ -163,6 +166,7 @@ class WaveState:
         A stale wave, or the wave already running, is ignored.
         """
         old = self._snapshot
+        self._confirm(wave)
         if wave > old.current_wave or (wave == old.current_wave and not old.engines_running):
             self._snapshot = WaveSnapshot(wave, True)
             # This broadcast wakes every engine but the (awake) reporter: a pending claim
@@ -184,6 +188,36 @@ class WaveState:
             old.engines_running,
         )
         return None
+
+
+    @property
+    def unconfirmed_wave(self) -> int | None:
+        """The wave a first-request notice started that no engine has reported on yet."""
+        return self._unconfirmed_wave
+
+    def _confirm(self, wave: int) -> None:
+        # Any engine report for the wave (or a later one) shows the engines got the start.
+        if self._unconfirmed_wave is not None and wave >= self._unconfirmed_wave:
+            self._unconfirmed_wave = None
+
+    def expire_unconfirmed_start(self, wave: int) -> bool:
+        """No engine confirmed the start of ``wave`` in time: believe them paused again.
+
+        A first-request notice sets ``engines_running`` on the strength of a broadcast
+        alone, and engines that agreed on a two-phase pause drop START_DP_WAVE (§6.8).
+        Without an engine's word (rank 0 mirrors every start it joins, R8; or a
+        ``wave_complete``) the flag would stay latched True while every engine sleeps
+        (vLLM issues #51476/#51481), and each later ``start_wave`` for this wave would be
+        ignored as a duplicate, stranding its request. Returns whether the snapshot
+        changed (back to ``(wave, paused)``).
+        """
+        if self._unconfirmed_wave != wave or self._snapshot != WaveSnapshot(wave, True):
+            return False
+        self._unconfirmed_wave = None
+        self._first_request_pending = False
+        self._snapshot = WaveSnapshot(wave, False)
+        logger.debug("start of wave %d unconfirmed: wave %d running -> paused", wave, wave)
+        return True
 
 
 class StatsOutcome(Enum):

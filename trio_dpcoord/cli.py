@@ -126,6 +126,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "unauthenticated: anyone who can reach the sockets can drive the engines)",
     )
     serve.add_argument(
+        "--wake-confirm-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a wave started by a legacy FIRST_REQ that no engine confirms within this "
+        "time (paused engines drop START_DP_WAVE) is taken as paused again, instead of "
+        "engines_running staying latched (default: %(default)s)",
+    )
+    serve.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="stop cleanly when standard input reaches end of file, so a launcher that "
@@ -195,6 +204,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 wave_coordination=args.wave_coordination,
                 stats_interval=args.stats_interval_ms / 1000.0,
                 allow_remote=args.allow_remote,
+                wake_confirm_timeout=args.wake_confirm_timeout,
             ) as coordinator:
                 started = True
                 _emit(

@@ -30,13 +30,6 @@ Deliberate deviations from vLLM's engines, each harmless to the coordinator prot
   keeps running (ZeroMQ reconnects; the XSUB re-sends its subscription, so a restarted
   coordinator sees it and answers READY), and with ``coordinator_timeout`` exits with
   :class:`CoordinatorLostError` if it stays gone that long.
-* **A wake dropped during a pause is honoured on resume.** After pause consensus the
-  engine drops ``START_DP_WAVE`` (it never re-arms a paused engine, vLLM issue #36594),
-  but remembers the newest wave it dropped; on ``resume_scheduler`` it joins that wave
-  if it is not over, so the group runs the wave the coordinator already announced and
-  rank 0's ``wave_complete`` brings the coordinator's ``engines_running`` back to False
-  (otherwise it stays latched True while the engines sleep, issues #51476/#51481, and the
-  next engine's ``start_wave`` for that wave would be ignored).
 """
 
 from __future__ import annotations
@@ -163,7 +156,6 @@ class EngineCounters:
     stats_sent: int = 0
     coordinator_disconnects: int = 0
     coordinator_reconnects: int = 0
-    deferred_wakes: int = 0
 
 
 class SimEngine:
@@ -184,7 +176,6 @@ class SimEngine:
         self.counters = EngineCounters()
         self._last_counts: tuple[int, int] | None = None
         self._pause_calls: list[int] = []
-        self._dropped_wave: int | None = None
         self.coordinator_lost = trio.Event()
         """Set when the connection to the coordinator dropped (and not cleared)."""
         self._ready = trio.Event()
@@ -334,8 +325,6 @@ class SimEngine:
     def _on_start_dp_wave(self, start: protocol.StartDPWave) -> None:
         if self.ignore_start_dp_wave:
             self.counters.broadcasts_dropped += 1
-            if self._dropped_wave is None or start.wave > self._dropped_wave:
-                self._dropped_wave = start.wave
             logger.debug(
                 "rank %d: paused, dropping START_DP_WAVE(%d) at wave %d",
                 self.rank,
@@ -367,18 +356,6 @@ class SimEngine:
             self.scheduler_paused = False
             self.ignore_start_dp_wave = False
             logger.debug("rank %d: resumed at wave %d", self.rank, self.current_wave)
-            dropped, self._dropped_wave = self._dropped_wave, None
-            if dropped is not None and dropped >= self.current_wave and not self.engines_running:
-                # The coordinator started this wave while we were paused: run it now.
-                self.counters.deferred_wakes += 1
-                logger.info(
-                    "rank %d: resumed; joining wave %d announced during the pause (was %d)",
-                    self.rank,
-                    dropped,
-                    self.current_wave,
-                )
-                self.current_wave = dropped
-                self.engines_running = True
             await self._status(messages.EVENT_RESUMED, self.current_wave, call.call_id)
             # Requests kept during the pause: wake the group as a new request would.
             if self._has_unfinished() and not self.engines_running:
