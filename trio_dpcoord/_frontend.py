@@ -36,8 +36,8 @@ from . import protocol
 from ._balance import EngineChooser
 from ._errors import CoordinatorClosedError, CoordinatorError
 from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
-from ._service import _only, _RejectLog
 from ._state import EngineLoad, WaveSnapshot
+from ._tasks import RejectLog, open_task_nursery
 from .trio_zmq import AsyncSocket, open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -79,7 +79,7 @@ class Frontend:
         self._counts: tuple[EngineLoad, ...] | None = None
         self._chooser: EngineChooser | None = None
         self._closed = False
-        self._reject = _RejectLog()
+        self._reject = RejectLog(logger)
         self._observers = trio.lowlevel.ParkingLot()
         self._send, self._send_queue = trio.open_memory_channel[bytes](math.inf)
         self._monitor: ConnectionMonitor | None = None
@@ -314,6 +314,15 @@ class Frontend:
             self._lost = CoordinatorError(message)
             raise self._lost
 
+    def _failure(self, group: BaseExceptionGroup[BaseException]) -> BaseException:
+        """What a failed background task becomes: the coordinator-lost error if that is
+        all it was, else one CoordinatorError."""
+        if self._lost is not None and all(
+            e is self._lost or isinstance(e, trio.Cancelled) for e in _leaves(group)
+        ):
+            return self._lost
+        return CoordinatorError(f"front-end task failed: {group!r}")
+
     def _close(self) -> None:
         self._closed = True
         self._send.close()
@@ -362,7 +371,6 @@ async def open_frontend(
         client_count=client_count,
         engine_count=engine_count,
     )
-    body_error: BaseException | None = None
     try:
         async with AsyncExitStack() as stack:
             context = await stack.enter_async_context(open_context())
@@ -379,41 +387,24 @@ async def open_frontend(
                 raise CoordinatorError(
                     f"cannot connect to the coordinator's front socket {front_address!r}: {exc}"
                 ) from exc
-            try:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(handle._publish_receiver, sub)
-                    await nursery.start(handle._sender, sub)
-                    await nursery.start(handle._monitor.run)
-                    await nursery.start(
-                        handle._watch_connection, handle._monitor, coordinator_timeout
-                    )
-                    logger.info(
-                        "front-end %d of %d following the coordinator at %s",
-                        client_index,
-                        client_count,
-                        front_address,
-                    )
-                    try:
-                        yield handle
-                    except BaseException as exc:
-                        body_error = exc
-                        raise
-                    finally:
-                        handle._close()
-                        nursery.cancel_scope.cancel()
-            except BaseExceptionGroup as group:
-                if _only(group, lambda e: isinstance(e, trio.Cancelled)):
-                    raise
-                internal = group.split(lambda e: e is body_error or isinstance(e, trio.Cancelled))[
-                    1
-                ]
-                if internal is not None:
-                    if handle._lost is not None and _only(
-                        internal, lambda e: e is handle._lost or isinstance(e, trio.Cancelled)
-                    ):
-                        raise handle._lost from None
-                    raise CoordinatorError(f"front-end task failed: {internal!r}") from internal
-            if body_error is not None:
-                raise body_error
+            async with open_task_nursery(on_exit=handle._close, failure=handle._failure) as nursery:
+                await nursery.start(handle._publish_receiver, sub)
+                await nursery.start(handle._sender, sub)
+                await nursery.start(handle._monitor.run)
+                await nursery.start(handle._watch_connection, handle._monitor, coordinator_timeout)
+                logger.info(
+                    "front-end %d of %d following the coordinator at %s",
+                    client_index,
+                    client_count,
+                    front_address,
+                )
+                yield handle
     finally:
         handle._close()
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves

@@ -24,8 +24,6 @@ import logging
 import math
 import sys
 import threading
-import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -47,10 +45,11 @@ from ._state import (
     WaveStart,
     WaveState,
 )
+from ._tasks import RejectLog, open_task_nursery
 from .trio_zmq import AsyncSocket, open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+    pass
 
 __all__ = [
     "Coordinator",
@@ -113,28 +112,6 @@ class SubscriptionView:
     """Front-ends subscribed to the front socket (standalone mode)."""
 
 
-class _RejectLog:
-    """Counts rejected inputs by reason and logs them at WARNING, rate-limited per reason."""
-
-    INTERVAL: Final = 5.0
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self._last_logged: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
-
-    def __call__(self, reason: str, detail: str) -> None:
-        self.counts[reason] += 1
-        now = time.monotonic()
-        if now - self._last_logged.get(reason, -math.inf) >= self.INTERVAL:
-            suppressed = self._suppressed.pop(reason, 0)
-            more = f" ({suppressed} more since last report)" if suppressed else ""
-            logger.warning("rejected input [%s]: %s%s", reason, detail, more)
-            self._last_logged[reason] = now
-        else:
-            self._suppressed[reason] += 1
-
-
 _STATS: Final = protocol.OutputKind.STATS
 _WAVE_COMPLETE: Final = protocol.OutputKind.WAVE_COMPLETE
 _CONTROL: Final = frozenset(
@@ -185,7 +162,7 @@ class Coordinator:
         self._ready = trio.Event()
         self._observers = trio.lowlevel.ParkingLot()
         self._gate_open = trio.Event()
-        self._reject = _RejectLog()
+        self._reject = RejectLog(logger)
         self._subscribed = 0
         self._unsubscribed = 0
         self._late_subscriptions = 0
@@ -645,10 +622,6 @@ def _bind(socket: AsyncSocket, address: str, *, allow_remote: bool, what: str) -
         raise CoordinatorError(f"cannot bind the {what} socket to {address!r}: {exc}") from exc
 
 
-def _only(group: BaseExceptionGroup[BaseException], keep: Callable[[BaseException], bool]) -> bool:
-    return group.split(keep)[1] is None
-
-
 @asynccontextmanager
 async def open_coordinator(
     engine_count: int,
@@ -699,7 +672,6 @@ async def open_coordinator(
     )
     handle._expected_engines = engine_count
     private_dir = PrivateIpcDirectory()
-    body_error: BaseException | None = None
     try:
         async with AsyncExitStack() as sockets:
             context = await sockets.enter_async_context(open_context())
@@ -742,42 +714,26 @@ async def open_coordinator(
                 )
             if ready_timeout is not None:
                 handle._ready_deadline = trio.current_time() + ready_timeout
-            try:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(handle._broadcaster, back_pub)
-                    await nursery.start(handle._subscription_watcher, back_pub)
-                    await nursery.start(handle._command_receiver)
-                    await nursery.start(handle._wake_watchdog)
-                    await nursery.start(handle._engine_output_listener, back_out)
-                    if front is not None:
-                        await nursery.start(handle._front_publisher, front)
-                        await nursery.start(handle._front_receiver, front)
-                    logger.info(
-                        "coordinator for %d engines: broadcast %s, outputs %s, front %s",
-                        engine_count,
-                        handle.engine_input_address,
-                        handle.engine_output_address,
-                        handle.front_address,
-                    )
-                    try:
-                        yield handle
-                    except BaseException as exc:
-                        body_error = exc
-                        raise
-                    finally:
-                        handle._close()
-                        nursery.cancel_scope.cancel()
-            except BaseExceptionGroup as group:
-                if _only(group, lambda e: isinstance(e, trio.Cancelled)):
-                    raise
-                internal = group.split(lambda e: e is body_error or isinstance(e, trio.Cancelled))[
-                    1
-                ]
-                if internal is not None:
-                    raise CoordinatorError(f"coordinator task failed: {internal!r}") from internal
-            if body_error is not None:
-                # The block's own exception, unwrapped from the nursery's group.
-                raise body_error
+            async with open_task_nursery(
+                on_exit=handle._close,
+                failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
+            ) as nursery:
+                await nursery.start(handle._broadcaster, back_pub)
+                await nursery.start(handle._subscription_watcher, back_pub)
+                await nursery.start(handle._command_receiver)
+                await nursery.start(handle._wake_watchdog)
+                await nursery.start(handle._engine_output_listener, back_out)
+                if front is not None:
+                    await nursery.start(handle._front_publisher, front)
+                    await nursery.start(handle._front_receiver, front)
+                logger.info(
+                    "coordinator for %d engines: broadcast %s, outputs %s, front %s",
+                    engine_count,
+                    handle.engine_input_address,
+                    handle.engine_output_address,
+                    handle.front_address,
+                )
+                yield handle
     finally:
         handle._close()
         private_dir.cleanup()
