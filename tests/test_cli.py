@@ -604,3 +604,31 @@ async def test_exit_on_stdin_eof_stops_it_when_the_launcher_goes() -> None:
             assert "Traceback" not in coordinator.stderr
             await coordinator.line(1)
             assert json.loads(coordinator.stdout_lines[1])["counters"]["errors"] == 0
+
+
+async def test_curve_secret_key_file_turns_curve_on(tmp_path: Path) -> None:
+    _, secret = zmq.curve_keypair()
+    key_file = tmp_path / "coordinator.key"
+    key_file.write_bytes(secret + b"\n")
+    with trio.fail_after(GUARD):
+        async with run_cli("--engines", "1", "--curve-secret-key-file", str(key_file)) as cli:
+            public = cli.endpoints["curve_public_key"].encode()
+            assert public == zmq.curve_public(secret)
+            async with connect_engines(
+                cli.endpoints["back_pub"], cli.endpoints["back_out"], 1, curve_server_key=public
+            ) as engines:
+                await expect_broadcast(engines, READY)
+            assert (await cli.stop_cleanly())["errors"] == 0
+
+
+async def test_a_bad_curve_key_file_exits_2(tmp_path: Path) -> None:
+    key_file = tmp_path / "short.key"
+    key_file.write_bytes(b"too short")
+    result = await trio.run_process(
+        [*SERVE, "--engines", "1", "--curve-secret-key-file", str(key_file)],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"40-character Z85 key" in result.stderr

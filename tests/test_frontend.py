@@ -251,3 +251,22 @@ async def test_an_error_in_the_block_propagates_unchanged() -> None:
     with pytest.raises(Boom):
         async with open_frontend("tcp://127.0.0.1:1"):
             raise Boom
+
+
+async def test_frontend_with_the_curve_key_follows_a_curve_coordinator() -> None:
+    _, secret = zmq.curve_keypair()
+    with trio.fail_after(20):
+        async with open_coordinator(1, front_address="", curve_secret_key=secret) as coordinator:
+            assert coordinator.front_address is not None
+            async with open_frontend(
+                coordinator.front_address, curve_server_key=coordinator.curve_public_key
+            ) as frontend:
+                await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 1)
+                async with connect_engines(
+                    coordinator.engine_input_address,
+                    coordinator.engine_output_address,
+                    1,
+                    curve_server_key=coordinator.curve_public_key,
+                ) as engines:
+                    await engines[0].start_wave(0)
+                    await frontend.wait_for(lambda f: f.snapshot() == WaveSnapshot(0, True))

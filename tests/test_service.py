@@ -448,3 +448,25 @@ async def test_a_first_request_start_nobody_confirms_is_not_latched() -> None:
                     await engines[0].start_wave(1)  # the mirror confirms wave 1
                     await trio.sleep(0.6)  # past the confirmation timeout
                     assert coordinator.snapshot() == WaveSnapshot(1, True)
+
+
+async def test_curve_keeps_out_peers_without_the_key() -> None:
+    """Optional CURVE (off by default): an engine without the coordinator's key can
+    neither subscribe nor push; one with it works as usual."""
+    _, secret = zmq.curve_keypair()
+    with trio.fail_after(GUARD):
+        async with open_coordinator(1, curve_secret_key=secret) as coordinator:
+            assert coordinator.curve_public_key is not None
+            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            async with connect_engines(*addresses, 1) as strangers:
+                await strangers[0].start_wave(7)  # queued by the stranger, never delivered
+                async with connect_engines(
+                    *addresses, 1, curve_server_key=coordinator.curve_public_key
+                ) as engines:
+                    await expect_broadcast(engines, [protocol.READY])
+                    await engines[0].start_wave(0)
+                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
+                    # only the keyed engine was heard: one subscription, one message
+                    assert coordinator.subscriptions().subscribed == 1
+                    assert coordinator.counters.engine_messages == 1
+                    assert coordinator.snapshot() == WaveSnapshot(0, True)

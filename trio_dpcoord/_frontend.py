@@ -337,8 +337,12 @@ async def open_frontend(
     client_count: int = 1,
     engine_count: int | None = None,
     coordinator_timeout: float | None = None,
+    curve_server_key: bytes | None = None,
 ) -> AsyncIterator[Frontend]:
     """Follow a coordinator's front socket for the duration of the block.
+
+    ``curve_server_key``: the coordinator's ``curve_public_key`` when it runs with
+    CURVE (this front-end then connects as a CURVE client with a fresh key pair).
 
     ``front_address`` is the ``front`` endpoint the standalone coordinator printed (or
     :attr:`Coordinator.front_address`). ``client_index`` of ``client_count`` front-ends
@@ -376,7 +380,15 @@ async def open_frontend(
             context = await stack.enter_async_context(open_context())
             try:
                 sub = await stack.enter_async_context(
-                    open_socket(context, zmq.XSUB, options={zmq.LINGER: 0, **HEARTBEAT_OPTIONS})
+                    open_socket(
+                        context,
+                        zmq.XSUB,
+                        options={
+                            zmq.LINGER: 0,
+                            **HEARTBEAT_OPTIONS,
+                            **_curve_client(curve_server_key),
+                        },
+                    )
                 )
                 # Monitored before connecting, so that the first handshake is seen.
                 handle._monitor = await stack.enter_async_context(
@@ -408,3 +420,15 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     for exc in group.exceptions:
         leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return leaves
+
+
+def _curve_client(server_key: bytes | None) -> dict[int, int | bytes]:
+    """Socket options of a CURVE client of ``server_key`` (none without a key)."""
+    if server_key is None:
+        return {}
+    public, secret = zmq.curve_keypair()
+    return {
+        zmq.CURVE_SERVERKEY: server_key,
+        zmq.CURVE_PUBLICKEY: public,
+        zmq.CURVE_SECRETKEY: secret,
+    }

@@ -150,6 +150,8 @@ class Coordinator:
         self.wake_confirm_timeout = wake_confirm_timeout
         self.engine_output_address = ""
         self.front_address: str | None = None
+        self.curve_public_key: bytes | None = None
+        """The CURVE server key peers need, when ``curve_secret_key`` was given."""
         self.ready_timeout = ready_timeout
         self.wave_coordination = wave_coordination
         self._lock = threading.Lock()
@@ -634,6 +636,7 @@ async def open_coordinator(
     stats_interval: float = 0.1,
     allow_remote: bool = False,
     wake_confirm_timeout: float = 30.0,
+    curve_secret_key: bytes | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
@@ -655,6 +658,11 @@ async def open_coordinator(
     confirms within this many seconds (rank 0 reports every start it joins) is taken as
     dropped by paused engines, and ``engines_running`` goes back to False rather than
     staying latched (vLLM issues #51476/#51481). Real engines confirm within one step.
+
+    ``curve_secret_key`` (Z85, e.g. from ``zmq.curve_keypair()``; off by default, since
+    vLLM's engines cannot use it): every socket becomes a CURVE server, so only peers
+    that know :attr:`Coordinator.curve_public_key` can connect, and the traffic is
+    encrypted. For our own simulated engines and front-ends.
     """
     if type(engine_count) is not int or engine_count < 1:
         raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")
@@ -671,6 +679,15 @@ async def open_coordinator(
         wake_confirm_timeout=wake_confirm_timeout,
     )
     handle._expected_engines = engine_count
+    security: dict[int, int | bytes] = {}
+    if curve_secret_key is not None:
+        if not zmq.has("curve"):
+            raise CoordinatorError("this libzmq was built without CURVE support")
+        try:
+            handle.curve_public_key = zmq.curve_public(curve_secret_key)
+        except (zmq.ZMQError, ValueError, TypeError) as exc:
+            raise CoordinatorError(f"bad CURVE secret key: {exc}") from exc
+        security = {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: curve_secret_key}
     private_dir = PrivateIpcDirectory()
     try:
         async with AsyncExitStack() as sockets:
@@ -679,11 +696,11 @@ async def open_coordinator(
                 open_socket(
                     context,
                     zmq.XPUB,
-                    options={zmq.XPUB_VERBOSE: 1, zmq.XPUB_VERBOSER: 1, zmq.LINGER: 0},
+                    options={zmq.XPUB_VERBOSE: 1, zmq.XPUB_VERBOSER: 1, zmq.LINGER: 0, **security},
                 )
             )
             back_out = await sockets.enter_async_context(
-                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, zmq.LINGER: 0})
+                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, zmq.LINGER: 0, **security})
             )
             handle.engine_input_address = _bind(
                 back_pub,
@@ -703,7 +720,12 @@ async def open_coordinator(
                     open_socket(
                         context,
                         zmq.XPUB,
-                        options={zmq.XPUB_VERBOSE: 1, zmq.XPUB_VERBOSER: 1, zmq.LINGER: 0},
+                        options={
+                            zmq.XPUB_VERBOSE: 1,
+                            zmq.XPUB_VERBOSER: 1,
+                            zmq.LINGER: 0,
+                            **security,
+                        },
                     )
                 )
                 handle.front_address = _bind(

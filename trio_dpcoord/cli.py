@@ -57,6 +57,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _curve_secret_key(path: str) -> bytes:
+    try:
+        with open(path, "rb") as key_file:
+            key = key_file.read().strip()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror}") from None
+    if len(key) != 40:
+        raise argparse.ArgumentTypeError(f"{path!r} does not hold a 40-character Z85 key")
+    return key
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="trio-dpcoord",
@@ -135,6 +146,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "engines_running staying latched (default: %(default)s)",
     )
     serve.add_argument(
+        "--curve-secret-key-file",
+        type=_curve_secret_key,
+        default=None,
+        metavar="PATH",
+        help="off by default (vLLM engines cannot use it): a file holding a Z85 CURVE "
+        "secret key (40 characters); every socket then requires CURVE, only peers that "
+        "know the matching public key (printed as curve_public_key in the endpoints "
+        "line) can connect, and traffic is encrypted",
+    )
+    serve.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="stop cleanly when standard input reaches end of file, so a launcher that "
@@ -205,15 +226,17 @@ async def _serve(args: argparse.Namespace) -> int:
                 stats_interval=args.stats_interval_ms / 1000.0,
                 allow_remote=args.allow_remote,
                 wake_confirm_timeout=args.wake_confirm_timeout,
+                curve_secret_key=args.curve_secret_key_file,
             ) as coordinator:
                 started = True
-                _emit(
-                    {
-                        "front": coordinator.front_address,
-                        "back_pub": coordinator.engine_input_address,
-                        "back_out": coordinator.engine_output_address,
-                    }
-                )
+                endpoints: dict[str, object] = {
+                    "front": coordinator.front_address,
+                    "back_pub": coordinator.engine_input_address,
+                    "back_out": coordinator.engine_output_address,
+                }
+                if coordinator.curve_public_key is not None:
+                    endpoints["curve_public_key"] = coordinator.curve_public_key.decode()
+                _emit(endpoints)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_log_gate_progress, coordinator, args.engines)
                     if args.exit_on_stdin_eof:

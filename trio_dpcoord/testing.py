@@ -77,10 +77,23 @@ async def connect_engines(
     *,
     first_index: int = 0,
     subscribe: bool = True,
+    curve_server_key: bytes | None = None,
 ) -> AsyncIterator[list[EnginePeer]]:
-    """``count`` engine peers connected to a coordinator's broadcast and output sockets."""
+    """``count`` engine peers connected to a coordinator's broadcast and output sockets.
+
+    With ``curve_server_key`` (a coordinator's ``curve_public_key``) each peer is a
+    CURVE client with a fresh key pair.
+    """
     async with AsyncExitStack() as stack:
         context = await stack.enter_async_context(open_context())
+        security: dict[int, int | bytes] = {}
+        if curve_server_key is not None:
+            public, secret = zmq.curve_keypair()
+            security = {
+                zmq.CURVE_SERVERKEY: curve_server_key,
+                zmq.CURVE_PUBLICKEY: public,
+                zmq.CURVE_SECRETKEY: secret,
+            }
         peers = []
         for index in range(first_index, first_index + count):
             sub = await stack.enter_async_context(
@@ -88,11 +101,20 @@ async def connect_engines(
                     context,
                     zmq.XSUB,
                     connect=input_address,
-                    options={zmq.IDENTITY: index.to_bytes(2, "little"), zmq.LINGER: 0},
+                    options={
+                        zmq.IDENTITY: index.to_bytes(2, "little"),
+                        zmq.LINGER: 0,
+                        **security,
+                    },
                 )
             )
             push = await stack.enter_async_context(
-                open_socket(context, zmq.PUSH, connect=output_address, options={zmq.LINGER: 0})
+                open_socket(
+                    context,
+                    zmq.PUSH,
+                    connect=output_address,
+                    options={zmq.LINGER: 0, **security},
+                )
             )
             peer = EnginePeer(index, sub, push)
             if subscribe:
