@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a step may wait for the other ranks (default: %(default)s)",
     )
     parser.add_argument(
+        "--restart-vanished",
+        action="store_true",
+        help="restart an engine process that exits unexpectedly and resubmit its "
+        "in-flight requests, instead of ending the run (a death mid-wave still fails: "
+        "its peers' collective times out)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="make the last stdout line the summary as JSON"
     )
     parser.add_argument(
@@ -177,6 +184,9 @@ def _summary(report: ClusterReport) -> str:
     ]
     lines += [f"  collective timeout: {line}" for line in report.collective_timeouts]
     lines += [f"  engine failure: {line}" for line in report.engine_failures]
+    lines += [f"  engine restarted: {line}" for line in report.engine_restarts]
+    if report.engine_restarts:
+        lines.append(f"  requests resubmitted: {report.resubmitted}")
     lines += [f"  failure: {line}" for line in report.failures]
     lines.append(f"  duration: {report.duration:.1f} s   result: {'OK' if report.ok else 'FAILED'}")
     return "\n".join(lines)
@@ -224,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sync_interval=args.sync_interval,
             collective_timeout=args.collective_timeout,
             engine_log_level=args.log_level.upper(),
+            restart_vanished=args.restart_vanished,
         )
     except ValueError as exc:
         print(f"launch_cluster: {exc}", file=sys.stderr)

@@ -12,6 +12,12 @@ its own session (a terminal's Ctrl-C reaches only the launcher, which stops them
 order) and each watching its stdin: if the launcher dies, the pipe closes and every
 engine exits, so no orphan survives. Every child is reaped before :func:`run_cluster`
 returns or raises, Ctrl-C and cancellation included.
+
+An engine process that exits unexpectedly is reported by rank, pid and wave and ends the
+run; with ``ClusterConfig.restart_vanished`` a new process is started for the rank
+instead, the requests stranded on it are resubmitted once it is back, and the run goes
+on. An engine that exits because its collective timed out (or for another failure it
+names) is never restarted: its DP group is broken.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["inproc", "standalone"]
 _COLLECTIVE_TIMEOUT_MARK = "collective timeout"
+# Exit statuses of ``python -m trio_dpcoord.sim engine`` for failures it diagnosed itself
+# (collective timeout, invalid broadcast, coordinator lost): never restarted.
+_DIAGNOSED_EXIT_STATUSES = frozenset({3, 4, 5})
 
 
 class _Counters(Protocol):
@@ -96,6 +105,9 @@ class ClusterConfig:
     """Fail when requests are pending and none finished for this long (default: twice
     the collective timeout plus 5 s)."""
     engine_log_level: str = "WARNING"
+    restart_vanished: bool = False
+    """Restart an engine process that exits unexpectedly (after reporting it) and resubmit
+    its in-flight requests, instead of ending the run."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -123,6 +135,9 @@ class ClusterReport:
     pauses: int = 0
     collective_timeouts: list[str] = field(default_factory=list)
     engine_failures: list[str] = field(default_factory=list)
+    engine_restarts: list[str] = field(default_factory=list)
+    """Vanished engines that were restarted (``restart_vanished``): reported, not errors."""
+    resubmitted: int = 0
     failures: list[str] = field(default_factory=list)
     wake_latencies: list[float] = field(default_factory=list)
     engine_pids: list[int] = field(default_factory=list)
@@ -141,10 +156,11 @@ class ClusterReport:
 
     @property
     def ok(self) -> bool:
-        """Every planned request completed, no collective timed out, no error counted."""
+        """Every planned request sent, every sent request completed (a fault-injection hook
+        may send more), no collective timed out, no error counted."""
         return (
-            self.requests == self.planned
-            and self.completed == self.planned
+            self.requests >= self.planned
+            and self.completed == self.requests
             and not self.collective_timeouts
             and self.errors == 0
         )
@@ -175,6 +191,8 @@ class ClusterReport:
             "coordinator_errors": self.coordinator_errors,
             "collective_timeouts": list(self.collective_timeouts),
             "engine_failures": list(self.engine_failures),
+            "engine_restarts": list(self.engine_restarts),
+            "resubmitted": self.resubmitted,
             "failures": list(self.failures),
             "wave_regressions": self.wave_regressions,
             "frontend_notifications": self.notifications,
@@ -223,6 +241,9 @@ class _Fleet:
         report: ClusterReport,
         log_line: Callable[[str], None],
         frontend: SimFrontend | None = None,
+        *,
+        command: Callable[[int], list[str]] | None = None,
+        restart_vanished: bool = False,
     ) -> None:
         self.report = report
         self.frontend = frontend
@@ -230,6 +251,43 @@ class _Fleet:
         self.stopping = False
         self.on_failure: Callable[[], None] = lambda: None
         self._log_line = log_line
+        self._command = command
+        self._restart_vanished = restart_vanished
+        self._nursery: trio.Nursery | None = None
+
+    async def spawn(self, rank: int, nursery: trio.Nursery | None = None) -> trio.Process:
+        """Start the engine process of ``rank`` and watch it."""
+        if nursery is not None:
+            self._nursery = nursery
+        assert self._command is not None and self._nursery is not None
+        process = await trio.lowlevel.open_process(
+            self._command(rank),
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=_child_environment(),
+        )
+        self.processes.append(process)
+        if rank < len(self.report.engine_pids):
+            self.report.engine_pids[rank] = process.pid
+        else:
+            self.report.engine_pids.append(process.pid)
+        assert process.stderr is not None
+        self._nursery.start_soon(self.forward_stderr, rank, process.stderr)
+        self._nursery.start_soon(self.watch, rank, process)
+        return process
+
+    def _restartable(self, rank: int, code: int) -> bool:
+        # Not a failure the engine diagnosed itself, and the rank had come up since its
+        # last start (a process that dies before READY would only die again).
+        return (
+            self._restart_vanished
+            and not self.stopping
+            and self.frontend is not None
+            and self._nursery is not None
+            and code not in _DIAGNOSED_EXIT_STATUSES
+            and self.frontend.engine_ready[rank]
+        )
 
     async def watch(self, rank: int, process: trio.Process) -> None:
         code = await process.wait()
@@ -249,6 +307,15 @@ class _Fleet:
                 f"engine {rank} (pid {process.pid}) vanished {where}: rank {rank} "
                 f"exited with {status}"
             )
+            if self._restartable(rank, code):
+                assert self.frontend is not None and self._nursery is not None
+                self.report.engine_restarts.append(message)
+                logger.error("%s; restarting it", message)
+                self.frontend.engine_lost(rank)
+                new = await self.spawn(rank)
+                logger.warning("engine %d restarted as pid %d", rank, new.pid)
+                self._nursery.start_soon(self.frontend.resubmit_lost)
+                return
             self.report.engine_failures.append(message)
             logger.error("%s", message)
             self.on_failure()
@@ -306,43 +373,41 @@ async def _engine_fleet(
     report: ClusterReport,
     log_line: Callable[[str], None],
 ) -> AsyncIterator[_Fleet]:
-    fleet = _Fleet(report, log_line, frontend)
+    def command(rank: int) -> list[str]:
+        command = [
+            sys.executable,
+            "-m",
+            "trio_dpcoord.sim",
+            "engine",
+            f"--rank={rank}",
+            f"--engines={config.engines}",
+            f"--coordinator-input={coordinator_input}",
+            f"--coordinator-output={coordinator_output}",
+            f"--request-address={frontend.request_address}",
+            f"--completion-address={frontend.completion_address}",
+            f"--collective-address={collective_address}",
+            f"--step-time={config.step_time}",
+            f"--max-running={config.max_running}",
+            f"--sync-interval={config.sync_interval}",
+            f"--collective-timeout={config.collective_timeout}",
+            f"--log-level={config.engine_log_level}",
+            "--exit-on-stdin-eof",
+        ]
+        if config.wake_path == "frontend":
+            command.append("--legacy-wake")
+        return command
+
+    fleet = _Fleet(
+        report,
+        log_line,
+        frontend,
+        command=command,
+        restart_vanished=config.restart_vanished,
+    )
     async with trio.open_nursery() as nursery:
         try:
             for rank in range(config.engines):
-                command = [
-                    sys.executable,
-                    "-m",
-                    "trio_dpcoord.sim",
-                    "engine",
-                    f"--rank={rank}",
-                    f"--engines={config.engines}",
-                    f"--coordinator-input={coordinator_input}",
-                    f"--coordinator-output={coordinator_output}",
-                    f"--request-address={frontend.request_address}",
-                    f"--completion-address={frontend.completion_address}",
-                    f"--collective-address={collective_address}",
-                    f"--step-time={config.step_time}",
-                    f"--max-running={config.max_running}",
-                    f"--sync-interval={config.sync_interval}",
-                    f"--collective-timeout={config.collective_timeout}",
-                    f"--log-level={config.engine_log_level}",
-                    "--exit-on-stdin-eof",
-                ]
-                if config.wake_path == "frontend":
-                    command.append("--legacy-wake")
-                process = await trio.lowlevel.open_process(
-                    command,
-                    stdin=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    env=_child_environment(),
-                )
-                fleet.processes.append(process)
-                report.engine_pids.append(process.pid)
-                assert process.stderr is not None
-                nursery.start_soon(fleet.forward_stderr, rank, process.stderr)
-                nursery.start_soon(fleet.watch, rank, process)
+                await fleet.spawn(rank, nursery)
             yield fleet
         finally:
             with trio.CancelScope(shield=True):
@@ -463,20 +528,22 @@ async def _monitor(
             )
             return
         if progress is not None:
-            snapshot = frontend.view.snapshot()
-            progress(
-                Progress(
-                    completed=frontend.completed,
-                    total=report.planned,
-                    sent=frontend.sent,
-                    wave=snapshot.current_wave,
-                    running=snapshot.engines_running,
-                    engine_pending=frontend.per_engine_pending(),
-                    engine_running=tuple(frontend.engine_running),
-                    engine_pids=tuple(report.engine_pids),
-                )
-            )
+            progress(_progress(frontend, report))
         await trio.sleep(0.1)
+
+
+def _progress(frontend: SimFrontend, report: ClusterReport) -> Progress:
+    snapshot = frontend.view.snapshot()
+    return Progress(
+        completed=frontend.completed,
+        total=report.planned,
+        sent=frontend.sent,
+        wave=snapshot.current_wave,
+        running=snapshot.engines_running,
+        engine_pending=frontend.per_engine_pending(),
+        engine_running=tuple(frontend.engine_running),
+        engine_pids=tuple(report.engine_pids),
+    )
 
 
 async def run_cluster(
@@ -485,6 +552,7 @@ async def run_cluster(
     progress: Callable[[Progress], None] | None = None,
     log_line: Callable[[str], None] = _default_log_line,
     coordinator_factory: CoordinatorFactory | None = None,
+    between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None = None,
 ) -> ClusterReport:
     """Run the whole cluster once and report; never leaves a child process behind.
 
@@ -492,6 +560,9 @@ async def run_cluster(
     line of the child processes (default: written to our stderr).
     ``coordinator_factory(engine_count)`` replaces the embedded coordinator in
     ``inproc`` mode (tests use it to plug in a deliberately broken one).
+    ``between_bursts(frontend, progress)`` is awaited after every burst but the last,
+    once its requests finished and the front-end saw every engine idle: tests inject
+    faults there, deterministically outside a wave.
     Failures of the cluster (an engine dying, a collective timeout, a stall, a start-up
     timeout) end the run early and are recorded in the report, not raised.
     """
@@ -556,22 +627,22 @@ async def run_cluster(
                         f"{frontend.engine_ready}"
                     )
                 else:
+                    hook: Callable[[], Awaitable[None]] | None = None
+                    if between_bursts is not None:
+                        user_hook, sim = between_bursts, frontend
+
+                        async def idle_hook() -> None:
+                            await sim.wait_for(lambda f: not any(f.engine_running))
+                            await user_hook(sim, _progress(sim, report))
+
+                        hook = idle_hook
+
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_monitor, frontend, config, report, progress, fail)
-                        await generate_load(frontend, config.load)
+                        await generate_load(frontend, config.load, after_burst=hook)
                         nursery.cancel_scope.cancel()
                 if progress is not None:
-                    progress(
-                        Progress(
-                            frontend.completed,
-                            report.planned,
-                            frontend.sent,
-                            view.snapshot().current_wave,
-                            view.snapshot().engines_running,
-                            frontend.per_engine_pending(),
-                            tuple(frontend.engine_running),
-                        )
-                    )
+                    progress(_progress(frontend, report))
                 _collect(report, frontend, coordinator)
     except (Exception, BaseExceptionGroup) as exc:
         if not isinstance(exc, Exception) and not _all_exceptions(exc):
@@ -615,5 +686,6 @@ def _collect(
     report.notifications = frontend.notifications
     report.pauses = frontend.pauses
     report.wake_latencies = list(frontend.wake_latencies)
+    report.resubmitted = frontend.resubmitted
     if coordinator is not None:
         report.coordinator_errors = coordinator.counters.errors

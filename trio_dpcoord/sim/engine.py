@@ -547,7 +547,8 @@ class SimEngine:
                         context,
                         zmq.ROUTER,
                         bind=cfg.collective_address,
-                        options={zmq.RCVHWM: 0, zmq.SNDHWM: 0},
+                        # A restarted rank reconnects with the same identity: route to it.
+                        options={zmq.RCVHWM: 0, zmq.SNDHWM: 0, zmq.ROUTER_HANDOVER: 1},
                     )
                 )
             collective = await stack.enter_async_context(

@@ -18,6 +18,11 @@ It also measures, honestly, what a user of the coordinator cares about:
 * **wave monotonicity**: the wave in the coordinator's snapshot, and the wave in every
   engine's status events, must never decrease; a decrease is counted in
   ``wave_regressions``.
+
+When an engine process vanishes and is restarted (:meth:`SimFrontend.engine_lost`), the
+requests that were in flight on it are resubmitted once it is back
+(:meth:`SimFrontend.resubmit_lost`), and new requests and commands wait for it: a wave
+started without it would block its peers in the collective.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +130,9 @@ class SimFrontend:
         self._next_request = 0
         self._next_call = 1
         self._pending: dict[str, int] = {}
+        self._max_tokens: dict[str, int | None] = {}
+        self._lost: set[int] = set()
+        self._orphans: list[str] = []
         self._calls: dict[int, _Call] = {}
         self._wake: _WakeMeasurement | None = None
         self.engine_ready = [False] * engine_count
@@ -138,6 +146,8 @@ class SimFrontend:
         self.pauses = 0
         self.wave_regressions = 0
         self.bad_messages = 0
+        self.resubmitted = 0
+        """Requests sent again because the engine they were on vanished."""
         self.waves_completed: set[int] = set()
         self.wake_latencies: list[float] = []
 
@@ -145,8 +155,13 @@ class SimFrontend:
 
     @property
     def pending(self) -> int:
-        """Requests sent and not yet finished."""
-        return len(self._pending)
+        """Requests sent and not yet finished (those waiting to be resubmitted included)."""
+        return len(self._pending) + len(self._orphans)
+
+    @property
+    def lost_engines(self) -> frozenset[int]:
+        """Ranks whose process vanished and that have not said hello again yet."""
+        return frozenset(self._lost)
 
     def per_engine_pending(self) -> tuple[int, ...]:
         counts = [0] * self.engine_count
@@ -188,14 +203,22 @@ class SimFrontend:
         ``engine`` pins the request to one engine (vLLM's explicit ``data_parallel_rank``
         bypass, §7.2); by default the shared engine-choice score picks it.
         """
+        if engine is not None and not 0 <= engine < self.engine_count:
+            raise ValueError(f"engine {engine} out of range for {self.engine_count} engines")
+        await self._wait_engines_back()
+        request_id = f"req-{self._next_request}"
+        self._next_request += 1
+        self.sent += 1
+        self._max_tokens[request_id] = max_tokens
+        await self._send_request(request_id, engine)
+        return request_id
+
+    async def _send_request(self, request_id: str, engine: int | None) -> None:
+        """Stamp with the coordinator's wave, choose the engine unless given, send ADD."""
         snapshot = self.view.snapshot()
         self._observe_front_wave(snapshot.current_wave)
         if engine is None:
             engine = self.chooser.choose(self._loads())
-        elif not 0 <= engine < self.engine_count:
-            raise ValueError(f"engine {engine} out of range for {self.engine_count} engines")
-        request_id = f"req-{self._next_request}"
-        self._next_request += 1
         if self._wake is None and not any(self.engine_running):
             self._wake = _WakeMeasurement(trio.current_time(), set(range(self.engine_count)))
         request = protocol.EngineCoreRequest(
@@ -203,20 +226,77 @@ class SimFrontend:
             prompt_token_ids=(1, 2, 3, 4),
             arrival_time=time.time(),
             current_wave=snapshot.current_wave,
-            max_tokens=max_tokens,
+            max_tokens=self._max_tokens[request_id],
         )
         self._pending[request_id] = engine
-        self.sent += 1
-        await self._router.send_multipart(
-            [rank_identity(engine), *protocol.encode_add_request(request)]
-        )
+        try:
+            await self._router.send_multipart(
+                [rank_identity(engine), *protocol.encode_add_request(request)]
+            )
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            # The engine's connection is gone (its process died): the request stays on it
+            # and is resubmitted when the runner reports the engine lost.
+            logger.warning(
+                "front-end: engine %d unreachable at wave %d; request %s waits for resubmission",
+                engine,
+                snapshot.current_wave,
+                request_id,
+            )
+            if engine in self._lost:
+                del self._pending[request_id]
+                self._orphans.append(request_id)
+            return
         if self.wake_path != "engine" and not snapshot.engines_running:
             self.notifications += 1
             self.view.notify_first_request(engine)
-        return request_id
+
+    async def _wait_engines_back(self) -> None:
+        if self._lost:
+            await self.wait_for(lambda f: not f._lost)
+
+    def engine_lost(self, rank: int) -> int:
+        """The process of engine ``rank`` vanished and is being restarted.
+
+        Its in-flight requests are set aside for :meth:`resubmit_lost`; new requests and
+        commands wait until the rank said hello again. Returns how many were set aside.
+        """
+        self._lost.add(rank)
+        self.engine_ready[rank] = False
+        self.engine_running[rank] = False
+        stranded = [r for r, engine in self._pending.items() if engine == rank]
+        for request_id in stranded:
+            del self._pending[request_id]
+            self.chooser.finished(rank)
+        self._orphans.extend(stranded)
+        logger.warning(
+            "front-end: engine %d lost at wave %d; %d in-flight requests will be resubmitted",
+            rank,
+            self.engine_wave[rank],
+            len(stranded),
+        )
+        self._changed()
+        return len(stranded)
+
+    async def resubmit_lost(self) -> None:
+        """Once every lost engine is back, send its stranded requests again (normal
+        engine choice, fresh wave stamp)."""
+        await self._wait_engines_back()
+        orphans, self._orphans = self._orphans, []
+        for request_id in orphans:
+            self.resubmitted += 1
+            await self._send_request(request_id, None)
+        if orphans:
+            logger.warning(
+                "front-end: resubmitted %d requests at wave %d",
+                len(orphans),
+                self.view.snapshot().current_wave,
+            )
 
     async def _command(self, method: str, event: str, engines: Sequence[int] | None) -> None:
         targets = list(range(self.engine_count) if engines is None else engines)
+        await self._wait_engines_back()
         call_id = self._next_call
         self._next_call += 1
         call = self._calls[call_id] = _Call(event)
@@ -266,6 +346,7 @@ class SimFrontend:
                 )
                 continue
             self.engine_ready[rank] = True
+            self._lost.discard(rank)
             self._changed()
 
     async def _completion_receiver(
@@ -296,11 +377,19 @@ class SimFrontend:
         self.tokens += sum(len(o.new_token_ids) for o in out.outputs)
         for request_id in out.finished_requests or ():
             engine = self._pending.pop(request_id, None)
+            if engine is None and request_id in self._orphans:
+                # Finished by the vanished process after all (its last output arrived
+                # after the loss was reported): nothing to resubmit.
+                self._orphans.remove(request_id)
+                self._max_tokens.pop(request_id, None)
+                self.completed += 1
+                continue
             if engine is None:
                 self.bad_messages += 1
                 logger.warning("front-end: engine %d finished unknown request %r", rank, request_id)
                 continue
             self.chooser.finished(engine)
+            self._max_tokens.pop(request_id, None)
             self.completed += 1
 
     def _apply_status(self, status: messages.EngineStatus) -> None:
@@ -356,7 +445,13 @@ async def open_sim_frontend(
                 open_socket(
                     context,
                     zmq.ROUTER,
-                    options={zmq.ROUTER_MANDATORY: 1, zmq.SNDHWM: 0, zmq.RCVHWM: 0},
+                    options={
+                        zmq.ROUTER_MANDATORY: 1,
+                        # A restarted engine reconnects with the same identity.
+                        zmq.ROUTER_HANDOVER: 1,
+                        zmq.SNDHWM: 0,
+                        zmq.RCVHWM: 0,
+                    },
                 )
             )
             pull = await stack.enter_async_context(
@@ -412,8 +507,17 @@ class LoadPlan:
             raise ValueError(f"gap must be 0 <= MIN <= MAX, got {self.gap}")
 
 
-async def generate_load(frontend: SimFrontend, plan: LoadPlan) -> None:
-    """Send ``plan.requests`` requests and wait until all have finished."""
+async def generate_load(
+    frontend: SimFrontend,
+    plan: LoadPlan,
+    *,
+    after_burst: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Send ``plan.requests`` requests and wait until all have finished.
+
+    ``after_burst`` is awaited after every burst but the last, once all its requests
+    finished (before the pause and the gap): a hook for fault injection.
+    """
     rng = random.Random(plan.seed)
     sent = 0
     bursts = 0
@@ -428,6 +532,8 @@ async def generate_load(frontend: SimFrontend, plan: LoadPlan) -> None:
         await frontend.wait_for(lambda f: f.pending == 0)
         if sent >= plan.requests:
             break
+        if after_burst is not None:
+            await after_burst()
         if plan.pause_every and bursts % plan.pause_every == 0:
             await frontend.pause_engines()
             await frontend.resume_engines()
