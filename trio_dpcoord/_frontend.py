@@ -38,7 +38,7 @@ from ._errors import CoordinatorClosedError, CoordinatorError
 from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
 from ._state import EngineLoad, WaveSnapshot
 from ._tasks import RejectLog, open_task_nursery
-from .trio_zmq import AsyncSocket, open_context, open_socket
+from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -317,10 +317,12 @@ class Frontend:
     def _failure(self, group: BaseExceptionGroup[BaseException]) -> BaseException:
         """What a failed background task becomes: the coordinator-lost error if that is
         all it was, else one CoordinatorError."""
-        if self._lost is not None and all(
-            e is self._lost or isinstance(e, trio.Cancelled) for e in _leaves(group)
+        lost = self._lost
+        if (
+            lost is not None
+            and group.split(lambda e: e is lost or isinstance(e, trio.Cancelled))[1] is None
         ):
-            return self._lost
+            return lost
         return CoordinatorError(f"front-end task failed: {group!r}")
 
     def _close(self) -> None:
@@ -386,7 +388,7 @@ async def open_frontend(
                         options={
                             zmq.LINGER: 0,
                             **HEARTBEAT_OPTIONS,
-                            **_curve_client(curve_server_key),
+                            **curve_client_options(curve_server_key),
                         },
                     )
                 )
@@ -413,22 +415,3 @@ async def open_frontend(
                 yield handle
     finally:
         handle._close()
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    leaves: list[BaseException] = []
-    for exc in group.exceptions:
-        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return leaves
-
-
-def _curve_client(server_key: bytes | None) -> dict[int, int | bytes]:
-    """Socket options of a CURVE client of ``server_key`` (none without a key)."""
-    if server_key is None:
-        return {}
-    public, secret = zmq.curve_keypair()
-    return {
-        zmq.CURVE_SERVERKEY: server_key,
-        zmq.CURVE_PUBLICKEY: public,
-        zmq.CURVE_SECRETKEY: secret,
-    }

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -47,9 +46,6 @@ from ._state import (
 )
 from ._tasks import RejectLog, open_task_nursery
 from .trio_zmq import AsyncSocket, open_context, open_socket
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    pass
 
 __all__ = [
     "Coordinator",
@@ -148,6 +144,9 @@ class Coordinator:
     ) -> None:
         self.engine_input_address = ""
         self.wake_confirm_timeout = wake_confirm_timeout
+        self._expected_engines = engine_count
+        """The start-up gate's count; the load table's size may change later (elastic EP)."""
+        self._ready_deadline = math.inf
         self.engine_output_address = ""
         self.front_address: str | None = None
         self.curve_public_key: bytes | None = None
@@ -295,9 +294,6 @@ class Coordinator:
         )
 
     # --- transitions: under the lock, enqueue in the same step -------------------------
-
-    _ready_deadline: float = math.inf
-    _expected_engines: int = 0
 
     def _enqueue_wave_start(self, start: WaveStart) -> None:
         self._broadcast_send.send_nowait(protocol.encode_start_dp_wave(start.wave, start.exclude))
@@ -678,7 +674,6 @@ async def open_coordinator(
         front_enabled=front_address is not None,
         wake_confirm_timeout=wake_confirm_timeout,
     )
-    handle._expected_engines = engine_count
     security: dict[int, int | bytes] = {}
     if curve_secret_key is not None:
         if not zmq.has("curve"):

@@ -14,7 +14,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import zmq
 
 from . import protocol
-from .trio_zmq import AsyncSocket, open_context, open_socket
+from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 __all__ = ["EnginePeer", "connect_engines"]
 
@@ -86,14 +86,7 @@ async def connect_engines(
     """
     async with AsyncExitStack() as stack:
         context = await stack.enter_async_context(open_context())
-        security: dict[int, int | bytes] = {}
-        if curve_server_key is not None:
-            public, secret = zmq.curve_keypair()
-            security = {
-                zmq.CURVE_SERVERKEY: curve_server_key,
-                zmq.CURVE_PUBLICKEY: public,
-                zmq.CURVE_SECRETKEY: secret,
-            }
+        security = curve_client_options(curve_server_key)
         peers = []
         for index in range(first_index, first_index + count):
             sub = await stack.enter_async_context(

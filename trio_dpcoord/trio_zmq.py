@@ -35,7 +35,7 @@ from typing import cast
 import trio
 import zmq
 
-__all__ = ["AsyncSocket", "open_context", "open_socket"]
+__all__ = ["AsyncSocket", "curve_client_options", "open_context", "open_socket"]
 
 logger = logging.getLogger(__name__)
 
@@ -466,3 +466,16 @@ class AsyncSocket:
         except ValueError:
             name = str(self._type)
         return f"<AsyncSocket {name} {'closed' if self.closed else f'fd={self._fd}'}>"
+
+
+def curve_client_options(server_key: bytes | None) -> dict[int, int | bytes]:
+    """Socket options that make a socket a CURVE client of ``server_key``, with a fresh
+    key pair; no options when ``server_key`` is None."""
+    if server_key is None:
+        return {}
+    public, secret = zmq.curve_keypair()
+    return {
+        zmq.CURVE_SERVERKEY: server_key,
+        zmq.CURVE_PUBLICKEY: public,
+        zmq.CURVE_SECRETKEY: secret,
+    }
