@@ -3,6 +3,7 @@ restarted under live engines (vLLM #32136), a front-end that reconnects."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import pytest
 import trio
 import zmq
 
-from trio_dpcoord import CoordinatorError, open_coordinator, open_frontend
+from trio_dpcoord import CoordinatorError, WaveSnapshot, open_coordinator, open_frontend
 from trio_dpcoord._service import Coordinator
 from trio_dpcoord.sim import (
     ClusterConfig,
@@ -505,3 +506,47 @@ async def test_a_vanished_engine_is_restarted_and_the_cluster_goes_on() -> None:
     for pid in (*report.engine_pids, *killed):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_curve_simulated_engines_work_and_a_keyless_engine_is_kept_out(
+    tmp_path: Path,
+) -> None:
+    """Optional CURVE (issue 7): simulated engines with the coordinator's key run waves;
+    an engine without it never gets through the start-up gate (its subscription and
+    announcement never arrive)."""
+    _, secret = zmq.curve_keypair()
+    with trio.fail_after(30):
+        async with open_coordinator(2, ready_timeout=10, curve_secret_key=secret) as coord:
+            async with open_sim_frontend(coord, 2) as fe:
+
+                def config(rank: int, key: bytes | None) -> EngineConfig:
+                    return dataclasses.replace(
+                        _config(
+                            rank,
+                            2,
+                            coord.engine_input_address,
+                            coord.engine_output_address,
+                            fe.request_address,
+                            fe.completion_address,
+                            tmp_path,
+                        ),
+                        curve_server_key=key,
+                    )
+
+                async with trio.open_nursery() as nursery:
+                    keyless = SimEngine(config(1, None))
+                    stranger = trio.CancelScope()
+                    nursery.start_soon(_run_in, stranger, keyless)
+                    nursery.start_soon(run_sim_engine, SimEngine(config(0, coord.curve_public_key)))
+                    await coord.wait_for(lambda c: c.silent_engines() == [1])
+                    assert coord.subscriptions().current == 1  # the keyless engine: nothing
+                    stranger.cancel()
+                    nursery.start_soon(run_sim_engine, SimEngine(config(1, coord.curve_public_key)))
+                    await coord.wait_ready()
+                    await fe.wait_for(lambda f: all(f.engine_ready))
+                    assert not keyless.ready
+                    await fe.submit(max_tokens=3, engine=1)
+                    await fe.wait_for(lambda f: f.completed == 1)
+                    await coord.wait_for(lambda c: c.snapshot() == WaveSnapshot(1, False))
+                    assert coord.counters.errors == 0
+                    nursery.cancel_scope.cancel()

@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
         "(default: log the loss and keep waiting)",
     )
     p.add_argument(
+        "--curve-server-key",
+        default=None,
+        help="the coordinator's Z85 CURVE public key, when it runs with CURVE",
+    )
+    p.add_argument(
         "--legacy-wake",
         action="store_true",
         help="pre-0.33 engine: no start_wave for requests stamped with the current wave",
@@ -149,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             collective_timeout=args.collective_timeout,
             report_start_wave=not args.legacy_wake,
             coordinator_timeout=args.coordinator_timeout,
+            curve_server_key=None
+            if args.curve_server_key is None
+            else args.curve_server_key.encode(),
         )
     except ValueError as exc:
         print(f"trio_dpcoord.sim engine: {exc}", file=sys.stderr)

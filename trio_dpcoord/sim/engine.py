@@ -47,7 +47,7 @@ import zmq
 
 from .. import protocol
 from .._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
-from ..trio_zmq import AsyncSocket, open_context, open_socket
+from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from . import messages
 from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError, rank_identity
 
@@ -110,6 +110,9 @@ class EngineConfig:
     coordinator_timeout: float | None = None
     """Exit (:class:`CoordinatorLostError`) when the coordinator stays unreachable this
     long; None: log the loss and keep waiting for it to come back."""
+    curve_server_key: bytes | None = None
+    """The coordinator's CURVE public key when it runs with CURVE (off by default):
+    both coordinator sockets then connect as CURVE clients."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.engine_count:
@@ -559,9 +562,12 @@ class SimEngine:
                     options={zmq.IDENTITY: identity, zmq.RCVHWM: 0, zmq.SNDHWM: 0},
                 )
             )
+            security = curve_client_options(cfg.curve_server_key)
             sub = await stack.enter_async_context(
                 open_socket(
-                    context, zmq.XSUB, options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS}
+                    context,
+                    zmq.XSUB,
+                    options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS, **security},
                 )
             )
             # Watch the connection from before it exists, so the first handshake counts.
@@ -574,7 +580,7 @@ class SimEngine:
                     context,
                     zmq.PUSH,
                     connect=cfg.coordinator_output_address,
-                    options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS},
+                    options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS, **security},
                 )
             )
             self._frontend = await stack.enter_async_context(
