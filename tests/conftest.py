@@ -34,7 +34,7 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def engine_addresses(transport: str) -> dict[str, str | None]:
+def engine_addresses(transport: str) -> dict[str, Any]:
     """Bind addresses for a coordinator under test: default private ipc, or loopback tcp."""
     if transport == "tcp":
         return {

@@ -44,20 +44,21 @@ from trio_dpcoord.sim.engine import run_sim_engine
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 
+@asynccontextmanager
+async def _recording_coordinator(
+    handles: list[Coordinator], engines: int
+) -> AsyncIterator[EmbeddedCoordinator]:
+    """The cluster runner's coordinator, with its handle kept for the test to inspect."""
+    async with open_coordinator(engines, ready_timeout=30) as coordinator:
+        handles.append(coordinator)
+        yield coordinator
+
+
 async def test_a_killed_engine_is_named_with_its_wave_promptly() -> None:
     """SIGKILL one engine process mid-run: the launcher names the rank and its wave and
     stops at once (well before the 20 s collective timeout would have)."""
     handles: list[Coordinator] = []
-
-    @asynccontextmanager
-    async def keep_handle(engines: int) -> AsyncIterator[EmbeddedCoordinator]:
-        async with open_coordinator(engines, ready_timeout=30) as coordinator:
-            handles.append(coordinator)
-            yield coordinator
-
-    def factory(engines: int) -> AbstractAsyncContextManager[EmbeddedCoordinator]:
-        return keep_handle(engines)
-
+    factory = partial(_recording_coordinator, handles)
     killed: list[int] = []
 
     def kill_rank_1(progress: Progress) -> None:
@@ -265,8 +266,8 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                             await trio.sleep(0.02)
                         # The restarted coordinator starts at wave 0; the engines' reports
                         # take it past every wave it had reached before.
-                        for engine in (0, 1, 0):
-                            await fe.submit(max_tokens=2, engine=engine)
+                        for rank in (0, 1, 0):
+                            await fe.submit(max_tokens=2, engine=rank)
                             await fe.wait_for(lambda f: f.pending == 0)
                         await view.wait_for(
                             lambda v: (
@@ -436,16 +437,7 @@ async def test_a_vanished_engine_is_restarted_and_the_cluster_goes_on() -> None:
     requests are resubmitted and every request completes, with no collective timeout and
     no process left behind."""
     handles: list[Coordinator] = []
-
-    @asynccontextmanager
-    async def keep_handle(engines: int) -> AsyncIterator[EmbeddedCoordinator]:
-        async with open_coordinator(engines, ready_timeout=30) as coordinator:
-            handles.append(coordinator)
-            yield coordinator
-
-    def factory(engines: int) -> AbstractAsyncContextManager[EmbeddedCoordinator]:
-        return keep_handle(engines)
-
+    factory = partial(_recording_coordinator, handles)
     killed: list[int] = []
     subscriptions_after_kill: list[tuple[int, int]] = []
     subscriptions_after_restart: list[tuple[int, int, int]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -39,7 +40,7 @@ async def wave_is(coordinator: Coordinator, wave: int, running: bool) -> None:
     await coordinator.wait_for(lambda c: c.snapshot() == WaveSnapshot(wave, running))
 
 
-async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, str | None]) -> None:
+async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, Any]) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
             assert coordinator.engine_input_address.split("://")[0] in ("ipc", "tcp")
@@ -60,7 +61,7 @@ async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, str |
                     assert coordinator.counters.ready_broadcasts == 1
 
 
-async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, str | None]) -> None:
+async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, Any]) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(2, **engine_addresses) as coordinator:
             addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
@@ -78,7 +79,7 @@ async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, st
 
 
 async def test_current_first_request_excludes_its_target_over_the_wire(
-    engine_addresses: dict[str, str | None],
+    engine_addresses: dict[str, Any],
 ) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
@@ -96,7 +97,7 @@ async def test_current_first_request_excludes_its_target_over_the_wire(
 
 
 async def test_stale_first_request_wakes_everyone_and_never_rewinds(
-    engine_addresses: dict[str, str | None],
+    engine_addresses: dict[str, Any],
 ) -> None:
     """R1 made deterministic: the notice is queued before the gate opens, wave 3
     completes while it waits, and only then is it handled."""
@@ -119,7 +120,7 @@ async def test_stale_first_request_wakes_everyone_and_never_rewinds(
 
 
 async def test_engine_start_wave_rules_over_the_wire(
-    engine_addresses: dict[str, str | None],
+    engine_addresses: dict[str, Any],
 ) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
@@ -310,7 +311,7 @@ async def test_wait_ready_times_out_with_a_clear_error() -> None:
 
 
 async def test_cancellation_with_engines_connected_closes_everything(
-    engine_addresses: dict[str, str | None],
+    engine_addresses: dict[str, Any],
 ) -> None:
     with trio.fail_after(GUARD):
         with trio.CancelScope() as scope:
