@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["EngineChooser", "engine_score"]
+from ._state import EngineLoad
 
-EngineLoad = tuple[int, int, float]
+__all__ = ["EngineChooser", "engine_score"]
 
 
 def engine_score(load: EngineLoad, inflight: int, client_count: int) -> float:

@@ -683,6 +683,9 @@ async def open_coordinator(
         except (zmq.ZMQError, ValueError, TypeError) as exc:
             raise CoordinatorError(f"bad CURVE secret key: {exc}") from exc
         security = {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: curve_secret_key}
+    # Verbose: every engine's subscription reaches the gate (vLLM's setting); verboser:
+    # every unsubscription too, so a vanished peer shows.
+    xpub_options = {zmq.XPUB_VERBOSE: 1, zmq.XPUB_VERBOSER: 1, zmq.LINGER: 0, **security}
     private_dir = PrivateIpcDirectory()
     try:
         async with AsyncExitStack() as sockets:
@@ -691,7 +694,7 @@ async def open_coordinator(
                 open_socket(
                     context,
                     zmq.XPUB,
-                    options={zmq.XPUB_VERBOSE: 1, zmq.XPUB_VERBOSER: 1, zmq.LINGER: 0, **security},
+                    options=xpub_options,
                 )
             )
             back_out = await sockets.enter_async_context(
@@ -715,12 +718,7 @@ async def open_coordinator(
                     open_socket(
                         context,
                         zmq.XPUB,
-                        options={
-                            zmq.XPUB_VERBOSE: 1,
-                            zmq.XPUB_VERBOSER: 1,
-                            zmq.LINGER: 0,
-                            **security,
-                        },
+                        options=xpub_options,
                     )
                 )
                 handle.front_address = _bind(

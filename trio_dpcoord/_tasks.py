@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ import trio
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["RejectLog", "open_task_nursery"]
+__all__ = ["RejectLog", "cancel_at_stdin_eof", "open_task_nursery"]
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -86,3 +87,14 @@ class RejectLog:
             self._last_logged[reason] = now
         else:
             self._suppressed[reason] += 1
+
+
+async def cancel_at_stdin_eof(scope: trio.CancelScope, logger: logging.Logger) -> None:
+    """Cancel ``scope`` when stdin reaches end of file: the parent holding its other end
+    has gone (even by SIGKILL), so a child process must not outlive it as an orphan."""
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stdin:
+        while await stdin.receive_some(4096):
+            pass
+    logger.info("standard input closed: stopping (the parent is gone)")
+    scope.cancel()

@@ -22,6 +22,7 @@ import trio
 
 from ._errors import CoordinatorError
 from ._service import Coordinator, open_coordinator
+from ._tasks import cancel_at_stdin_eof
 
 __all__ = ["main"]
 
@@ -200,16 +201,6 @@ async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> Non
         seen = view.current
 
 
-async def _stop_at_stdin_eof(scope: trio.CancelScope) -> None:
-    """Stop when stdin closes: the launcher that holds its other end has gone."""
-    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    async with stdin:
-        while await stdin.receive_some(4096):
-            pass
-    logger.info("standard input closed: stopping")
-    scope.cancel()
-
-
 async def _serve(args: argparse.Namespace) -> int:
     # The signal receiver is installed before the endpoints line goes out and stays until
     # the counters line is written, so a launcher's signal never interrupts either.
@@ -240,7 +231,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_log_gate_progress, coordinator, args.engines)
                     if args.exit_on_stdin_eof:
-                        nursery.start_soon(_stop_at_stdin_eof, nursery.cancel_scope)
+                        nursery.start_soon(cancel_at_stdin_eof, nursery.cancel_scope, logger)
                     async for signum in signals:
                         logger.info("%s received: stopping", signal.Signals(signum).name)
                         break

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
 
 import trio
 
+from .._tasks import cancel_at_stdin_eof
 from .collective import CollectiveTimeoutError
 from .engine import CoordinatorLostError, EngineConfig, EngineProtocolError, run_engine
 
@@ -79,15 +79,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _watch_stdin(cancel: trio.CancelScope) -> None:
-    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    async with stream:
-        while await stream.receive_some(4096):
-            pass
-    logger.info("stdin closed: the parent is gone, stopping")
-    cancel.cancel()
-
-
 async def _watch_signals(cancel: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
@@ -100,7 +91,7 @@ async def _main(config: EngineConfig, exit_on_eof: bool) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, nursery.cancel_scope)
         if exit_on_eof:
-            nursery.start_soon(_watch_stdin, nursery.cancel_scope)
+            nursery.start_soon(cancel_at_stdin_eof, nursery.cancel_scope, logger)
         try:
             await run_engine(config)
         except (CollectiveTimeoutError, EngineProtocolError, CoordinatorLostError) as exc:
