@@ -9,7 +9,8 @@
   XPUB loop in one thread, no trio: it turns every ``start_wave`` into START_DP_WAVE.
   With ``--ingest N`` it also times how fast it took in the last 95% of N messages.
 * ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
-  as it can (``--count``) or paced (``--rate``) until SIGTERM.
+  as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
+  or paced (``--rate``) until SIGTERM.
 * ``exec``: set the parent-death signal, then exec the given command line.
 """
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import zmq
 
-from benchmarks._util import now_ns, set_parent_death_signal, stats_frame
+from benchmarks._util import now_ns, set_parent_death_signal, start_wave_frame, stats_frame
 
 if TYPE_CHECKING:
     from trio_dpcoord import Coordinator
@@ -160,12 +161,21 @@ def _pusher_main(args: argparse.Namespace) -> None:
         frames = [stats_frame(args.engine, i + 1, i + 1) for i in range(args.count)]
     else:
         frames = [stats_frame(args.engine, i % 64, i + 1) for i in range(2000)]
+    frame_bytes = len(frames[0])
+    if args.markers is not None:
+        # start_wave(W) before and start_wave(W + 1) after: every coordinator (and the
+        # forwarder) broadcasts both, so the engines' clock brackets the stats in between
+        frames = [
+            start_wave_frame(args.engine, args.markers),
+            *frames,
+            start_wave_frame(args.engine, args.markers + 1),
+        ]
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 10_000)
     push.connect(args.address)
     signal.signal(signal.SIGTERM, _request_stop)
-    _emit({"ready": True, "frame_bytes": len(frames[0])})
+    _emit({"ready": True, "frame_bytes": frame_bytes})
     if sys.stdin.readline().strip() != "go":
         return
     send = push.send
@@ -212,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pusher.add_argument("--engine", type=int, default=0)
     pusher.add_argument("--count", type=int, default=0)
     pusher.add_argument("--rate", type=float, default=1000.0)
+    pusher.add_argument("--markers", type=int, help="bracket --count frames with start_wave")
     runner = roles.add_parser("exec")
     runner.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)

@@ -42,9 +42,12 @@ from benchmarks._util import (
 )
 from benchmarks._wake import WakeProbe
 from trio_dpcoord import open_coordinator, protocol
+from trio_dpcoord._core import CoordinatorCore
 from trio_dpcoord.testing import connect_engines
 
 COORDINATOR_KINDS = ("inproc", "standalone")
+VLLM = "vllm"
+"""vLLM 0.33.0's real ``DPCoordinatorProc`` (tests/vllm_reference), torch-free."""
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Env:
     quick: bool
     log_dir: Path
     profile_dir: Path | None = None
+    vllm_root: Path | None = None
+    """The import root of vLLM's real code (see :func:`vllm_unavailable`)."""
     socket_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dpbench-")))
     _counter: Iterator[int] = field(default_factory=itertools.count)
 
@@ -83,6 +88,20 @@ def standalone_unavailable() -> str | None:
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
         return f"`python -m trio_dpcoord serve --help` failed: {tail[0]}"
+    return None
+
+
+def vllm_unavailable(env: Env) -> str | None:
+    """Why vLLM's coordinator cannot be benchmarked, or None (then ``env.vllm_root`` is
+    set). The wheel is fetched into the ignored cache on first use (tests/vllm_reference)."""
+    try:
+        from tests.vllm_reference import VllmUnavailable, prepare_import_root
+    except ImportError as exc:
+        return f"tests/vllm_reference cannot be imported: {exc}"
+    try:
+        env.vllm_root = prepare_import_root()
+    except (VllmUnavailable, OSError, subprocess.SubprocessError) as exc:
+        return f"vLLM 0.33.0 unavailable: {exc}".splitlines()[0][:120]
     return None
 
 
@@ -125,12 +144,30 @@ def serving(
         argv = procs("forwarder", "--back-pub", back_pub, "--back-out", back_out)
         if ingest:
             argv += ["--ingest", str(ingest)]
+    elif kind == VLLM:
+        from tests.vllm_reference import coordinator_command, vllm_env
+        from tests.vllm_reference.coordinator import ADDRESSES_MARKER
+
+        assert env.vllm_root is not None, "call vllm_unavailable(env) first"
+        argv = with_death_signal(
+            coordinator_command(
+                engines,
+                front_publish_address=front,
+                back_output_address=back_out,
+                back_publish_address=back_pub,
+            )
+        )
     else:
         raise ValueError(kind)
     name = f"{kind}-{engines}-{next(env._counter)}"
     if env.profile_dir is not None and kind != "forwarder":
         out = env.profile_dir / f"{name}.txt"
         argv = ["py-spy", "record", "--format", "raw", "--rate", "250", "-o", str(out), "--", *argv]
+    if kind == VLLM:
+        with spawn(name, argv, env.log_dir, eof_grace=0.0, env=vllm_env(env.vllm_root)) as child:
+            bound_front, bound_out, bound_pub = child.read_marked(ADDRESSES_MARKER, 60)
+            yield child, {"front": bound_front, "back_pub": bound_pub, "back_out": bound_out}
+        return
     with spawn(name, argv, env.log_dir, eof_grace=3.0) as child:
         info = child.read_json(60)
         yield child, info
@@ -232,6 +269,44 @@ def _rate_from_samples(samples: list[tuple[int, int]], total: int) -> dict[str, 
         return {"rate": math.nan, "messages": 0, "seconds": 0.0, "coarse": True}
     messages = end[1] - start[1]
     return {"rate": messages / seconds, "messages": messages, "seconds": seconds, "coarse": coarse}
+
+
+def ingest_marked(env: Env, kind: str, total: int) -> dict[str, Any]:
+    """Stats messages per second from one pusher, timed by the engines' clock.
+
+    The pusher sends ``start_wave(W)``, ``total`` stats reports and ``start_wave(W + 1)``
+    on one PUSH socket (FIFO), as fast as it can; every subject (our coordinators,
+    vLLM's, the forwarder) broadcasts START_DP_WAVE for both markers, so the time between
+    their arrivals is the time the subject took for ``total`` reports (its queue stays
+    full: one pusher outruns every subject). Needs no front socket, so vLLM's
+    coordinator, which publishes nothing while its input queue is non-empty, reads the
+    same as ours.
+    """
+    with serving(env, kind, 2) as (_, info):
+        with WakeProbe(info["back_pub"], info["back_out"], 2) as probe:
+            probe.wait_ready(expect_ready=kind != "forwarder")
+            probe.start_wave_latencies(5, 0.0005)  # warm-up; the engines end paused
+            first = probe.wave
+            argv = procs(
+                "pusher",
+                "--address",
+                info["back_out"],
+                "--engine",
+                "0",
+                "--count",
+                str(total),
+                "--markers",
+                str(first),
+            )
+            with spawn(f"marked-pusher-{next(env._counter)}", argv, env.log_dir) as pusher:
+                pusher.read_json(120)
+                pusher.send_line("go")
+                t_first = probe.wave_arrival(first, 60_000)
+                t_last = probe.wave_arrival(first + 1, 300_000)
+    if t_first is None or t_last is None:
+        raise TimeoutError(f"{kind}: a start_wave marker never reached the engines")
+    seconds = (t_last - t_first) / 1e9
+    return {"rate": total / seconds, "messages": total, "seconds": seconds}
 
 
 # --- 2./3. wake latency --------------------------------------------------------------------
@@ -407,31 +482,49 @@ def scale_point(env: Env, kind: str, engines: int, waves: int) -> dict[str, floa
 
 
 def front_publish_cost(engines: int, calls: int) -> dict[str, float]:
-    """ns per timed front publish (lock, counts, encode) against ``msgpack.packb``."""
+    """ns per timed front publish (lock, counts, encode: what the front publisher does
+    before its send) against ``msgpack.packb`` of the same message."""
+    from benchmarks._util import stats_frame
 
-    async def measure() -> dict[str, float]:
-        with tempfile.TemporaryDirectory(prefix="dpbench-") as tmp:
-            async with open_coordinator(
-                engines, front_address=f"ipc://{tmp}/front", ready_timeout=None
-            ) as coordinator:
-                for index in range(engines):
-                    coordinator._loads.apply_stats(index, index, 4, 0.25, wave=0, step=1)
-                take = coordinator._take_timed_publish
+    core = CoordinatorCore(engines, publish_to_front_ends=True)
+    for index in range(engines):
+        core.receive_engine_output([stats_frame(index, index, 1)], 0.0)
+    lock = threading.Lock()
 
-                def publish() -> bytes:
-                    coordinator._loads.stats_changed = True
-                    return take()
+    def publish() -> bytes:
+        with lock:
+            return core.timed_publish(1.0)
 
-                counts = [[index, 4, 0.25] for index in range(engines)]
-                message = [counts, 3, True]
-                packb = msgpack.packb
-                return {
-                    "publish_ns": _per_call_ns(publish, None, calls),
-                    "baseline_ns": _per_call_ns(packb, message, calls),
-                    "bytes": float(len(publish())),
-                }
+    counts = [[index, 4, 0.25] for index in range(engines)]
+    message = [counts, 3, True]
+    return {
+        "publish_ns": _per_call_ns(publish, None, calls),
+        "baseline_ns": _per_call_ns(msgpack.packb, message, calls),
+        "bytes": float(len(publish())),
+    }
 
-    return trio.run(measure)
+
+VLLM_PUBLISH_RUNNER = Path(__file__).resolve().parent / "_vllm_publish.py"
+
+
+def vllm_front_publish_cost(env: Env, engines: int, calls: int) -> dict[str, float]:
+    """ns per timed front publish of vLLM's coordinator (its own ``_get_engine_counts``
+    and ``msgspec`` encode, run in the vLLM world), best of 5 loops."""
+    from tests.vllm_reference import runner_command, vllm_env
+
+    result = subprocess.run(
+        runner_command(VLLM_PUBLISH_RUNNER, str(engines), str(calls)),
+        env=vllm_env(env.vllm_root),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM publish runner failed: {result.stderr[-500:]}")
+    value: dict[str, float] = json.loads(lines[-1])
+    return value
 
 
 # --- 6. end to end -------------------------------------------------------------------------

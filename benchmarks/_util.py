@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -164,6 +164,14 @@ class Child:
 
     def read_json(self, timeout: float) -> dict[str, Any]:
         """The next stdout line that is a JSON object (other lines are skipped)."""
+        while True:
+            value = self.read_marked("", timeout)
+            if isinstance(value, dict):
+                return value
+
+    def read_marked(self, marker: str, timeout: float) -> Any:
+        """The JSON value after ``marker`` on the next stdout line that starts with
+        ``marker`` followed by JSON (other lines are skipped)."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -173,10 +181,8 @@ class Child:
             if not line:
                 raise RuntimeError(f"{self.name}: exited ({self.popen.poll()}){self._tail()}")
             line = line.strip()
-            if line.startswith("{"):
-                value = json.loads(line)
-                if isinstance(value, dict):
-                    return value
+            if line.startswith(marker) and line[len(marker) : len(marker) + 1] in ("{", "["):
+                return json.loads(line[len(marker) :])
 
     def _tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -210,9 +216,15 @@ class Child:
 
 @contextlib.contextmanager
 def spawn(
-    name: str, argv: Sequence[str], log_dir: Path, *, eof_grace: float = 0.0
+    name: str,
+    argv: Sequence[str],
+    log_dir: Path,
+    *,
+    eof_grace: float = 0.0,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Child]:
-    """Start ``argv`` (cwd: the repository root); stop and reap it when the block ends."""
+    """Start ``argv`` (cwd: the repository root, environment ``env`` or ours); stop and
+    reap it when the block ends."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
         popen = subprocess.Popen(
@@ -223,6 +235,7 @@ def spawn(
             stderr=log,
             text=True,
             bufsize=1,
+            env=None if env is None else dict(env),
         )
     child = Child(name, popen, log_path)
     try:

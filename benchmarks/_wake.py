@@ -27,6 +27,8 @@ class WakeProbe:
         self, back_pub: str, back_out: str, engines: int, *, push_per_engine: bool = False
     ) -> None:
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # libzmq's default limit is 1023 sockets per context; N = 1024 needs 2N + a few
+        self.context.set(zmq.MAX_SOCKETS, 2 * engines + 64)
         self.engines = engines
         self.subs: list[zmq.Socket[bytes]] = []
         self.pushes: list[zmq.Socket[bytes]] = []
@@ -130,6 +132,10 @@ class WakeProbe:
             self.control.send(wave_complete_frame(self.wave))
             self.wave += 1
         return latencies
+
+    def wave_arrival(self, wave: int, timeout_ms: int) -> int | None:
+        """When START_DP_WAVE(``wave``) reached the last engine (None: timed out)."""
+        return self._collect(self._is_start(wave), timeout_ms)
 
     def answer_waves(self, waves: int) -> list[int]:
         """Someone else starts each wave: record when it reached the last engine, then

@@ -23,6 +23,9 @@ logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e")
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
+VLLM_LABEL = "vLLM 0.33.0"
+VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
+"""Issue 12's targets at N = 8, standalone: wake p50 <= 0.8x and p99 <= 1.0x vLLM's."""
 LOAD_FRACTION = 0.5
 """Stats load during (3), as a fraction of the coordinator's ingest throughput from (1):
 at 1.0 it would be saturated by definition and latency would be its queue length."""
@@ -62,6 +65,9 @@ class Sizes:
     scale_waves: int
     publish_calls: int
     e2e_timeout_s: float
+    vllm_ingest_total: int
+    vllm_scale_engines: tuple[int, ...]
+    vllm_scale_rounds: int
 
 
 QUICK = Sizes(
@@ -76,6 +82,9 @@ QUICK = Sizes(
     scale_waves=100,
     publish_calls=2_000,
     e2e_timeout_s=60,
+    vllm_ingest_total=60_000,
+    vllm_scale_engines=(8, 256, 1024),
+    vllm_scale_rounds=2,
 )
 FULL = Sizes(
     ingest_total=400_000,
@@ -89,6 +98,9 @@ FULL = Sizes(
     scale_waves=500,
     publish_calls=10_000,
     e2e_timeout_s=300,
+    vllm_ingest_total=200_000,
+    vllm_scale_engines=(8, 64, 256, 1024),
+    vllm_scale_rounds=3,
 )
 
 
@@ -140,6 +152,9 @@ class Runner:
         self.rows: list[Row] = []
         self.details: dict[str, Any] = {}
         self.standalone_reason = sc.standalone_unavailable()
+        self.vllm_reason = sc.vllm_unavailable(env)
+        if self.vllm_reason:
+            logger.warning("vLLM's coordinator rows skipped: %s", self.vllm_reason)
 
     def guarded(self, section: str, figure: str, step: Callable[[], None]) -> None:
         """Run one measurement; a failure becomes a row saying so, not a crash."""
@@ -204,6 +219,47 @@ class Runner:
             if best[kind].get("coarse"):
                 row.note += "; coarse: drained within one publish interval"
             self.rows.append(row)
+        self.guarded("1 ingest", "ingest vs vLLM", self.ingest_vs_vllm)
+
+    def ingest_vs_vllm(self) -> None:
+        """One pusher, timed by start_wave markers; interleaved rounds, best of each."""
+        s = self.sizes
+        figures = [f"ingest vs vLLM, {kind} (1 pusher)" for kind in ("standalone", "inproc")]
+        figures.append("ingest vs vLLM, forwarder (1 pusher)")
+        if self.vllm_reason:
+            for figure in figures:
+                self.skipped("1 ingest", figure, self.vllm_reason)
+            return
+        kinds = [sc.VLLM, "forwarder", "inproc"]
+        if not self.standalone_reason:
+            kinds.insert(1, "standalone")
+        runs: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(s.ingest_rounds):
+            for kind in kinds:
+                runs[kind].append(sc.ingest_marked(self.env, kind, s.vllm_ingest_total)["rate"])
+        self.details["ingest_vs_vllm_rounds"] = runs
+        base = max(runs[sc.VLLM])
+        for kind in ("standalone", "inproc", "forwarder"):
+            figure = f"ingest vs vLLM, {kind} (1 pusher)"
+            if kind not in runs:
+                self.skipped("1 ingest", figure, self.standalone_reason or "")
+                continue
+            rates = ", ".join(f"{r:,.0f}" for r in runs[kind])
+            row = Row(
+                "1 ingest",
+                figure,
+                max(runs[kind]),
+                "msg/s",
+                base,
+                VLLM_LABEL,
+                note=f"rounds: {rates}",
+            )
+            if kind == "standalone":
+                row.target = ">= 4x"
+                row.met = row.ratio is not None and row.ratio >= 4.0
+            elif kind == "forwarder":
+                row.note = "Python's PULL+unpackb limit; " + row.note
+            self.rows.append(row)
 
     # -- 2 ---------------------------------------------------------------------------------
 
@@ -214,16 +270,17 @@ class Runner:
                 "forwarder": ("start_wave",),
                 "inproc": ("start_wave", "notify_first_request"),
             }
-            if n == 8:
-                if self.standalone_reason:
-                    self.skipped("2 wake", f"N={n} standalone", self.standalone_reason)
-                else:
-                    variants["standalone"] = ("start_wave",)
+            if self.standalone_reason:
+                self.skipped("2 wake", f"N={n} standalone", self.standalone_reason)
+            else:
+                variants["standalone"] = ("start_wave",)
+            if not self.vllm_reason:
+                variants[sc.VLLM] = ("start_wave",)
             result = sc.wake_compare(self.env, n, s.waves, variants)
             self.details[f"wake_{n}"] = result
             base = result["forwarder start_wave"]
             for label, values in result.items():
-                if label.startswith("forwarder"):
+                if label.startswith(("forwarder", sc.VLLM)):
                     continue
                 for stat, limit in (("p50", 2.0), ("p99", 3.0), ("max", None)):
                     row = Row(
@@ -238,6 +295,36 @@ class Runner:
                         row.target = f"<= {limit:g}x"
                         row.met = row.ratio is not None and row.ratio <= limit
                     self.rows.append(row)
+            self.wake_vs_vllm(n, result)
+
+    def wake_vs_vllm(self, n: int, result: dict[str, dict[str, Any]]) -> None:
+        """Standalone (and the embedded notify path) against vLLM's engine-initiated wake,
+        measured in the same interleaved chunks."""
+        if self.vllm_reason:
+            self.skipped("2 wake", f"N={n} vs vLLM", self.vllm_reason)
+            return
+        base = result[f"{sc.VLLM} start_wave"]
+        for label in ("standalone start_wave", "inproc notify_first_request"):
+            if label not in result:
+                continue
+            for stat in ("p50", "p99", "max"):
+                row = Row(
+                    "2 wake",
+                    f"N={n} {label} {stat} vs vLLM",
+                    result[label][stat],
+                    "us",
+                    base[stat],
+                    f"{VLLM_LABEL} start_wave",
+                )
+                limit = (
+                    VLLM_WAKE_TARGETS.get(stat)
+                    if label.startswith("standalone")
+                    else (0.5 if stat == "p50" else None)
+                )
+                if n == 8 and limit is not None:
+                    row.target = f"<= {limit:g}x"
+                    row.met = row.ratio is not None and row.ratio <= limit
+                self.rows.append(row)
 
     # -- 3 ---------------------------------------------------------------------------------
 
@@ -278,6 +365,46 @@ class Runner:
                     row.target = "<= 5x"
                     row.met = row.ratio is not None and row.ratio <= 5.0
                 self.rows.append(row)
+        self.guarded("3 wake+load", "vs vLLM", self.load_vs_vllm)
+
+    def load_vs_vllm(self) -> None:
+        """Standalone and vLLM's coordinator, N = 8, interleaved, each under the same stats
+        load: half of vLLM's ingest rate from (1) (or of ours, when it did not run)."""
+        reason = self.vllm_reason or self.standalone_reason
+        if reason:
+            self.skipped("3 wake+load", "N=8 vs vLLM", reason)
+            return
+        s = self.sizes
+        rounds = self.details.get("ingest_vs_vllm_rounds", {})
+        vllm_rate = max(rounds.get(sc.VLLM, [0.0]))
+        if not vllm_rate:
+            vllm_rate = sc.ingest_marked(self.env, sc.VLLM, s.vllm_ingest_total // 2)["rate"]
+        rate = LOAD_FRACTION * vllm_rate
+        result = sc.wake_compare(
+            self.env,
+            8,
+            s.waves,
+            {"standalone": ("start_wave",), sc.VLLM: ("start_wave",)},
+            load_rate=rate,
+        )
+        self.details["load_vs_vllm_8"] = result
+        ours, base = result["standalone start_wave"], result[f"{sc.VLLM} start_wave"]
+        note = (
+            f"stats at {ours['load_rate_achieved']:,.0f} msg/s to each"
+            f" ({LOAD_FRACTION:g} x vLLM's 1-pusher ingest rate of (1))"
+        )
+        for stat in ("p50", "p99", "max"):
+            self.rows.append(
+                Row(
+                    "3 wake+load",
+                    f"N=8 standalone start_wave {stat} vs vLLM",
+                    ours[stat],
+                    "us",
+                    base[stat],
+                    f"{VLLM_LABEL}, same load",
+                    note=note if stat == "p99" else "",
+                )
+            )
 
     # -- 4 ---------------------------------------------------------------------------------
 
@@ -352,6 +479,62 @@ class Runner:
             note=f"least squares over N, R^2 = {r2:.3f}",
         )
         self.rows.append(fit)
+        self.guarded("5 scale", "vs vLLM", self.scale_vs_vllm)
+
+    def scale_vs_vllm(self) -> None:
+        """Standalone against vLLM's coordinator: CPU per wave and RSS with N engines
+        connected (interleaved rounds; the least CPU of each, noise only adds), and the
+        timed front publish of N engines' counts."""
+        s = self.sizes
+        reason = self.vllm_reason or self.standalone_reason
+        if reason:
+            self.skipped("5 scale", "vs vLLM", reason)
+            return
+        points: dict[int, dict[str, dict[str, float]]] = {}
+        for n in s.vllm_scale_engines:
+            rounds: dict[str, list[dict[str, float]]] = {"standalone": [], sc.VLLM: []}
+            waves = s.scale_waves if n <= 256 else max(20, s.scale_waves // 2)
+            for _ in range(s.vllm_scale_rounds):
+                for kind in rounds:
+                    rounds[kind].append(sc.scale_point(self.env, kind, n, waves))
+            point = {
+                kind: {
+                    "cpu_per_wave_us": min(r["cpu_per_wave_us"] for r in runs),
+                    "rss_mib": runs[-1]["rss_mib"],
+                    "wake_p50_us": min(r["wake_p50_us"] for r in runs),
+                }
+                for kind, runs in rounds.items()
+            }
+            if n >= 256:
+                point["standalone"]["front_publish_us"] = (
+                    sc.front_publish_cost(n, s.publish_calls)["publish_ns"] / 1000
+                )
+                point[sc.VLLM]["front_publish_us"] = (
+                    sc.vllm_front_publish_cost(self.env, n, s.publish_calls)["publish_ns"] / 1000
+                )
+            points[n] = point
+        self.details["scale_vs_vllm"] = {str(n): p for n, p in points.items()}
+        for n, point in points.items():
+            ours, base = point["standalone"], point[sc.VLLM]
+            for key, figure, unit in (
+                ("cpu_per_wave_us", "CPU per wave", "us"),
+                ("rss_mib", "RSS", "MiB"),
+                ("front_publish_us", "front publish", "us"),
+            ):
+                if key not in ours or (key == "rss_mib" and n < 256):
+                    continue
+                row = Row(
+                    "5 scale",
+                    f"{figure} N={n} standalone vs vLLM",
+                    ours[key],
+                    unit,
+                    base[key],
+                    VLLM_LABEL,
+                )
+                if (n == 8 and key == "cpu_per_wave_us") or n == 1024:
+                    row.target = "<= 1x"
+                    row.met = row.ratio is not None and row.ratio <= 1.0
+                self.rows.append(row)
 
     # -- 6 ---------------------------------------------------------------------------------
 
