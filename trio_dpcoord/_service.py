@@ -108,7 +108,11 @@ class _Pumps:
         """The only code that sends on the engine broadcast socket."""
         task_status.started()
         async for broadcast in self._broadcast_queue:
-            await xpub.send_multipart(broadcast.frames)
+            # One synchronous attempt first: receiving from the channel is this loop's
+            # checkpoint, so a send that goes through needs no second one (a scheduler
+            # pass less per wave); only a refused send (HWM) waits.
+            if not xpub.send_nowait(broadcast.frames):
+                await xpub.send_multipart(broadcast.frames)
             with self.lock:
                 self.core.broadcast_sent(broadcast, trio.current_time())
             if broadcast.wave_start is None and not self.ready.is_set():
@@ -179,21 +183,31 @@ class _Pumps:
         self, front: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The only code that sends on the front socket: what the core decided at once,
-        and a timed publish whenever one is due."""
+        and a timed publish whenever one is due.
+
+        One cancel scope per *timed* publish, not per item: its deadline follows the
+        core's schedule as items arrive (a scope per received item showed in the wave
+        path's profile). Each send is first tried synchronously: the loop's receive is
+        its checkpoint.
+        """
         task_status.started()
         while True:
             with self.lock:
                 due = self.core.next_publish_due()
-            item: Publish | RescheduleTimedPublish | None = None
-            with trio.move_on_at(due):
-                item = await self._publish_queue.receive()
-            if isinstance(item, RescheduleTimedPublish):
-                continue
-            if item is None:
-                with self.lock:
-                    payload = self.core.timed_publish(trio.current_time())
-            else:
-                payload = item.payload
+            with trio.CancelScope(deadline=due) as timer:
+                while True:
+                    item = await self._publish_queue.receive()
+                    if isinstance(item, Publish):
+                        if not front.send_nowait((item.payload,)):
+                            timer.deadline = math.inf  # a decided publish is not cut short
+                            await front.send(item.payload)
+                        with self.lock:
+                            self.core.publish_sent()
+                    with self.lock:
+                        timer.deadline = self.core.next_publish_due()
+            # the deadline passed: the timed publish
+            with self.lock:
+                payload = self.core.timed_publish(trio.current_time())
             await front.send(payload)
             with self.lock:
                 self.core.publish_sent()

@@ -39,11 +39,15 @@ __all__ = ["AsyncSocket", "curve_client_options", "open_context", "open_socket"]
 
 logger = logging.getLogger(__name__)
 
-_NOBLOCK = zmq.NOBLOCK
-_SNDMORE = zmq.SNDMORE
-_POLLIN = zmq.POLLIN
-_POLLOUT = zmq.POLLOUT
-_EVENTS = zmq.EVENTS
+# Plain ints: pyzmq's constants are enum.Flag members, and ``events & zmq.POLLIN`` or
+# ``zmq.NOBLOCK | zmq.SNDMORE`` builds a new Flag object (EnumType.__call__) on every
+# operation, which showed in the wave-path profile.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK_SNDMORE = _NOBLOCK | _SNDMORE
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
 
 
 @asynccontextmanager
@@ -250,12 +254,12 @@ class AsyncSocket:
                 return False
             return True
         try:
-            sock.send(frames[0], _NOBLOCK | _SNDMORE)
+            sock.send(frames[0], _NOBLOCK_SNDMORE)
         except zmq.Again:
             return False
         for i in range(1, last + 1):
             try:
-                sock.send(frames[i], (_NOBLOCK | _SNDMORE) if i < last else _NOBLOCK)
+                sock.send(frames[i], _NOBLOCK_SNDMORE if i < last else _NOBLOCK)
             except zmq.Again:
                 logger.warning("zmq refused a continuation frame; finishing it later")
                 self._send_tail = list(frames[i:])
@@ -267,7 +271,7 @@ class AsyncSocket:
         assert tail is not None
         while tail:
             try:
-                self._sock.send(tail[0], (_NOBLOCK | _SNDMORE) if len(tail) > 1 else _NOBLOCK)
+                self._sock.send(tail[0], _NOBLOCK_SNDMORE if len(tail) > 1 else _NOBLOCK)
             except zmq.Again:
                 return False
             del tail[0]
