@@ -1,4 +1,4 @@
-"""The in-process coordinator over real sockets, with bare engine peers (issue 3)."""
+"""The in-process coordinator over real sockets, with bare engine peers."""
 
 from __future__ import annotations
 

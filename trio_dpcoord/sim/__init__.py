@@ -6,7 +6,7 @@ Built only on the public API (:func:`trio_dpcoord.open_coordinator`,
 users get.
 
 * :mod:`.engine` — one DP rank (``python -m trio_dpcoord.sim engine --rank R ...``),
-  faithful to PROTOCOL.md §6, stepping in lock-step with its peers through a real
+  faithful to docs/protocol.md §6, stepping in lock-step with its peers through a real
   collective between processes (:mod:`.collective`);
 * :mod:`.frontend` — the front-end (wave stamp, engine choice, optional
   ``notify_first_request``), wake-latency measurement and the bursty load generator;

@@ -7,7 +7,7 @@ small additions of this simulation ride on the same sockets:
 
 * **Commands** (front-end → engine, request socket): ``03 | msgpack [client_index, call_id,
   method, args]``, shaped like vLLM's UTILITY calls. Methods: ``"pause_scheduler"``
-  (two-phase pause, PROTOCOL.md §6.8) and ``"resume_scheduler"``; ``args`` is ``[]``.
+  (two-phase pause, docs/protocol.md §6.8) and ``"resume_scheduler"``; ``args`` is ``[]``.
 * **Status events** (engine → front-end, completion socket): an ``EngineCoreOutputs`` whose
   ``utility_output`` is vLLM's ``UtilityOutput`` shape ``[call_id, None, result]`` with
   ``result`` a map ``{"event": EVENT, "wave": W}``. ``call_id`` is 0 for unsolicited
