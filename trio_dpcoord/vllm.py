@@ -241,5 +241,5 @@ async def _serve(
         except CoordinatorError as exc:
             logger.error("trio_dpcoord DP coordinator failed: %s", exc)
             return 1
-    logger.info("DP coordinator process exiting")
+    logger.info("trio_dpcoord DP coordinator stopped")
     return 0
