@@ -1,4 +1,4 @@
-"""Tests for the wire codec against vLLM 0.33.0's own frames (../shared vectors)."""
+"""Tests for the wire codec against vLLM 0.33.0's own frames (tests/data/vectors.json)."""
 
 from __future__ import annotations
 
@@ -1066,12 +1066,14 @@ def general_decode(frame: bytes) -> tuple[P.OutputKind, int, object] | str:
     if kind is P.OutputKind.STATS:
         s = out.scheduler_stats
         assert s is not None
-        value = (
-            s.num_running_reqs,
-            s.num_waiting_reqs,
-            s.step_counter,
-            s.current_wave,
-            s.kv_cache_usage,
+        value = P.StatsReport(
+            P.EngineLoad(
+                waiting=s.num_waiting_reqs,
+                running=s.num_running_reqs,
+                kv_cache_usage=s.kv_cache_usage,
+            ),
+            wave=s.current_wave,
+            step=s.step_counter,
         )
     elif kind is P.OutputKind.WAVE_COMPLETE:
         value = out.wave_complete
@@ -1126,7 +1128,11 @@ def test_coordinator_hot_path_agrees_on_mutated_control_frames(
 
 def test_coordinator_hot_path_on_the_vectors(vectors: Vectors) -> None:
     expected = {
-        "eco_scheduler_stats_moe": (P.OutputKind.STATS, 2, (12, 3, 17, 5, 0.4375)),
+        "eco_scheduler_stats_moe": (
+            P.OutputKind.STATS,
+            2,
+            P.StatsReport(P.EngineLoad(waiting=3, running=12, kv_cache_usage=0.4375), 5, 17),
+        ),
         "eco_wave_complete": (P.OutputKind.WAVE_COMPLETE, 0, 5),
         "eco_start_wave": (P.OutputKind.START_WAVE, 2, 6),
         "eco_utility_output": (P.OutputKind.UTILITY_REPLY, 0, None),

@@ -21,6 +21,7 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
+from trio_dpcoord._core import Broadcast
 from trio_dpcoord.testing import EnginePeer, connect_engines
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -360,7 +361,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
             ):
                 await coordinator.wait_ready()
                 # break an invariant of our own: an empty frame list for the broadcaster
-                coordinator._broadcast_send.send_nowait([])
+                coordinator._pumps.broadcasts.send_nowait(Broadcast([], None, 0.0))
                 await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 

@@ -39,8 +39,8 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from .. import open_coordinator, open_frontend
-from .frontend import LoadPlan, SimFrontend, WakePath, WaveView, generate_load, open_sim_frontend
+from .. import CoordinatorView, open_coordinator, open_frontend
+from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -69,7 +69,7 @@ class _Counters(Protocol):
     def errors(self) -> int: ...
 
 
-class EmbeddedCoordinator(WaveView, Protocol):
+class EmbeddedCoordinator(CoordinatorView, Protocol):
     """What ``inproc`` mode needs from the embedded coordinator (``open_coordinator``'s
     handle, or a test's stand-in)."""
 
@@ -587,7 +587,7 @@ async def run_cluster(
                 run_scope.cancel()
 
             async with AsyncExitStack() as stack:
-                view: WaveView
+                view: CoordinatorView
                 if config.mode == "inproc":
                     factory = coordinator_factory or _default_coordinator(config)
                     coordinator = await stack.enter_async_context(factory(config.engines))
