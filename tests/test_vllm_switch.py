@@ -399,9 +399,11 @@ async def test_a_coordinator_killed_later_is_reported_by_vllms_monitor(
                 os.kill(launched["pid"], signal.SIGKILL)
                 failed = await runner.next_event("monitor_failed")
             assert await runner.finished() == 0
-    assert failed["error"] == (
-        f"RuntimeError: Process VLLM_DP_Coordinator (PID: {launched['pid']}) died with exit code -9"
+    # vLLM's message has the exit status only if it is reapable when it looks (a race)
+    assert failed["error"].startswith(
+        f"RuntimeError: Process VLLM_DP_Coordinator (PID: {launched['pid']}) died with exit code "
     )
+    assert failed["exitcode"] == -signal.SIGKILL
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

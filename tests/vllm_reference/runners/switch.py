@@ -147,7 +147,12 @@ def launch(config: dict[str, Any]) -> None:
         try:
             wait_for_completion_or_failure(NoApiServers(), None, coordinator)
         except Exception as exc:
-            emit("monitor_failed", error=f"{type(exc).__name__}: {exc}")
+            coordinator.proc.join(60)
+            emit(
+                "monitor_failed",
+                error=f"{type(exc).__name__}: {exc}",
+                exitcode=coordinator.proc.exitcode,
+            )
             return
         emit("monitor_returned")
     elif command == "shutdown":
