@@ -56,34 +56,53 @@ _TARGET_PARAMETERS = (
     "logging_config",
 )
 
-# Handlers borrowed from the "vllm" logger, so a later borrow can replace them.
-_borrowed_handlers: list[logging.Handler] = []
-
 
 def verified_vllm_version(version: str) -> bool:
     """Whether this vLLM version is one the switch was verified against (0.33.x)."""
     return _VERIFIED_VERSION.fullmatch(version) is not None
 
 
-def _log_like_vllm() -> None:
-    """Send our log records where vLLM sends its own, in vLLM's format.
+class _ThroughVllmLogging(logging.Handler):
+    """Hands each of our records to the handlers vLLM's "vllm" logger has at that moment.
 
-    vLLM configures only its "vllm" logger; without this our INFO lines would reach no
-    handler. A logging set-up that already gives "trio_dpcoord" handlers is left alone.
+    vLLM configures only its "vllm" logger, so our records would otherwise reach no
+    handler. The ``vllm`` CLI loads plugins while it builds its argument parser, before
+    it configures logging: until then our records go to stderr in a plain layout.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._before_vllm = logging.StreamHandler()
+        self._before_vllm.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+        )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_handlers = logging.getLogger("vllm").handlers
+        if not vllm_handlers:
+            self._before_vllm.handle(record)
+        for handler in vllm_handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _log_through_vllm(level: int | str) -> None:
+    """Route the "trio_dpcoord" loggers through vLLM's logging at ``level``, unless a
+    logging set-up already gave them handlers of their own."""
     ours = logging.getLogger("trio_dpcoord")
-    if ours.handlers != _borrowed_handlers:
-        return
-    theirs = logging.getLogger("vllm")
-    if not theirs.handlers:
-        return
-    for handler in _borrowed_handlers:
-        ours.removeHandler(handler)
-    _borrowed_handlers[:] = theirs.handlers
-    for handler in _borrowed_handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
-    ours.propagate = False
+    if not ours.handlers:
+        ours.addHandler(_ThroughVllmLogging())
+        ours.propagate = False
+    if all(isinstance(handler, _ThroughVllmLogging) for handler in ours.handlers):
+        ours.setLevel(level)
+
+
+def _vllm_log_level() -> str:
+    """The level vLLM's logging gets by default (``VLLM_LOGGING_LEVEL``, INFO unset)."""
+    import vllm.envs
+
+    level: str = vllm.envs.VLLM_LOGGING_LEVEL
+    return level
 
 
 def register() -> None:
@@ -100,14 +119,14 @@ def register() -> None:
     setting = os.environ.get(ENABLE_VARIABLE, "")
     if setting != "1":
         if setting not in ("", "0"):
-            _log_like_vllm()
+            _log_through_vllm(_vllm_log_level())
             logger.warning(
                 "%s=%r is ignored: set it to 1 to use trio_dpcoord's DP coordinator",
                 ENABLE_VARIABLE,
                 setting,
             )
         return
-    _log_like_vllm()
+    _log_through_vllm(_vllm_log_level())
     from vllm.version import __version__ as vllm_version
 
     if not verified_vllm_version(vllm_version):
@@ -169,7 +188,7 @@ def run_coordinator(
             from vllm.logger import configure_logging
 
             configure_logging(logging_config)
-        _log_like_vllm()
+        _log_through_vllm(logging.getLogger("vllm").getEffectiveLevel())
         from vllm.utils.system_utils import set_process_title
 
         set_process_title("DPCoordinator")

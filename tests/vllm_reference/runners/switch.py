@@ -100,10 +100,14 @@ class NoApiServers:
 
 
 def plugins(config: dict[str, Any]) -> None:
+    from vllm.logger import configure_logging
     from vllm.plugins import load_general_plugins
     from vllm.v1.engine.coordinator import DPCoordinatorProc
 
+    # The order of `vllm serve`: plugins load while it builds its argument parser
+    # (AsyncEngineArgs.add_cli_args), logging is configured after parsing.
     load_general_plugins()
+    configure_logging(LoggingConfig())
     target = DPCoordinatorProc.run_coordinator
     emit("plugins", target=f"{target.__module__}.{target.__qualname__}")
 
@@ -161,9 +165,12 @@ def launch(config: dict[str, Any]) -> None:
 
 
 def direct(config: dict[str, Any]) -> None:
+    from vllm.logger import configure_logging
     from vllm.utils.system_utils import get_mp_context
 
     from trio_dpcoord.vllm import run_coordinator
+
+    configure_logging(LoggingConfig())
 
     context = get_mp_context()
     receiving, sending = context.Pipe(duplex=False)
@@ -199,10 +206,6 @@ def direct(config: dict[str, Any]) -> None:
 
 def main() -> None:
     mode, config = sys.argv[1], json.loads(sys.argv[2])
-    from vllm.logger import configure_logging
-
-    # What `vllm serve` does before anything else (configure_logging_from_args)
-    configure_logging(LoggingConfig())
     try:
         {"plugins": plugins, "launch": launch, "direct": direct}[mode](config)
     except BaseException:
