@@ -22,7 +22,7 @@ from trio_dpcoord import (
     protocol,
 )
 from trio_dpcoord._core import Broadcast
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -391,7 +391,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
                 context,
                 zmq.XSUB,
                 connect=coordinator.engine_input_address,
-                options={zmq.IDENTITY: (0).to_bytes(2, "little")},
+                options={zmq.IDENTITY: rank_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]

@@ -373,6 +373,16 @@ class CoordinatorCore:
     def wake_confirm_timeout(self) -> float:
         return self._wake_confirm_timeout
 
+    @property
+    def first_request_pending(self) -> bool:
+        """A handle's claim is queued and not yet handled (the snapshot says running)."""
+        return self._wave.first_request_pending
+
+    @property
+    def unconfirmed_wave(self) -> int | None:
+        """The wave a first-request start began that no engine has reported on yet."""
+        return self._wave.unconfirmed_wave
+
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
         return self._wave.snapshot

@@ -30,23 +30,21 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import trio
 import zmq
 
 from .. import CoordinatorView, EngineChooser, protocol
+from .._endpoints import PrivateIpcDirectory
 from ..protocol import IDLE_LOAD, EngineLoad
+from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
-from .collective import rank_identity
 
 __all__ = [
     "LoadPlan",
@@ -417,9 +415,7 @@ async def open_sim_frontend(
     exit. Engines connect to :attr:`SimFrontend.request_address` and
     :attr:`SimFrontend.completion_address`.
     """
-    private: Path | None = None
-    if request_address is None or completion_address is None:
-        private = Path(tempfile.mkdtemp(prefix="trio-dpcoord-sim-"))
+    private = PrivateIpcDirectory()  # created only if an address is needed
     try:
         async with AsyncExitStack() as stack:
             context = await stack.enter_async_context(open_context())
@@ -439,8 +435,8 @@ async def open_sim_frontend(
             pull = await stack.enter_async_context(
                 open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0})
             )
-            bound_requests = router.bind(request_address or f"ipc://{private}/requests")
-            bound_completions = pull.bind(completion_address or f"ipc://{private}/completions")
+            bound_requests = router.bind(request_address or private.address("requests"))
+            bound_completions = pull.bind(completion_address or private.address("completions"))
             frontend = SimFrontend(
                 view,
                 engine_count,
@@ -457,8 +453,7 @@ async def open_sim_frontend(
                 finally:
                     nursery.cancel_scope.cancel()
     finally:
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
+        private.cleanup()
 
 
 @dataclass(frozen=True, slots=True)
