@@ -33,7 +33,7 @@ from tests.vllm_reference import (
     vllm_env,
 )
 from trio_dpcoord import Frontend, open_frontend, protocol
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import EnginePeer, connect_engines, read_lines
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 from trio_dpcoord.vllm import ENABLE_VARIABLE, verified_vllm_version
 
@@ -75,14 +75,11 @@ class Runner:
         self._changed = trio.lowlevel.ParkingLot()
 
     async def _pump(self, stream: trio.abc.ReceiveStream, is_stdout: bool) -> None:
-        buffer = b""
-        async for chunk in stream:
+        async for line in read_lines(stream):
             if is_stdout:
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                self.events.extend(json.loads(line) for line in lines if line)
+                self.events.append(json.loads(line))
             else:
-                self.stderr += chunk.decode(errors="replace")
+                self.stderr += line + "\n"
             self._changed.unpark_all()
         self._open_streams -= 1
         self._changed.unpark_all()
