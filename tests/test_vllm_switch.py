@@ -327,19 +327,40 @@ async def test_without_the_opt_in_nothing_changes(
         assert warning in runner.stderr
 
 
-async def test_an_unverified_vllm_version_keeps_its_own_coordinator() -> None:
+# A vLLM that calls itself 0.34.0; a 0.33 whose coordinator target takes other parameters.
+OTHER_VERSION = "__version__ = '0.34.0'\n__version_tuple__ = (0, 34, 0)\n"
+OTHER_TARGET = (
+    "class DPCoordinatorProc:\n"
+    "    @staticmethod\n"
+    "    def run_coordinator(engine_count, addresses, zmq_addr_pipe=None):\n"
+    "        raise AssertionError('never started here')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("standin", "warning"),
+    [
+        ({"vllm.version": OTHER_VERSION}, "TRIO_DPCOORD_VLLM=1 has no effect on vLLM 0.34.0"),
+        (
+            {"vllm.v1.engine.coordinator": OTHER_TARGET},
+            "TRIO_DPCOORD_VLLM=1 has no effect: vLLM 0.33.0's DPCoordinatorProc.run_coordinator "
+            "takes engine_count, addresses, zmq_addr_pipe",
+        ),
+    ],
+    ids=["version", "parameters"],
+)
+async def test_an_unverified_vllm_keeps_its_own_coordinator(
+    standin: dict[str, str], warning: str
+) -> None:
     try:
-        root = prepare_import_root(
-            modules={"vllm.version": "__version__ = '0.34.0'\n__version_tuple__ = (0, 34, 0)\n"}
-        )
+        root = prepare_import_root(modules=standin)
     except VllmUnavailable as error:
         pytest.skip(f"vLLM {VLLM_VERSION}'s wheel cannot be had: {error}")
     with trio.fail_after(TIMEOUT):
         async with run_switch(root, "plugins", {}, {ENABLE_VARIABLE: "1"}) as runner:
             assert (await runner.next_event("plugins"))["target"] == VLLMS
             assert await runner.finished() == 0
-    assert "WARNING" in runner.stderr
-    assert "TRIO_DPCOORD_VLLM=1 has no effect on vLLM 0.34.0" in runner.stderr
+    assert any("WARNING" in line and warning in line for line in runner.stderr.splitlines())
 
 
 def test_verified_versions() -> None:
