@@ -403,14 +403,20 @@ async def test_signals_stop_it_cleanly(signum: int) -> None:
             assert "Traceback" not in coordinator.stderr
             assert len(coordinator.stdout_lines) == 2
             counters = json.loads(coordinator.stdout_lines[1])["counters"]
+            assert counters["wake_latency"]["count"] == 1
+            assert sum(counters["wake_latency"]["counts"]) == 1
             assert counters == {
                 "engine_messages": 1,
                 "stats_applied": 0,
+                "waves_completed": 0,
                 "wave_starts": 1,
+                "wave_starts_by_cause": {"engine_start_wave": 1},
                 "ready_broadcasts": 1,
                 "front_publishes": counters["front_publishes"],
                 "commands": 0,
+                "unconfirmed_expiries": 0,
                 "rejected": {},
+                "wake_latency": counters["wake_latency"],
                 "errors": 0,
             }
 

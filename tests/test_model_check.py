@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import pytest
 
@@ -96,6 +97,7 @@ class Engine:
 Report = tuple[str, int]  # ("start_wave" | "wave_complete", wave)
 Notice = tuple[int, int]  # (request wave, target engine)
 Command = tuple[int, int, bool]  # (request wave, target engine, legacy FIRST_REQ?)
+T = TypeVar("T")
 READY = (-1, None)
 """READY in an engine's broadcast queue (START_DP_WAVE entries are (wave, exclude))."""
 
@@ -167,7 +169,7 @@ def _observe(core: CoordinatorCore) -> tuple[object, ...]:
     )
 
 
-def _set(items: tuple[object, ...], index: int, value: object) -> tuple[object, ...]:
+def _set(items: tuple[T, ...], index: int, value: T) -> tuple[T, ...]:
     return (*items[:index], value, *items[index + 1 :])
 
 
@@ -261,6 +263,10 @@ def _coordinator_step(
     return Step(label, new, violation, tag)
 
 
+def _receives(frames: list[bytes]) -> Callable[[CoordinatorCore], Sequence[Effect]]:
+    return lambda core: core.receive_engine_output(frames, 0.0)
+
+
 def _engine_output(engine: int, what: str, wave: int) -> list[bytes]:
     out = protocol.EngineCoreOutputs(
         engine_index=engine,
@@ -304,7 +310,7 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
         if not engine.subscribed:
             yield _coordinator_step(
                 config,
-                replace(world, engines=_set(engines, i, replace(engine, subscribed=True))),  # type: ignore[arg-type]
+                replace(world, engines=_set(engines, i, replace(engine, subscribed=True))),
                 f"engine {i} subscribes",
                 lambda core: core.receive_engine_subscription(protocol.SUBSCRIBE, 0.0),
             )
@@ -375,7 +381,7 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                 label,
                 replace(
                     world,
-                    engines=_set(engines, i, new_engine),  # type: ignore[arg-type]
+                    engines=_set(engines, i, new_engine),
                     requests_in_flight=_set(
                         world.requests_in_flight, i, world.requests_in_flight[i][1:]
                     ),
@@ -409,21 +415,18 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                 label += ", ignores it (excluded)" if exclude == i else ", ignores it (stale)"
             yield Step(
                 label,
-                replace(world, engines=_set(engines, i, new_engine), broadcasts_in_flight=rest),  # type: ignore[arg-type]
+                replace(world, engines=_set(engines, i, new_engine), broadcasts_in_flight=rest),
             )
         # The coordinator takes engine i's next report (§5.5).
         if world.reports_in_flight[i]:
             what, wave = world.reports_in_flight[i][0]
-            rest = _set(world.reports_in_flight, i, world.reports_in_flight[i][1:])
-            engine_index = i
-            frames = _engine_output(engine_index, what, wave)
             yield _coordinator_step(
                 config,
                 world,
                 f"coordinator handles {what}({wave}) from engine {i}",
-                lambda core, f=frames: core.receive_engine_output(f, 0.0),
+                _receives(_engine_output(i, what, wave)),
                 tag=LATE_COMPLETE if what == "wave_complete" else None,
-                reports_in_flight=rest,
+                reports_in_flight=_set(world.reports_in_flight, i, world.reports_in_flight[i][1:]),
             )
 
     # The command receiver applies the next command; the front receiver reads FIRST_REQ.
@@ -462,18 +465,18 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                 f"engine {i} at {e.wave}" for i, e in enumerate(engines)
             )
         if any(e.work for e in engines):
-            reports = world.reports_in_flight
+            outputs = world.reports_in_flight
             label = "all engines step together, serving " + ", ".join(
                 f"{e.work} request(s) on engine {i}" for i, e in enumerate(engines) if e.work
             )
             first = engines[0]
             if first.mirror_owed:
-                reports = _set(reports, 0, (*reports[0], ("start_wave", first.wave)))  # type: ignore[assignment]
+                outputs = _set(outputs, 0, (*outputs[0], ("start_wave", first.wave)))
                 label += f"; rank 0 mirrors start_wave({first.wave})"
             stepped = tuple(Engine(True, True, e.wave, True, 0, False) for e in engines)
             yield Step(
                 label,
-                replace(world, engines=stepped, reports_in_flight=reports),
+                replace(world, engines=stepped, reports_in_flight=outputs),
                 disagreement,
             )
         else:
@@ -487,7 +490,7 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                         world.reports_in_flight,
                         0,
                         (*world.reports_in_flight[0], ("wave_complete", wave)),
-                    ),  # type: ignore[arg-type]
+                    ),
                 ),
                 disagreement,
             )

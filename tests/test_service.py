@@ -409,7 +409,7 @@ async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish()
                 ):
                     await coordinator.wait_ready()
                     publish = protocol.decode_front_publish(await sub.recv())
-                    assert publish == protocol.FrontPublish(((0, 0, 0.0), (0, 0, 0.0)), 0, False)
+                    assert publish == protocol.FrontPublish((protocol.IDLE_LOAD,) * 2, 0, False)
             await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 0)
 
 
