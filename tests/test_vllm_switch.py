@@ -16,6 +16,7 @@ import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from tests.vllm_reference import (
     vllm_env,
 )
 from trio_dpcoord import Frontend, open_frontend, protocol
-from trio_dpcoord.testing import EnginePeer, connect_engines, read_lines
+from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity, read_lines
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 from trio_dpcoord.vllm import ENABLE_VARIABLE, verified_vllm_version
 
@@ -50,6 +51,9 @@ TIMEOUT = 120  # a loaded 2-core machine; vLLM's imports alone take a second or 
 
 @pytest.fixture(scope="module")
 def launch_root() -> Path:
+    plugins = entry_points(group="vllm.general_plugins")
+    if not any(plugin.value == "trio_dpcoord.vllm:register" for plugin in plugins):
+        pytest.fail("trio-dpcoord is not installed (pip install -e .): no entry point for vLLM")
     try:
         return prepare_import_root(inert=LAUNCH_INERT)
     except VllmUnavailable as error:
@@ -192,7 +196,7 @@ async def headless_engines(port: int, count: int) -> AsyncIterator[list[Headless
                     context,
                     zmq.DEALER,
                     connect=f"tcp://127.0.0.1:{port}",
-                    options={zmq.IDENTITY: rank.to_bytes(2, "little")},
+                    options={zmq.IDENTITY: rank_identity(rank)},
                 )
             )
             engines.append(HeadlessEngine(rank, dealer))
