@@ -1,4 +1,4 @@
-"""Tests for the wire codec against vLLM 0.33.0's own frames (../shared vectors)."""
+"""Tests for the wire codec against vLLM 0.33.0's own frames (tests/data/vectors.json)."""
 
 from __future__ import annotations
 
