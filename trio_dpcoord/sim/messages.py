@@ -41,6 +41,7 @@ __all__ = [
     "UtilityCall",
     "decode_hello",
     "decode_utility_call",
+    "encode_abort",
     "encode_hello",
     "encode_utility_call",
     "parse_status",
@@ -120,6 +121,11 @@ def parse_status(out: protocol.EngineCoreOutputs) -> EngineStatus | None:
     if type(call_id) is not int or type(event) is not str or type(wave) is not int:
         return None
     return EngineStatus(out.engine_index, call_id, event, wave)
+
+
+def encode_abort(request_ids: Sequence[str]) -> list[bytes]:
+    """vLLM's ``ABORT`` request: ``01 | msgpack [request_id, ...]``."""
+    return [protocol.RequestType.ABORT.frame, msgpack.packb(list(request_ids))]
 
 
 def encode_hello(rank: int) -> bytes:
