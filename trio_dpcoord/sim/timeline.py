@@ -72,6 +72,8 @@ class Timeline:
         open_paused: dict[int, tuple[float, int]] = {}
         spans: list[EngineSpan] = []
         for time, rank, event, wave in self.engine_events:
+            if time > end:  # arrived during the teardown
+                break
             if event == _EVENT_RUNNING:
                 if rank in open_running:  # a wave change without an idle in between
                     started, old = open_running.pop(rank)
@@ -176,14 +178,23 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
         axes.axvline(x, color="#555555", linewidth=0.4, alpha=0.5, zorder=0)
         if index in kept:
             axes.text(
-                x, wave_row, f" {wave}", fontsize=7, ha="left", va="center", color="#333333",
+                x,
+                wave_row,
+                f" {wave}",
+                fontsize=7,
+                ha="left",
+                va="center",
+                color="#333333",
                 clip_on=True,
             )
     # Wake-ups: from the request that found every engine asleep to the last one running.
     latencies = [(s - origin, e - s) for s, e in timeline.wakes]
     for start, latency in latencies:
         axes.plot(
-            [start, start + latency], [wake_row, wake_row], color=_WAKE_COLOUR, linewidth=3,
+            [start, start + latency],
+            [wake_row, wake_row],
+            color=_WAKE_COLOUR,
+            linewidth=3,
             solid_capstyle="butt",
         )
         axes.plot([start], [wake_row], marker="v", color=_WAKE_COLOUR, markersize=4)
@@ -191,8 +202,14 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     for index, (start, latency) in enumerate(latencies):
         if index in kept_wakes:
             axes.text(
-                start, wake_row - 0.3 * unit, f"{latency * 1000:.1f} ms", fontsize=6.5,
-                color=_WAKE_COLOUR, ha="left", va="bottom", clip_on=True,
+                start,
+                wake_row - 0.3 * unit,
+                f"{latency * 1000:.1f} ms",
+                fontsize=6.5,
+                color=_WAKE_COLOUR,
+                ha="left",
+                va="bottom",
+                clip_on=True,
             )
     if timeline.notifications:
         xs = [t - origin for t in timeline.notifications]
@@ -205,8 +222,14 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     ]
     if timeline.notifications:
         legend.append(Patch(color=_NOTIFY_COLOUR, label="front-end notify_first_request"))
-    axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=5,
-                fontsize=8, frameon=False)
+    axes.legend(
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.02),
+        ncol=5,
+        fontsize=8,
+        frameon=False,
+    )
     axes.set_title(title or f"DP waves of {engines} engines (numbers: wave started)")
     axes.tick_params(axis="x", labelbottom=False)
 
