@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trio_dpcoord.sim.cluster import _read_line
+from trio_dpcoord.testing import ServeProcess, open_child
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "http_frontend.py"
 GUARD = 120.0  # a web server and engine processes on a shared 2-core machine
@@ -26,43 +25,32 @@ GUARD = 120.0  # a web server and engine processes on a shared 2-core machine
 
 @dataclass
 class Server:
-    process: trio.Process
+    child: ServeProcess
     url: str
     engine_pids: list[int]
-    stderr: bytearray = field(default_factory=bytearray)
+
+    @property
+    def process(self) -> trio.Process:
+        return self.child.process
+
+    async def stop(self, signum: int) -> None:
+        self.process.send_signal(signum)
+        await self.exited_cleanly()
+
+    async def exited_cleanly(self) -> None:
+        """The front-end exits 0 and its engine processes are gone."""
+        await self.process.wait()
+        assert self.process.returncode == 0, self.child.stderr
+        assert all(_gone(pid) for pid in self.engine_pids)
 
 
 @asynccontextmanager
 async def http_frontend(*args: str) -> AsyncIterator[Server]:
-    """Start the example on port 0, read its first stdout line; always reap it."""
-    process = await trio.lowlevel.open_process(
-        [sys.executable, str(EXAMPLE), "--port=0", "--exit-on-stdin-eof", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert process.stdout is not None and process.stderr is not None
-    stderr = process.stderr
-    try:
-        async with trio.open_nursery() as nursery:
-            captured = bytearray()
-
-            async def drain_stderr() -> None:
-                async for chunk in stderr:
-                    captured.extend(chunk)
-
-            nursery.start_soon(drain_stderr)
-            line = await _read_line(process.stdout, bytearray())
-            assert line is not None, captured.decode(errors="replace")
-            started = json.loads(line)
-            yield Server(process, started["url"], started["engine_pids"], captured)
-            if process.returncode is None:
-                process.kill()
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
+    """Start the example on port 0 and read its first stdout line; always reaped."""
+    command = [sys.executable, str(EXAMPLE), "--port=0", "--exit-on-stdin-eof", *args]
+    async with open_child(command) as child:
+        started = json.loads(await child.line(0))
+        yield Server(child, started["url"], started["engine_pids"])
 
 
 def expected_text(tokens: int) -> str:
@@ -185,9 +173,7 @@ async def test_completions_stream_and_idle_gaps_start_new_waves() -> None:
                 assert bad.status_code == 400
                 assert "max_tokens" in bad.json()["error"]["message"]
                 assert (await client.get("/nowhere")).status_code == 404
-            server.process.send_signal(signal.SIGINT)
-            assert await server.process.wait() == 0, server.stderr.decode(errors="replace")
-            assert all(_gone(pid) for pid in server.engine_pids)
+            await server.stop(signal.SIGINT)
 
 
 async def test_shutdown_cuts_streams_in_flight_with_an_error_and_reaps_the_engines() -> None:
@@ -209,5 +195,4 @@ async def test_shutdown_cuts_streams_in_flight_with_an_error_and_reaps_the_engin
             tokens = [e["choices"][0]["text"] for e in events[:-2]]
             assert 3 <= len(tokens) < 4000
             assert tokens == [f" tok{i}" for i in range(1, len(tokens) + 1)]
-            assert await server.process.wait() == 0, server.stderr.decode(errors="replace")
-            assert all(_gone(pid) for pid in server.engine_pids)
+            await server.exited_cleanly()
