@@ -10,8 +10,9 @@ that its existing ``/metrics`` includes the coordinator::
     registry.register(CoordinatorCollector(coordinator))
 
 Standalone: ``trio-dpcoord serve --metrics-address HOST:PORT`` serves ``GET /metrics``
-with :func:`serve_metrics`, a small HTTP/1.1 server (h11) running as one more trio task
-of the service: no thread, loopback unless ``--allow-remote``.
+with :class:`MetricsEndpoint`, a small HTTP/1.1 server (h11) running as one more trio
+task of the service: no thread, loopback unless ``--allow-remote``. A trio app without
+an HTTP server of its own can do the same with :func:`serve_metrics`.
 
 The collector reads the handle's cheap, thread-safe views (``snapshot()``,
 ``engine_loads()``, ``subscriptions()``, ``counters``) at every scrape; it keeps no state
@@ -39,7 +40,13 @@ from ._endpoints import check_bind_address
 from ._errors import CoordinatorError
 from ._service import Coordinator
 
-__all__ = ["CoordinatorCollector", "parse_metrics_address", "serve_metrics"]
+__all__ = [
+    "CoordinatorCollector",
+    "MetricsEndpoint",
+    "coordinator_registry",
+    "parse_metrics_address",
+    "serve_metrics",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -244,13 +251,6 @@ def parse_metrics_address(text: str, *, allow_remote: bool) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
-def _url(listener: trio.SocketListener) -> str:
-    host, port = listener.socket.getsockname()[:2]
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}/metrics"
-
-
 async def _send(stream: trio.SocketStream, connection: h11.Connection, *events: h11.Event) -> None:
     for event in events:
         data = connection.send(event)
@@ -316,6 +316,47 @@ async def _handle_connection(stream: trio.SocketStream, registry: CollectorRegis
                 return
 
 
+class MetricsEndpoint:
+    """A bound ``/metrics`` listener for one registry: :meth:`bind` it, then run
+    :meth:`serve` in a nursery (binding first lets a bad address fail before anything
+    else starts)."""
+
+    def __init__(self, registry: CollectorRegistry, listeners: list[trio.SocketListener]) -> None:
+        self.registry = registry
+        self._listeners = listeners
+        host, port = listeners[0].socket.getsockname()[:2]
+        if ":" in host:
+            host = f"[{host}]"
+        self.url = f"http://{host}:{port}/metrics"
+        """Where the metrics are, with the real port."""
+
+    @classmethod
+    async def bind(
+        cls, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0
+    ) -> MetricsEndpoint:
+        """Bind ``host:port`` (``port=0`` picks a free one); :class:`CoordinatorError` if
+        that fails. Check the address first with :func:`parse_metrics_address`: this
+        binds what it is given."""
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise CoordinatorError(f"cannot bind the metrics address {host}:{port}: {exc}") from exc
+        return cls(registry, listeners)
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer scrapes until cancelled (one task per connection); started value: the URL.
+        The listeners are closed when it ends."""
+        registry = self.registry
+
+        async def handler(stream: trio.SocketStream) -> None:
+            await _handle_connection(stream, registry)
+
+        logger.info("serving Prometheus metrics on %s", self.url)
+        # The listeners are bound: connections queue until serve_listeners accepts them.
+        task_status.started(self.url)
+        await trio.serve_listeners(handler, self._listeners)
+
+
 async def serve_metrics(
     registry: CollectorRegistry,
     host: str = "127.0.0.1",
@@ -325,24 +366,11 @@ async def serve_metrics(
 ) -> None:
     """Serve ``GET /metrics`` of ``registry`` on ``host:port`` until cancelled.
 
-    Start it with ``await nursery.start(serve_metrics, registry, host, port)``: the
-    started value is the URL with the real port (``port=0`` picks a free one). Check the
-    address first with :func:`parse_metrics_address`: this function binds what it is
-    given. One task per connection, in this task's nursery.
+    ``url = await nursery.start(serve_metrics, registry, host, port)``: the started
+    value is the URL with the real port. See :class:`MetricsEndpoint`.
     """
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-    except OSError as exc:
-        raise CoordinatorError(f"cannot bind the metrics address {host}:{port}: {exc}") from exc
-    url = _url(listeners[0])
-    logger.info("serving Prometheus metrics on %s", url)
-
-    async def handler(stream: trio.SocketStream) -> None:
-        await _handle_connection(stream, registry)
-
-    # The listeners are bound: connections queue until serve_listeners accepts them.
-    task_status.started(url)
-    await trio.serve_listeners(handler, listeners)
+    endpoint = await MetricsEndpoint.bind(registry, host, port)
+    await endpoint.serve(task_status=task_status)
 
 
 def coordinator_registry(coordinator: Coordinator) -> CollectorRegistry:
@@ -350,13 +378,3 @@ def coordinator_registry(coordinator: Coordinator) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(CoordinatorCollector(coordinator))
     return registry
-
-
-async def run_metrics_endpoint(
-    coordinator: Coordinator,
-    address: tuple[str, int],
-    *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """``serve``'s hook: :func:`serve_metrics` of a registry holding ``coordinator``."""
-    await serve_metrics(coordinator_registry(coordinator), *address, task_status=task_status)
