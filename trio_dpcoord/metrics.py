@@ -22,8 +22,8 @@ of its own, so a scrape always shows the coordinator as it is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Final, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Final, Protocol, TypeVar
 
 import h11
 import trio
@@ -113,30 +113,77 @@ class CoordinatorCollector(Collector):
         view = coordinator.subscriptions()
         name = self._name
 
-        yield GaugeMetricFamily(
-            name("current_wave"),
-            "The wave the coordinator stamps on new requests (running->paused transitions).",
-            value=snapshot.current_wave,
+        gauges = (
+            ("current_wave", _HELP_CURRENT_WAVE, snapshot.current_wave),
+            (
+                "engines_running",
+                "1 while the engines run a wave, 0 while paused.",
+                int(snapshot.engines_running),
+            ),
+            (
+                "engine_subscriptions",
+                "Engines subscribed to the broadcast socket now.",
+                view.current,
+            ),
+            (
+                "startup_gate_open",
+                "1 once READY went out to the expected engines.",
+                int(view.gate_open),
+            ),
+            ("frontends_subscribed", "Front-ends subscribed to the front socket.", view.front_ends),
         )
-        yield GaugeMetricFamily(
-            name("engines_running"),
-            "1 while the engines run a wave, 0 while they are paused.",
-            value=int(snapshot.engines_running),
+        for suffix, documentation, value in gauges:
+            yield GaugeMetricFamily(name(suffix), documentation, value=value)
+        counts = (
+            (
+                "waves_completed",
+                "wave_complete reports accepted (a wave ended).",
+                counters.waves_completed,
+            ),
+            (
+                "engine_subscribe_events",
+                "Engine subscriptions seen on the broadcast socket.",
+                view.subscribed,
+            ),
+            ("engine_vanished", _HELP_VANISHED, view.unsubscribed),
+            ("engine_late_subscriptions", _HELP_LATE, view.late_subscriptions),
+            (
+                "engine_messages",
+                "Frames received on the engine-output socket, accepted or not.",
+                counters.engine_messages,
+            ),
+            (
+                "stats_applied",
+                "Engine load reports applied to the load table.",
+                counters.stats_applied,
+            ),
+            ("ready_broadcasts", "READY broadcasts sent to engines.", counters.ready_broadcasts),
+            (
+                "front_publishes",
+                "Publishes of [counts, wave, running] sent to front-ends.",
+                counters.front_publishes,
+            ),
+            ("commands", _HELP_COMMANDS, counters.commands),
+            ("unconfirmed_wake_expiries", _HELP_EXPIRIES, counters.unconfirmed_expiries),
         )
-        yield CounterMetricFamily(
-            name("waves_completed"),
-            "wave_complete reports accepted (a wave ended on every engine).",
-            value=counters.waves_completed,
-        )
-        starts = CounterMetricFamily(
-            name("wave_starts"),
-            "START_DP_WAVE broadcasts sent, by what caused them.",
-            labels=["cause"],
-        )
+        for suffix, documentation, value in counts:
+            yield CounterMetricFamily(name(suffix), documentation, value=value)
+
         by_cause = dict.fromkeys(_WAVE_START_CAUSES, 0) | dict(counters.wave_starts_by_cause)
-        for cause, count in sorted(by_cause.items()):
-            starts.add_metric([cause], count)
-        yield starts
+        yield _labelled(
+            CounterMetricFamily(
+                name("wave_starts"), "START_DP_WAVE broadcasts sent, by cause.", labels=["cause"]
+            ),
+            sorted(by_cause.items()),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                name("rejected_inputs"),
+                "Inputs rejected (logged and skipped), by reason.",
+                labels=["reason"],
+            ),
+            sorted(counters.rejected.items()),
+        )
         latency = counters.wake_latency
         yield HistogramMetricFamily(
             name("wake_latency_seconds"),
@@ -145,99 +192,43 @@ class CoordinatorCollector(Collector):
             sum_value=latency.sum,
         )
 
-        waiting = GaugeMetricFamily(
-            name("engine_waiting_requests"),
-            "Requests waiting in each engine's scheduler, from its latest report.",
-            labels=["engine"],
+        loads = coordinator.engine_loads()
+        per_engine = (
+            ("engine_waiting_requests", "Requests waiting in each engine's scheduler."),
+            ("engine_running_requests", "Requests running on each engine."),
+            ("engine_kv_cache_usage_ratio", "KV-cache usage of each engine, 0 to 1."),
         )
-        running = GaugeMetricFamily(
-            name("engine_running_requests"),
-            "Requests running on each engine, from its latest report.",
-            labels=["engine"],
-        )
-        kv_usage = GaugeMetricFamily(
-            name("engine_kv_cache_usage_ratio"),
-            "KV-cache usage of each engine (0 to 1), from its latest report.",
-            labels=["engine"],
-        )
-        for rank, load in enumerate(coordinator.engine_loads()):
-            engine = [str(rank)]
-            waiting.add_metric(engine, load[0])
-            running.add_metric(engine, load[1])
-            kv_usage.add_metric(engine, load[2])
-        yield waiting
-        yield running
-        yield kv_usage
+        for field_index, (suffix, documentation) in enumerate(per_engine):
+            yield _labelled(
+                GaugeMetricFamily(
+                    name(suffix), f"{documentation} From its latest report.", labels=["engine"]
+                ),
+                [(str(rank), load[field_index]) for rank, load in enumerate(loads)],
+            )
 
-        yield GaugeMetricFamily(
-            name("engine_subscriptions"),
-            "Engines subscribed to the broadcast socket now.",
-            value=view.current,
-        )
-        yield CounterMetricFamily(
-            name("engine_subscribe_events"),
-            "Engine subscriptions seen on the broadcast socket.",
-            value=view.subscribed,
-        )
-        yield CounterMetricFamily(
-            name("engine_vanished"),
-            "Engine unsubscriptions seen on the broadcast socket (an engine died or left).",
-            value=view.unsubscribed,
-        )
-        yield CounterMetricFamily(
-            name("engine_late_subscriptions"),
-            "Engines that subscribed after the start-up gate opened (answered with READY).",
-            value=view.late_subscriptions,
-        )
-        yield GaugeMetricFamily(
-            name("startup_gate_open"),
-            "1 once READY went out to the expected number of engines.",
-            value=int(view.gate_open),
-        )
-        yield GaugeMetricFamily(
-            name("frontends_subscribed"),
-            "Front-ends subscribed to the front socket (standalone mode).",
-            value=view.front_ends,
-        )
 
-        yield CounterMetricFamily(
-            name("engine_messages"),
-            "Frames received on the engine-output socket, accepted or not.",
-            value=counters.engine_messages,
-        )
-        yield CounterMetricFamily(
-            name("stats_applied"),
-            "Engine load reports applied to the load table.",
-            value=counters.stats_applied,
-        )
-        yield CounterMetricFamily(
-            name("ready_broadcasts"),
-            "READY broadcasts sent to engines.",
-            value=counters.ready_broadcasts,
-        )
-        yield CounterMetricFamily(
-            name("front_publishes"),
-            "Publishes of [counts, wave, running] sent to front-ends.",
-            value=counters.front_publishes,
-        )
-        yield CounterMetricFamily(
-            name("commands"),
-            "Commands handled: first-request notices, legacy FIRST_REQ, SCALE_ELASTIC_EP.",
-            value=counters.commands,
-        )
-        yield CounterMetricFamily(
-            name("unconfirmed_wake_expiries"),
-            "First-request wake-ups that no engine confirmed in time (back to paused).",
-            value=counters.unconfirmed_expiries,
-        )
-        rejected = CounterMetricFamily(
-            name("rejected_inputs"),
-            "Inputs rejected (logged and skipped), by reason.",
-            labels=["reason"],
-        )
-        for reason, count in sorted(counters.rejected.items()):
-            rejected.add_metric([reason], count)
-        yield rejected
+_HELP_CURRENT_WAVE: Final = (
+    "The wave the coordinator stamps on new requests (counts running->paused transitions)."
+)
+_HELP_VANISHED: Final = (
+    "Engine unsubscriptions seen on the broadcast socket (an engine died or left)."
+)
+_HELP_LATE: Final = "Engines that subscribed after the start-up gate opened (answered with READY)."
+_HELP_COMMANDS: Final = (
+    "Commands handled: first-request notices, legacy FIRST_REQ, SCALE_ELASTIC_EP."
+)
+_HELP_EXPIRIES: Final = (
+    "First-request wake-ups that no engine confirmed in time (taken as paused again)."
+)
+
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
+
+
+def _labelled(family: _Family, samples: Iterable[tuple[str, float]]) -> _Family:
+    """``family`` with one sample per ``(label value, value)``."""
+    for label, value in samples:
+        family.add_metric([label], value)
+    return family
 
 
 def parse_metrics_address(text: str, *, allow_remote: bool) -> tuple[str, int]:

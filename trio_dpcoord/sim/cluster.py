@@ -419,15 +419,20 @@ async def open_engine_fleet(
     coordinator_output: str,
     on_failure: Callable[[str], None],
     log_line: Callable[[str], None] = _default_log_line,
+    report: ClusterReport | None = None,
 ) -> AsyncIterator[tuple[int, ...]]:
     """``config.engines`` simulated engine processes serving ``frontend``; yields their pids.
 
-    For front-ends other than :func:`run_cluster`'s load generator (the HTTP example).
+    What :func:`run_cluster` runs, and what other front-ends can run (the HTTP example).
     An engine process that exits while the block runs is reported to ``on_failure``
-    (one line naming its rank, pid and wave): the DP group is then broken. Leaving the
-    block stops every engine (stdin EOF, then SIGTERM, then SIGKILL) and reaps it.
+    (one line naming its rank, pid and wave): the DP group is then broken. ``report``
+    (if given) collects engine pids, failures, restarts and collective timeouts.
+    Leaving the block stops every engine (stdin EOF, then SIGTERM, then SIGKILL) and
+    reaps it.
     """
-    report = ClusterReport(config.mode, config.engines, config.wake_path, config.load.seed, 0)
+    if report is None:
+        report = ClusterReport(config.mode, config.engines, config.wake_path, 0, 0)
+    failures = report.engine_failures
     workdir = PrivateIpcDirectory()
     try:
         async with _engine_fleet(
@@ -439,7 +444,7 @@ async def open_engine_fleet(
             report=report,
             log_line=log_line,
         ) as fleet:
-            fleet.on_failure = lambda: on_failure(report.engine_failures[-1])
+            fleet.on_failure = lambda: on_failure(failures[-1])
             yield tuple(report.engine_pids)
     finally:
         workdir.cleanup()
@@ -535,7 +540,6 @@ async def run_cluster(
         planned=config.load.requests,
     )
     started = trio.current_time()
-    workdir = PrivateIpcDirectory()
     frontend: SimFrontend | None = None
     coordinator: EmbeddedCoordinator | None = None
     serve: ServeProcess | None = None
@@ -569,18 +573,17 @@ async def run_cluster(
                 )
                 if config.record_timeline:
                     report.timeline = frontend.timeline = Timeline(config.engines, started)
-                fleet = await stack.enter_async_context(
-                    _engine_fleet(
+                await stack.enter_async_context(
+                    open_engine_fleet(
                         config,
+                        frontend,
                         coordinator_input=engine_input,
                         coordinator_output=engine_output,
-                        frontend=frontend,
-                        collective_address=workdir.address("collective"),
-                        report=report,
+                        on_failure=lambda _: run_scope.cancel(),
                         log_line=log_line,
+                        report=report,
                     )
                 )
-                fleet.on_failure = run_scope.cancel
                 with trio.move_on_after(config.ready_timeout) as ready_scope:
                     if coordinator is not None:
                         await coordinator.wait_ready()
@@ -620,8 +623,6 @@ async def run_cluster(
             raise
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("cluster run failed")
-    finally:
-        workdir.cleanup()
     if frontend is not None:
         _collect(report, frontend, coordinator)
     if serve is not None:
