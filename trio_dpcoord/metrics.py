@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Final, Protocol, TypeVar
+from typing import Final, TypeVar
 
 import h11
 import trio
@@ -36,6 +36,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ._core import HistogramSnapshot, WaveStartCause
 from ._endpoints import check_bind_address
 from ._errors import CoordinatorError
 from ._service import Coordinator
@@ -51,27 +52,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _NAMESPACE: Final = "trio_dpcoord"
-_WAVE_START_CAUSES: Final = ("engine_start_wave", "first_request", "legacy_first_request")
+_WAVE_START_CAUSES: Final = (
+    WaveStartCause.ENGINE_START_WAVE,
+    WaveStartCause.FIRST_REQUEST,
+    WaveStartCause.LEGACY_FIRST_REQUEST,
+)
 _MAX_REQUEST_BYTES: Final = 16 * 1024
 _CONNECTION_TIMEOUT: Final = 30.0
 """A scrape connection idle this long is closed (a slow or stuck client holds no task)."""
 
 
-class _Histogram(Protocol):
-    @property
-    def bounds(self) -> tuple[float, ...]: ...
-
-    @property
-    def counts(self) -> tuple[int, ...]: ...
-
-    @property
-    def sum(self) -> float: ...
-
-    @property
-    def count(self) -> int: ...
-
-
-def _buckets(histogram: _Histogram) -> list[tuple[str, float]]:
+def _buckets(histogram: HistogramSnapshot) -> list[tuple[str, float]]:
     """Cumulative ``(le, count)`` buckets, ``+Inf`` last, from per-bucket counts."""
     buckets: list[tuple[str, float]] = []
     total = 0
