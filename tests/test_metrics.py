@@ -3,9 +3,7 @@ HTTP, parsed with prometheus_client's own parser, checked against what the test 
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
 
 import httpx
 import pytest
@@ -15,10 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trio_dpcoord import WaveSnapshot, open_coordinator, protocol
 from trio_dpcoord.metrics import CoordinatorCollector, serve_metrics
-from trio_dpcoord.testing import connect_engines, run_child
+from trio_dpcoord.testing import connect_engines, open_serve, serve_command
 
 GUARD = 30.0  # generous: real sockets (and a subprocess) on a shared 2-core machine
-SERVE = [sys.executable, "-m", "trio_dpcoord", "serve"]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -130,8 +127,9 @@ async def test_serve_metrics_answers_scrapes_and_nothing_else() -> None:
 
 async def test_standalone_serve_metrics_over_http() -> None:
     with trio.fail_after(GUARD):
-        command = [*SERVE, "--engines=1", "--metrics-address=127.0.0.1:0", "--log-level=WARNING"]
-        async with run_child(command) as (serve, endpoints):
+        options = ("--engines=1", "--metrics-address=127.0.0.1:0", "--log-level=WARNING")
+        async with open_serve(*options) as serve:
+            endpoints = serve.endpoints
             url = endpoints["metrics"]
             assert url.startswith("http://127.0.0.1:")
             async with connect_engines(endpoints["back_pub"], endpoints["back_out"], 1) as (
@@ -153,9 +151,9 @@ async def test_standalone_serve_metrics_over_http() -> None:
                 assert value(samples, "engine_messages_total") == 2
                 assert value(samples, "ready_broadcasts_total") == 1
                 check_histogram(samples, "wake_latency_seconds", count=1)
-            serve.process.send_signal(signal.SIGTERM)
-            assert await serve.finish() == 0, serve.stderr.decode()
-            final = json.loads(serve.stdout_lines[-1])["counters"]
+            assert await serve.stop(signal.SIGTERM) == 0, serve.stderr
+            final = serve.final_counters
+            assert final is not None
             assert final["engine_messages"] == 2 and final["errors"] == 0
 
 
@@ -170,7 +168,7 @@ async def test_standalone_serve_metrics_over_http() -> None:
 async def test_serve_refuses_a_bad_metrics_address(address: str, message: str) -> None:
     with trio.fail_after(GUARD):
         result = await trio.run_process(
-            [*SERVE, "--engines=1", f"--metrics-address={address}"],
+            serve_command("--engines=1", f"--metrics-address={address}"),
             capture_stdout=True,
             capture_stderr=True,
             check=False,
