@@ -19,14 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
+from .messages import EVENT_IDLE, EVENT_PAUSED, EVENT_RESUMED, EVENT_RUNNING
+
 __all__ = ["EngineSpan", "Timeline", "plot_timeline"]
 
 SpanState = Literal["running", "paused"]
 
-_EVENT_RUNNING: Final = "running"
-_EVENT_IDLE: Final = "idle"
-_EVENT_PAUSED: Final = "paused"
-_EVENT_RESUMED: Final = "resumed"
 
 _COLOURS: Final = {"running": "#2a9d55", "paused": "#e9a23b"}
 _IDLE_COLOUR: Final = "#eeeeee"
@@ -74,17 +72,17 @@ class Timeline:
         for time, rank, event, wave in self.engine_events:
             if time > end:  # arrived during the teardown
                 break
-            if event == _EVENT_RUNNING:
+            if event == EVENT_RUNNING:
                 if rank in open_running:  # a wave change without an idle in between
                     started, old = open_running.pop(rank)
                     spans.append(EngineSpan(rank, "running", started, time, old))
                 open_running[rank] = (time, wave)
-            elif event == _EVENT_IDLE and rank in open_running:
+            elif event == EVENT_IDLE and rank in open_running:
                 started, old = open_running.pop(rank)
                 spans.append(EngineSpan(rank, "running", started, time, old))
-            elif event == _EVENT_PAUSED and rank not in open_paused:
+            elif event == EVENT_PAUSED and rank not in open_paused:
                 open_paused[rank] = (time, wave)
-            elif event == _EVENT_RESUMED and rank in open_paused:
+            elif event == EVENT_RESUMED and rank in open_paused:
                 started, old = open_paused.pop(rank)
                 spans.append(EngineSpan(rank, "paused", started, time, old))
         for rank, (started, wave) in open_running.items():
@@ -98,7 +96,7 @@ class Timeline:
         seen: set[int] = set()
         starts: list[tuple[float, int]] = []
         for time, _rank, event, wave in self.engine_events:
-            if event == _EVENT_RUNNING and wave not in seen:
+            if event == EVENT_RUNNING and wave not in seen:
                 seen.add(wave)
                 starts.append((time, wave))
         return starts
