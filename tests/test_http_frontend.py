@@ -116,6 +116,24 @@ async def until_idle(
         await trio.sleep(0.05)
 
 
+async def hang_up_after_first_token(url: str) -> None:
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    assert port is not None
+    body = json.dumps({"prompt": "hi", "max_tokens": 4000, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    async with await trio.open_tcp_stream(host, port) as stream:
+        await stream.send_all(head.encode() + body)
+        received = b""
+        while b"data: " not in received:
+            chunk = await stream.receive_some()
+            assert chunk, received
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
+
+
 def _gone(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -173,6 +191,17 @@ async def test_completions_stream_and_idle_gaps_start_new_waves() -> None:
                 assert bad.status_code == 400
                 assert "max_tokens" in bad.json()["error"]["message"]
                 assert (await client.get("/nowhere")).status_code == 404
+
+                # A client that goes away mid-stream (a bare socket: an HTTP client library
+                # would finish the response): its request is aborted on the engine.
+                await hang_up_after_first_token(server.url)
+                while True:
+                    health = (await client.get("/health")).json()
+                    if health["in_flight"] == 0:
+                        break
+                    await trio.sleep(0.05)
+                metrics = await scrape(client)
+                assert metrics[(completed, (("outcome", "disconnected"), ("stream", "true")))] == 1
             await server.stop(signal.SIGINT)
 
 
