@@ -1,4 +1,4 @@
-"""open_frontend against an in-process coordinator's front socket, over real sockets (issue 4)."""
+"""open_frontend against an in-process coordinator's front socket, over real sockets."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ async def test_a_bad_publish_is_counted_and_the_next_one_applied() -> None:
                     await xpub.send(b"\x93\xc0\x02")  # a wave, then nothing: truncated
                     await xpub.send(
                         protocol.encode_front_publish(
-                            protocol.FrontPublish(((1, 2, 0.5),), 7, True)
+                            protocol.FrontPublish((EngineLoad(1, 2, 0.5),), 7, True)
                         )
                     )
                     await frontend.wait_for(lambda f: f.publishes_received == 1)

@@ -1,4 +1,4 @@
-"""Tests for the wire codec against vLLM 0.33.0's own frames (../shared vectors)."""
+"""Tests for the wire codec against vLLM 0.33.0's own frames (tests/data/vectors.json)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from trio_dpcoord.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineLoad,
     FrontPublish,
     LegacyFirstRequest,
     OutputKind,
@@ -186,7 +187,7 @@ def check_front_publish(v: Vector) -> None:
     else:
         counts, wave, running = d
     expected = FrontPublish(
-        counts=None if counts is None else tuple((w, r, float(u)) for w, r, u in counts),
+        counts=None if counts is None else tuple(EngineLoad(w, r, float(u)) for w, r, u in counts),
         current_wave=wave,
         engines_running=running,
     )
@@ -283,7 +284,7 @@ def test_vector(vectors: Vectors, name: str) -> None:
 
 
 def test_protocol_md_wave_complete_example() -> None:
-    # PROTOCOL.md §4.5: wave_complete=5 from engine 0 with timestamp 81234.5678
+    # docs/protocol.md §4.5: wave_complete=5 from engine 0 with timestamp 81234.5678
     out = EngineCoreOutputs(engine_index=0, timestamp=81234.5678, wave_complete=5)
     assert encode_engine_core_outputs(out).hex() == "990090c0cb40f3d52915b573ebc0c005c0c0"
 
@@ -294,11 +295,11 @@ def test_stats_map_is_vllm_shape() -> None:
     assert len(wire) == 9
     assert len(wire[2]) == 18
     assert frame[3:6] == b"\xde\x00\x12"  # 16-bit map header, as vLLM
-    assert len(frame) == 496  # PROTOCOL.md §4.6: 496 bytes for small numbers
+    assert len(frame) == 496  # docs/protocol.md §4.6: 496 bytes for small numbers
 
 
 def test_usage_is_always_float64() -> None:
-    frame = encode_front_publish(FrontPublish(((0, 0, 0),), 0, False))
+    frame = encode_front_publish(FrontPublish((EngineLoad(0, 0, 0),), 0, False))
     assert frame.hex() == "9391930000cb000000000000000000c2"
     assert decode_front_publish(frame).counts == ((0, 0, 0.0),)
     stats = SchedulerStats(kv_cache_usage=1)  # int given -> float64 on the wire
@@ -784,12 +785,12 @@ ENCODE_ERRORS: list[Callable[[], object]] = [
     lambda: encode_front_publish(FrontPublish(None, 1, 1)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(None, True, False)),
     lambda: encode_front_publish(FrontPublish(None, 2**64, False)),
-    lambda: encode_front_publish(FrontPublish(((True, 0, 0.0),), 0, False)),
-    lambda: encode_front_publish(FrontPublish(((0, -1, 0.0),), 0, False)),
-    lambda: encode_front_publish(FrontPublish(((0, 0, False),), 0, False)),
+    lambda: encode_front_publish(FrontPublish(((True, 0, 0.0),), 0, False)),  # type: ignore[arg-type]
+    lambda: encode_front_publish(FrontPublish(((0, -1, 0.0),), 0, False)),  # type: ignore[arg-type]
+    lambda: encode_front_publish(FrontPublish(((0, 0, False),), 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(((0, 0, "0"),), 0, False)),  # type: ignore[arg-type]
-    lambda: encode_front_publish(FrontPublish(((0, 0, math.nan),), 0, False)),
-    lambda: encode_front_publish(FrontPublish(((0, 0, 10**400),), 0, False)),
+    lambda: encode_front_publish(FrontPublish(((0, 0, math.nan),), 0, False)),  # type: ignore[arg-type]
+    lambda: encode_front_publish(FrontPublish(((0, 0, 10**400),), 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(((0, 0),), 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(5, 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish("x"),  # type: ignore[arg-type]

@@ -1,8 +1,9 @@
-"""The in-process coordinator over real sockets, with bare engine peers (issue 3)."""
+"""The in-process coordinator over real sockets, with bare engine peers."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from trio_dpcoord import (
     protocol,
 )
 from trio_dpcoord._core import Broadcast
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -375,6 +376,30 @@ async def test_bad_bind_address_fails_at_once() -> None:
             pass
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+async def test_an_ipv6_tcp_address_is_bound_in_ipv6_mode() -> None:
+    """vLLM puts a socket in IPv6 mode for a bracketed host; so do we, or the bind fails."""
+    with trio.fail_after(GUARD):
+        async with open_coordinator(
+            1, engine_input_address="tcp://[::1]:0", engine_output_address="tcp://[::1]:0"
+        ) as coordinator:
+            assert coordinator.engine_input_address.startswith("tcp://[::1]:")
+            async with open_context() as context:
+                async with open_socket(context, zmq.XSUB, options={zmq.IPV6: 1}) as sub:
+                    sub.connect(coordinator.engine_input_address)
+                    await sub.send(protocol.SUBSCRIBE)
+                    assert await sub.recv() == protocol.READY
+
+
 async def test_remote_bind_needs_the_opt_in_and_warns(caplog: pytest.LogCaptureFixture) -> None:
     async with open_coordinator(
         1, engine_output_address="tcp://0.0.0.0:0", allow_remote=True
@@ -391,7 +416,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
                 context,
                 zmq.XSUB,
                 connect=coordinator.engine_input_address,
-                options={zmq.IDENTITY: (0).to_bytes(2, "little")},
+                options={zmq.IDENTITY: rank_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]
@@ -409,7 +434,7 @@ async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish()
                 ):
                     await coordinator.wait_ready()
                     publish = protocol.decode_front_publish(await sub.recv())
-                    assert publish == protocol.FrontPublish(((0, 0, 0.0), (0, 0, 0.0)), 0, False)
+                    assert publish == protocol.FrontPublish((protocol.IDLE_LOAD,) * 2, 0, False)
             await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 0)
 
 

@@ -39,6 +39,7 @@ from typing import Final, final
 
 from . import protocol
 from ._state import (
+    HEARTBEAT_INTERVAL,
     FirstRequest,
     LoadTable,
     PublishSchedule,
@@ -69,8 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL: Final = 5.0
-"""Front-ends get a publish at least this often, news or not (vLLM's heartbeat)."""
 MAX_WAVE: Final = (1 << 64) - 1
 """Waves travel as msgpack uint64: a wave_complete for this one has no next wave to send."""
 MAX_ENGINES: Final = 1 << 16
@@ -372,6 +371,16 @@ class CoordinatorCore:
     @property
     def wake_confirm_timeout(self) -> float:
         return self._wake_confirm_timeout
+
+    @property
+    def first_request_pending(self) -> bool:
+        """A handle's claim is queued and not yet handled (the snapshot says running)."""
+        return self._wave.first_request_pending
+
+    @property
+    def unconfirmed_wave(self) -> int | None:
+        """The wave a first-request start began that no engine has reported on yet."""
+        return self._wave.unconfirmed_wave
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
