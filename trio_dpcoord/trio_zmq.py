@@ -161,16 +161,18 @@ class AsyncSocket:
         self._check_open()
         self._touched()
 
-    async def _wait(self, event: int, suspect: int = 0) -> int:
+    async def _wait(self, event: int, suspect: int = 0, events: int | None = None) -> int:
         """Wait until ``event`` may be ready (spurious returns allowed); caller retries.
 
-        Must be called right after a zmq call on this socket returned ``zmq.Again``.
+        Must be called right after a zmq call on this socket returned ``zmq.Again``, or
+        with ``events``: the ``EVENTS`` the caller read as its last zmq call (not ready).
         ``suspect`` counts the caller's consecutive attempts for which ``EVENTS`` claimed
         readiness although the call failed; the updated count is returned.
         """
         self._waiting += 1
         try:
-            events = cast(int, self._sock.getsockopt(_EVENTS))
+            if events is None:
+                events = cast(int, self._sock.getsockopt(_EVENTS))
             if self._waiting > 1:
                 self._dispatch(events)
             deadline = math.inf
@@ -329,15 +331,26 @@ class AsyncSocket:
         """The one receive loop: ``take()`` is a synchronous attempt that raises
         ``zmq.Again`` when nothing is queued; on Again wait for the FD and try again.
 
+        ``zmq.EVENTS`` is read before each attempt: the previous receive usually drained
+        the socket, and an attempt that fails raises ``zmq.Again``, an exception object per
+        empty receive (it showed in the wave path's profile), where EVENTS is an int. Read
+        right before waiting, it is also the re-check the edge-triggered FD needs.
+
         ``_try_sync`` checkpoints: cancellation is checked before the first attempt, and
         what ``take()`` returned is never lost to it; a receive that had to wait has passed
         a full checkpoint and returns without another.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        getsockopt = self._sock.getsockopt
         suspect = 0
         waited = False
         while True:
             self._check_open()
+            events = cast(int, getsockopt(_EVENTS))
+            if not events & _POLLIN:
+                suspect = await self._wait(_POLLIN, suspect, events)
+                waited = True
+                continue
             try:
                 received = take()
             except zmq.Again:
@@ -352,18 +365,22 @@ class AsyncSocket:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return received
 
-    @staticmethod
-    def _take_queued(receive_one: Callable[[int], _Received], max_messages: int) -> list[_Received]:
+    def _take_queued(
+        self, receive_one: Callable[[int], _Received], max_messages: int
+    ) -> list[_Received]:
         """One ``receive_one`` (``zmq.Again`` propagates), then whatever is already queued,
-        up to ``max_messages`` in all, without waiting."""
+        up to ``max_messages`` in all, without waiting. After the first message EVENTS
+        says whether more are queued: a lone message (every wave report) then ends the
+        batch without the ``zmq.Again`` a drained socket raises."""
         batch = [receive_one(_NOBLOCK)]
-        try:
-            while len(batch) < max_messages:
-                batch.append(receive_one(_NOBLOCK))
-        except zmq.ZMQError:
-            # Again: drained.  Any other error resurfaces on the next call; the frames
-            # already taken must not be lost.
-            pass
+        if max_messages > 1 and cast(int, self._sock.getsockopt(_EVENTS)) & _POLLIN:
+            try:
+                while len(batch) < max_messages:
+                    batch.append(receive_one(_NOBLOCK))
+            except zmq.ZMQError:
+                # Again: drained.  Any other error resurfaces on the next call; the frames
+                # already taken must not be lost.
+                pass
         return batch
 
     async def recv(self) -> bytes:
