@@ -968,6 +968,21 @@ def test_front_publish_round_trip(p: FrontPublish) -> None:
     assert decode_front_publish(frame) == p
 
 
+loads = st.builds(P.EngineLoad, waiting=u64, running=u64, kv_cache_usage=finite)
+
+
+@given(st.none() | st.lists(loads, max_size=8).map(tuple), u64, st.booleans())
+def test_trusted_front_publish_is_byte_identical(
+    counts: tuple[P.EngineLoad, ...] | None, wave: int, running: bool
+) -> None:
+    """The coordinator's unchecked encoder (msgspec's when installed, else msgpack's)
+    gives exactly the checked encoder's bytes for values the decoder produces."""
+    expected = encode_front_publish(FrontPublish(counts, wave, running))
+    assert P.encode_front_publish_trusted(counts, wave, running) == expected
+    fallback = msgpack.packb((counts, wave, running), use_bin_type=True, use_single_float=False)
+    assert fallback == expected
+
+
 @given(u64)
 def test_scale_round_trip(n: int) -> None:
     frame = encode_scale_elastic_ep(n)

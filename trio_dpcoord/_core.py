@@ -661,10 +661,11 @@ class CoordinatorCore:
         if not self._publish_to_front_ends:
             return []
         snap = self._wave.snapshot
+        # the wave is a checked uint64 and the table holds decoded loads: no re-validation
         return [
             Publish(
-                protocol.encode_front_publish(
-                    protocol.FrontPublish(None, snap.current_wave, snap.engines_running)
+                protocol.encode_front_publish_trusted(
+                    None, snap.current_wave, snap.engines_running
                 )
             )
         ]
@@ -680,8 +681,8 @@ class CoordinatorCore:
         counts = self._loads.take_publish_counts()
         self._schedule.published(now)
         snap = self._wave.snapshot if self._wave_coordination else WaveSnapshot()
-        return protocol.encode_front_publish(
-            protocol.FrontPublish(counts, snap.current_wave, snap.engines_running)
+        return protocol.encode_front_publish_trusted(
+            counts, snap.current_wave, snap.engines_running
         )
 
     def _emit(self, effects: list[Effect]) -> Sequence[Effect]:

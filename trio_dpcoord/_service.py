@@ -204,7 +204,10 @@ class _Pumps:
                         with self.lock:
                             self.core.publish_sent()
                     with self.lock:
-                        timer.deadline = self.core.next_publish_due()
+                        due = self.core.next_publish_due()
+                    if due != timer.deadline:
+                        # (trio re-registers a scope's deadline on every assignment)
+                        timer.deadline = due
             # the deadline passed: the timed publish
             with self.lock:
                 payload = self.core.timed_publish(trio.current_time())
