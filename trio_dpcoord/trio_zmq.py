@@ -125,6 +125,8 @@ class AsyncSocket:
         self._fd_events = 0
         self._parked_in = trio.lowlevel.ParkingLot()
         self._parked_out = trio.lowlevel.ParkingLot()
+        # Tasks parked in either lot: with none (the common case) waking them is skipped.
+        self._parked = 0
         # Remaining frames of a message whose continuation frame got zmq.Again (libzmq
         # counts HWM in whole messages, so this should never happen; handled anyway).
         self._send_tail: list[bytes] | None = None
@@ -143,10 +145,11 @@ class AsyncSocket:
 
     def _dispatch(self, events: int) -> None:
         """Wake every waiter whose direction is ready according to ``events``."""
-        if events & _POLLIN:
-            self._parked_in.unpark_all()
-        if events & _POLLOUT:
-            self._parked_out.unpark_all()
+        if self._parked:
+            if events & _POLLIN:
+                self._parked_in.unpark_all()
+            if events & _POLLOUT:
+                self._parked_out.unpark_all()
         scope = self._fd_scope
         if scope is not None and events & self._fd_events:
             scope.cancel()
@@ -199,11 +202,16 @@ class AsyncSocket:
                 finally:
                     self._fd_scope = None
                     # Hand the FD over: parked tasks retry, one of them becomes FD waiter.
-                    self._parked_in.unpark_all()
-                    self._parked_out.unpark_all()
+                    if self._parked:
+                        self._parked_in.unpark_all()
+                        self._parked_out.unpark_all()
             else:
-                with trio.CancelScope(deadline=deadline):
-                    await (self._parked_in if event == _POLLIN else self._parked_out).park()
+                self._parked += 1
+                try:
+                    with trio.CancelScope(deadline=deadline):
+                        await (self._parked_in if event == _POLLIN else self._parked_out).park()
+                finally:
+                    self._parked -= 1
             return suspect
         finally:
             self._waiting -= 1
