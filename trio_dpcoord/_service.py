@@ -9,11 +9,13 @@ One nursery runs, per the design card::
     wake deadlines ─► wake watchdog ────────────────────────────────────────────────┤
                  every pump: core.<input>(..., now) under the lock, effects dispatched
                                          in the same critical section
-          [broadcast channel] ─► broadcaster ─► back XPUB ─► engines  (READY, START_DP_WAVE)
-          [publish channel]   ─► front publisher ─► front XPUB ─► front-ends
+          [broadcast channel] ─► broadcaster ─┬► back XPUB ─► engines  (READY, START_DP_WAVE)
+                                              └► front XPUB ─► front-ends (publishes)
 
 Every rule lives in :class:`~trio_dpcoord._core.CoordinatorCore`; the pumps only move
-bytes. Data flows one way and every socket has exactly one sending task. The core is
+bytes. Data flows one way and every socket has exactly one sending task (the
+broadcaster sends on both XPUBs: what one wave decides, START_DP_WAVE then the publish
+of the new state, leaves in one scheduler pass, engines first). The core is
 called under a plain :class:`threading.Lock`, never held across an ``await``, and its
 effects are enqueued in the same critical section, so broadcasts and publishes leave in
 the order they were decided, and other threads may read the snapshot.
@@ -73,11 +75,10 @@ class _Pumps:
         self.ready = trio.Event()
         self.observers = trio.lowlevel.ParkingLot()
         self.reject_log = RejectLog(logger)
-        self.broadcasts, self._broadcast_queue = trio.open_memory_channel[Broadcast](math.inf)
-        self.commands, self._command_queue = trio.open_memory_channel[Command](math.inf)
-        self._publishes, self._publish_queue = trio.open_memory_channel[
-            Publish | RescheduleTimedPublish
+        self.broadcasts, self._broadcast_queue = trio.open_memory_channel[
+            Broadcast | Publish | RescheduleTimedPublish
         ](math.inf)
+        self.commands, self._command_queue = trio.open_memory_channel[Command](math.inf)
         self._deadlines, self._deadline_queue = trio.open_memory_channel[ArmWakeDeadline](
             math.inf
         )
@@ -89,10 +90,8 @@ class _Pumps:
     def dispatch(self, effects: Sequence[Effect]) -> None:
         """Hand each effect to its owner. Called under the lock, right after the core."""
         for effect in effects:
-            if isinstance(effect, Broadcast):
+            if isinstance(effect, (Broadcast, Publish, RescheduleTimedPublish)):
                 self.broadcasts.send_nowait(effect)
-            elif isinstance(effect, (Publish, RescheduleTimedPublish)):
-                self._publishes.send_nowait(effect)
             elif isinstance(effect, ArmWakeDeadline):
                 self._deadlines.send_nowait(effect)
             elif isinstance(effect, Reject):
@@ -103,22 +102,63 @@ class _Pumps:
     # --- the pumps ------------------------------------------------------------------------
 
     async def broadcaster(
-        self, xpub: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        xpub: AsyncSocket,
+        front: AsyncSocket | None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """The only code that sends on the engine broadcast socket."""
+        """The only code that sends: on the engine broadcast socket and, in standalone
+        mode, on the front socket (the publishes the core decided, in order with the
+        broadcasts, and a timed publish whenever one is due).
+
+        One task for both sockets: a wave's START_DP_WAVE and its publish take one task
+        step, not two, and the engines' message always goes first (two tasks woken in one
+        scheduler pass run in either order). Each send is first tried synchronously:
+        the channel's receive is the loop's checkpoint. One cancel scope per *timed*
+        publish, not per item: its deadline follows the core's schedule.
+        """
         task_status.started()
-        async for broadcast in self._broadcast_queue:
-            # One synchronous attempt first: receiving from the channel is this loop's
-            # checkpoint, so a send that goes through needs no second one (a scheduler
-            # pass less per wave); only a refused send (HWM) waits.
-            if not xpub.send_nowait(broadcast.frames):
-                await xpub.send_multipart(broadcast.frames)
+        while True:
             with self.lock:
-                self.core.broadcast_sent(broadcast, trio.current_time())
-            if broadcast.wave_start is None and not self.ready.is_set():
-                logger.info("READY sent to %d engines", self.core.subscriptions().current)
-                self.ready.set()
-            self.changed()
+                due = self.core.next_publish_due()
+            with trio.CancelScope(deadline=due) as timer:
+                async for item in self._broadcast_queue:
+                    schedule_moved = not isinstance(item, Broadcast)
+                    if isinstance(item, Broadcast):
+                        if not xpub.send_nowait(item.frames):
+                            timer.deadline = math.inf  # a decided send is not cut short
+                            schedule_moved = True
+                            await xpub.send_multipart(item.frames)
+                        with self.lock:
+                            self.core.broadcast_sent(item, trio.current_time())
+                        if item.wave_start is None and not self.ready.is_set():
+                            logger.info(
+                                "READY sent to %d engines", self.core.subscriptions().current
+                            )
+                            self.ready.set()
+                        self.changed()
+                    elif isinstance(item, Publish):
+                        assert front is not None, "publishes are decided only with a front"
+                        if not front.send_nowait((item.payload,)):
+                            timer.deadline = math.inf
+                            await front.send(item.payload)
+                        with self.lock:
+                            self.core.publish_sent()
+                    if schedule_moved:
+                        # a publish or a reschedule: the next timed publish may have moved
+                        with self.lock:
+                            due = self.core.next_publish_due()
+                        if due != timer.deadline:
+                            # (trio re-registers a scope's deadline on every assignment)
+                            timer.deadline = due
+            # the deadline passed: the timed publish (only ever due with a front socket)
+            assert front is not None
+            with self.lock:
+                payload = self.core.timed_publish(trio.current_time())
+            await front.send(payload)
+            with self.lock:
+                self.core.publish_sent()
 
     async def subscription_watcher(
         self, xpub: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -178,42 +218,6 @@ class _Pumps:
                 for frame in frames:
                     self.dispatch(self.core.receive_front_frame(frame, now))
             self.changed()
-
-    async def front_publisher(
-        self, front: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """The only code that sends on the front socket: what the core decided at once,
-        and a timed publish whenever one is due.
-
-        One cancel scope per *timed* publish, not per item: its deadline follows the
-        core's schedule as items arrive (a scope per received item showed in the wave
-        path's profile). Each send is first tried synchronously: the loop's receive is
-        its checkpoint.
-        """
-        task_status.started()
-        while True:
-            with self.lock:
-                due = self.core.next_publish_due()
-            with trio.CancelScope(deadline=due) as timer:
-                while True:
-                    item = await self._publish_queue.receive()
-                    if isinstance(item, Publish):
-                        if not front.send_nowait((item.payload,)):
-                            timer.deadline = math.inf  # a decided publish is not cut short
-                            await front.send(item.payload)
-                        with self.lock:
-                            self.core.publish_sent()
-                    with self.lock:
-                        due = self.core.next_publish_due()
-                    if due != timer.deadline:
-                        # (trio re-registers a scope's deadline on every assignment)
-                        timer.deadline = due
-            # the deadline passed: the timed publish
-            with self.lock:
-                payload = self.core.timed_publish(trio.current_time())
-            await front.send(payload)
-            with self.lock:
-                self.core.publish_sent()
 
     def close(self) -> None:
         # The channels stay open: a task that already holds received frames when the
@@ -489,13 +493,12 @@ async def open_coordinator(
                 on_exit=pumps.close,
                 failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
             ) as nursery:
-                await nursery.start(pumps.broadcaster, back_pub)
+                await nursery.start(pumps.broadcaster, back_pub, front)
                 await nursery.start(pumps.subscription_watcher, back_pub)
                 await nursery.start(pumps.command_receiver)
                 await nursery.start(pumps.wake_watchdog)
                 await nursery.start(pumps.engine_output_listener, back_out)
                 if front is not None:
-                    await nursery.start(pumps.front_publisher, front)
                     await nursery.start(pumps.front_receiver, front)
                 logger.info(
                     "coordinator for %d engines: broadcast %s, outputs %s, front %s",
