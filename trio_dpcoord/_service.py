@@ -176,13 +176,35 @@ class _Pumps:
     async def engine_output_listener(
         self, pull: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Engine outputs in batches (§5.4, §5.5); applied before the gate opens too."""
+        """Engine outputs in batches (§5.4, §5.5); applied before the gate opens too.
+
+        A message that makes the core decide a broadcast (a wave start) ends the piece of
+        the batch applied under the lock: the listener then yields once (shielded: the
+        rest of the batch is already received and must not be lost) so that the
+        broadcaster can send START_DP_WAVE before a long queue of stats reports behind
+        it is applied. Without it, a wake-up waited for the whole batch under load.
+        """
         task_status.started()
+        receive = self.core.receive_engine_output
         while True:
             batch = await pull.recv_multipart_batch()
-            with self.lock:
-                self.dispatch(self.core.receive_engine_outputs(batch, trio.current_time()))
-            self.changed()
+            count = len(batch)
+            index = 0
+            while index < count:
+                urgent = False
+                with self.lock:
+                    now = trio.current_time()
+                    while index < count:
+                        effects = receive(batch[index], now)
+                        index += 1
+                        if effects:
+                            self.dispatch(effects)
+                            if any(type(effect) is Broadcast for effect in effects):
+                                urgent = True
+                                break
+                self.changed()
+                if urgent and index < count:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def command_receiver(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
