@@ -87,17 +87,21 @@ class _Pumps:
         if self.observers:
             self.observers.unpark_all()
 
-    def dispatch(self, effects: Sequence[Effect]) -> None:
-        """Hand each effect to its owner. Called under the lock, right after the core."""
+    def dispatch(self, effects: Sequence[Effect]) -> bool:
+        """Hand each effect to its owner. Called under the lock, right after the core.
+        True when one of them was a broadcast."""
+        broadcast = False
         for effect in effects:
             if isinstance(effect, (Broadcast, Publish, RescheduleTimedPublish)):
                 self.broadcasts.send_nowait(effect)
+                broadcast = broadcast or type(effect) is Broadcast
             elif isinstance(effect, ArmWakeDeadline):
                 self._deadlines.send_nowait(effect)
             elif isinstance(effect, Reject):
                 self.reject_log(effect.reason, effect.detail)
             else:
                 self.commands.send_nowait(effect)
+        return broadcast
 
     # --- the pumps ------------------------------------------------------------------------
 
@@ -124,29 +128,40 @@ class _Pumps:
                 due = self.core.next_publish_due()
             with trio.CancelScope(deadline=due) as timer:
                 async for item in self._broadcast_queue:
-                    schedule_moved = not isinstance(item, Broadcast)
-                    if isinstance(item, Broadcast):
-                        if not xpub.send_nowait(item.frames):
-                            timer.deadline = math.inf  # a decided send is not cut short
-                            schedule_moved = True
-                            await xpub.send_multipart(item.frames)
-                        with self.lock:
-                            self.core.broadcast_sent(item, trio.current_time())
-                        if item.wave_start is None and not self.ready.is_set():
-                            logger.info(
-                                "READY sent to %d engines", self.core.subscriptions().current
-                            )
-                            self.ready.set()
-                        self.changed()
-                    elif isinstance(item, Publish):
-                        assert front is not None, "publishes are decided only with a front"
-                        if not front.send_nowait((item.payload,)):
-                            timer.deadline = math.inf
-                            await front.send(item.payload)
-                        with self.lock:
-                            self.core.publish_sent()
+                    schedule_moved = False
+                    while True:
+                        if isinstance(item, Broadcast):
+                            if not xpub.send_nowait(item.frames):
+                                timer.deadline = math.inf  # a decided send is not cut short
+                                schedule_moved = True
+                                await xpub.send_multipart(item.frames)
+                            with self.lock:
+                                self.core.broadcast_sent(item, trio.current_time())
+                            if item.wave_start is None and not self.ready.is_set():
+                                logger.info(
+                                    "READY sent to %d engines",
+                                    self.core.subscriptions().current,
+                                )
+                                self.ready.set()
+                            self.changed()
+                        else:
+                            schedule_moved = True  # a publish or a reschedule
+                            if isinstance(item, Publish):
+                                assert front is not None, "publishes need a front socket"
+                                if not front.send_nowait((item.payload,)):
+                                    timer.deadline = math.inf
+                                    await front.send(item.payload)
+                                with self.lock:
+                                    self.core.publish_sent()
+                        # What is already queued (a wave's publish behind its broadcast)
+                        # goes in this task step: a second receive would cost a scheduler
+                        # pass of its own.
+                        try:
+                            item = self._broadcast_queue.receive_nowait()
+                        except trio.WouldBlock:
+                            break
                     if schedule_moved:
-                        # a publish or a reschedule: the next timed publish may have moved
+                        # the next timed publish may have moved
                         with self.lock:
                             due = self.core.next_publish_due()
                         if due != timer.deadline:
@@ -197,11 +212,9 @@ class _Pumps:
                     while index < count:
                         effects = receive(batch[index], now)
                         index += 1
-                        if effects:
-                            self.dispatch(effects)
-                            if any(type(effect) is Broadcast for effect in effects):
-                                urgent = True
-                                break
+                        if effects and self.dispatch(effects):
+                            urgent = True
+                            break
                 self.changed()
                 if urgent and index < count:
                     await trio.lowlevel.cancel_shielded_checkpoint()
