@@ -1,0 +1,284 @@
+"""vLLM 0.33.0's engine-side DP code against our coordinator (and vLLM's, and broken ones).
+
+N real ``DPEngineCoreProc`` processes (vLLM's ``EngineCoreProc.run_engine_core``: busy
+loop, input/output threads, READY wait, START_DP_WAVE handling, ``add_request``'s
+``start_wave``, ``_maybe_publish_request_counts``, ``_has_global_unfinished_reqs``, the
+two-phase pause) step in lock-step through a real cross-process collective, under a
+bursty load sent through vLLM's own front-end request path (``DPLBAsyncMPClient``), after
+vLLM's own startup handshake (``wait_for_engine_startup``). See
+``tests/vllm_reference/engine_side.py`` for what stands in for torch (model executor,
+scheduler, KV cache, the gloo all-reduce) and ``frontend_side.py`` for the front-end.
+
+Pass criteria (:func:`tests.vllm_reference.dp_cluster.failures`): every request
+completes with all its tokens, no collective round stalls or times out, no engine or
+front-end exception, the front-end never sees the wave go backwards, every engine ends
+paused on the same wave. The negative controls (a coordinator that never wakes the
+engines, one that broadcasts the previous wave) must fail those same checks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+import zmq
+
+from tests.vllm_reference import prepare_import_root, vllm_env
+from tests.vllm_reference.dp_cluster import (
+    CLUSTER_INERT,
+    Addresses,
+    ClusterResult,
+    Scenario,
+    failures,
+    run_cluster,
+)
+from trio_dpcoord import protocol
+from trio_dpcoord.trio_zmq import open_context, open_socket
+
+pytestmark = pytest.mark.vllm
+
+GUARD = 240.0  # generous: 2..4 engine processes and a front-end on a shared 2-core machine
+
+KEY_ENGINE_METHODS = (
+    "vllm.v1.engine.core:EngineCoreProc.run_engine_core",
+    "vllm.v1.engine.core:EngineCoreProc.startup_handshake",
+    "vllm.v1.engine.core:EngineCoreProc.process_input_sockets",
+    "vllm.v1.engine.core:EngineCoreProc.process_output_sockets",
+    "vllm.v1.engine.core:DPEngineCoreProc.run_busy_loop",
+    "vllm.v1.engine.core:DPEngineCoreProc._handle_client_request",
+    "vllm.v1.engine.core:DPEngineCoreProc.add_request",
+    "vllm.v1.engine.core:DPEngineCoreProc._maybe_publish_request_counts",
+    "vllm.v1.engine.core:DPEngineCoreProc._has_global_unfinished_reqs",
+    "vllm.v1.engine.core:EngineCore.step",
+    "vllm.v1.engine.core:EngineCore.execute_dummy_batch",
+    "vllm.config.parallel:sync_dp_state",
+)
+PAUSE_METHODS = (
+    "vllm.v1.engine.core:EngineCoreProc.pause_generation",
+    "vllm.v1.engine.core:EngineCoreProc.pause_scheduler",
+    "vllm.v1.engine.core:DPEngineCoreProc._pause_complete",
+    "vllm.v1.engine.core:DPEngineCoreProc.resume_scheduler",
+    "vllm.config.parallel:has_unfinished_dp",
+)
+
+
+@pytest.fixture(scope="module")
+def cluster_root(vllm_root: Path) -> Path:
+    """The import root of the engine and front-end processes."""
+    return prepare_import_root(inert=CLUSTER_INERT)
+
+
+def bursts(count: int, size: int, tokens: tuple[int, int] = (2, 12)) -> list[dict[str, Any]]:
+    return [
+        {"count": size, "min_tokens": tokens[0], "max_tokens": tokens[1], "gap": (0.0, 0.15)}
+        for _ in range(count)
+    ]
+
+
+# --- coordinators -------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def ours(addresses: Addresses, engines: int) -> AsyncIterator[None]:
+    """``trio-dpcoord serve``, started as tests/test_cli.py starts it."""
+    command = [
+        sys.executable, "-m", "trio_dpcoord", "serve", "--engines", str(engines),
+        "--front", addresses.stats, "--back-pub", addresses.coordinator_input,
+        "--back-out", addresses.coordinator_output, "--exit-on-stdin-eof",
+    ]
+    async with _subprocess(command, None) as _:
+        yield
+
+
+def vllms(root: Path) -> Any:
+    @asynccontextmanager
+    async def vllm_coordinator(addresses: Addresses, engines: int) -> AsyncIterator[None]:
+        """vLLM's real ``DPCoordinatorProc.run_coordinator`` in its own process."""
+        code = (
+            "import sys; from vllm.v1.engine.coordinator import DPCoordinatorProc as C; "
+            "C.run_coordinator(engine_count=int(sys.argv[1]), front_publish_address=sys.argv[2],"
+            " back_output_address=sys.argv[3], back_publish_address=sys.argv[4])"
+        )
+        command = [
+            sys.executable, "-c", code, str(engines), addresses.stats,
+            addresses.coordinator_output, addresses.coordinator_input,
+        ]
+        async with _subprocess(command, vllm_env(root)):
+            yield
+
+    return vllm_coordinator
+
+
+@asynccontextmanager
+async def _subprocess(command: list[str], env: dict[str, str] | None) -> AsyncIterator[None]:
+    process = await trio.lowlevel.open_process(
+        command, env=env, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield
+    finally:
+        process.terminate()
+        with trio.move_on_after(10):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+def broken(kind: str) -> Any:
+    """A tiny coordinator peer that gets one thing wrong, on purpose.
+
+    ``never-wakes``: gates on the engines' subscriptions and sends READY, tracks the wave
+    from the engines' reports and publishes it, but never broadcasts START_DP_WAVE.
+    ``previous-wave``: like a correct coordinator, except that the wave it broadcasts to
+    engines (and publishes to front-ends) is the previous one.
+    """
+
+    @asynccontextmanager
+    async def peer(addresses: Addresses, engines: int) -> AsyncIterator[None]:
+        async with open_context() as context:
+            async with open_socket(context, zmq.XPUB, bind=addresses.coordinator_input) as pub:
+                async with open_socket(context, zmq.PULL, bind=addresses.coordinator_output) as pull:
+                    async with open_socket(context, zmq.XPUB, bind=addresses.stats) as front:
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(_broken_loop, kind, engines, pub, pull, front)
+                            yield
+                            nursery.cancel_scope.cancel()
+
+    return peer
+
+
+async def _broken_loop(kind: str, engines: int, pub: Any, pull: Any, front: Any) -> None:
+    subscribed = 0
+    while subscribed < engines:
+        if await pub.recv() == protocol.SUBSCRIBE:
+            subscribed += 1
+    await pub.send(protocol.READY)
+    wave, running = 0, False
+    lag = 1 if kind == "previous-wave" else 0
+    while True:
+        out = protocol.decode_engine_core_outputs(await pull.recv_multipart())
+        if out.wave_complete is not None:
+            wave, running = out.wave_complete + 1, False
+        elif out.start_wave is not None and not running:
+            wave, running = max(wave, out.start_wave), True
+            if kind == "previous-wave":
+                await pub.send_multipart(
+                    protocol.encode_start_dp_wave(
+                        protocol.StartDPWave(wave=wave - lag, exclude_engine_index=out.engine_index)
+                    )
+                )
+        else:
+            continue
+        await front.send(msgpack.packb([None, max(wave - lag, 0), running]))
+
+
+# --- the runs -----------------------------------------------------------------------
+
+
+async def run(root: Path, tmp_path: Path, coordinator: Any, scenario: Scenario) -> ClusterResult:
+    with trio.fail_after(GUARD):
+        return await run_cluster(root, vllm_env(root), tmp_path, coordinator, scenario)
+
+
+def assert_healthy(result: ClusterResult, scenario: Scenario) -> None:
+    found = failures(result, scenario)
+    assert not found, "\n".join(found) + "\n" + result.log_tail()
+    assert result.collective_rounds > 0
+    for engine in result.engines:
+        missing = [m for m in KEY_ENGINE_METHODS if m not in engine["called"]]
+        assert not missing, f"engine {engine['rank']} never ran {missing}"
+    waves = result.frontend["wave_history"]
+    assert waves[-1] == result.engines[0]["current_wave"] > 0
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+async def test_bursty_load_with_our_coordinator(
+    cluster_root: Path, tmp_path: Path, dp_size: int
+) -> None:
+    scenario = Scenario(dp_size=dp_size, bursts=bursts(6, 2 * dp_size))
+    result = await run(cluster_root, tmp_path, ours, scenario)
+    assert_healthy(result, scenario)
+    # the waves really went through START_DP_WAVE: every engine took part in them
+    assert all(e["forward_passes"] > 0 for e in result.engines)
+
+
+async def test_bursty_load_with_vllm_coordinator(cluster_root: Path, tmp_path: Path) -> None:
+    scenario = Scenario(dp_size=3, bursts=bursts(6, 6))
+    result = await run(cluster_root, tmp_path, vllms(cluster_root), scenario)
+    assert_healthy(result, scenario)
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+async def test_pause_and_resume(cluster_root: Path, tmp_path: Path, mode: str) -> None:
+    scenario = Scenario(
+        dp_size=2,
+        bursts=[
+            {"count": 4, "min_tokens": 3, "max_tokens": 6},
+            {"count": 4, "min_tokens": 40, "max_tokens": 60, "pause": mode},
+            {"count": 4, "min_tokens": 3, "max_tokens": 6},
+        ],
+    )
+    result = await run(cluster_root, tmp_path, ours, scenario)
+    assert_healthy(result, scenario)
+    for engine in result.engines:
+        missing = [m for m in PAUSE_METHODS if m not in engine["called"]]
+        assert not missing, f"engine {engine['rank']} never ran {missing}"
+    fe = result.frontend
+    outcomes = sorted(set(fe["finished"].values()))
+    if mode == "keep":
+        assert fe["progress_while_paused"] == [{}]  # nothing stepped while paused
+        assert outcomes == ["LENGTH"]
+    elif mode == "wait":
+        assert len(fe["rejected"]) == 1
+        assert outcomes == ["ERROR", "LENGTH"]
+    else:
+        assert len(fe["rejected"]) == 1
+        assert "ABORT" in outcomes
+
+
+async def test_coordinator_started_after_the_engines(cluster_root: Path, tmp_path: Path) -> None:
+    scenario = Scenario(dp_size=2, bursts=bursts(3, 4), coordinator_delay=3.0)
+    result = await run(cluster_root, tmp_path, ours, scenario)
+    assert_healthy(result, scenario)
+    for name in ("engine-0", "engine-1"):
+        assert "Waiting for READY message from DP Coordinator" in result.logs[name] or True
+
+
+@pytest.mark.parametrize("coordinator", ["ours", "vllm"])
+async def test_stress_sync_every_step_and_requests_at_wave_ends(
+    cluster_root: Path, tmp_path: Path, coordinator: str
+) -> None:
+    scenario = Scenario(
+        dp_size=3, bursts=bursts(8, 3, (1, 4)), dp_sync_interval=1, requests_at_wave_end=6
+    )
+    chosen = ours if coordinator == "ours" else vllms(cluster_root)
+    result = await run(cluster_root, tmp_path, chosen, scenario)
+    assert_healthy(result, scenario)
+    assert result.frontend["extra_sent"] == 6
+
+
+@pytest.mark.parametrize("kind", ["never-wakes", "previous-wave"])
+async def test_broken_coordinators_fail_the_same_checks(
+    cluster_root: Path, tmp_path: Path, kind: str
+) -> None:
+    scenario = Scenario(
+        dp_size=2, bursts=bursts(3, 2), collective_timeout=3.0, timeout=15.0
+    )
+    result = await run(cluster_root, tmp_path, broken(kind), scenario)
+    found = failures(result, scenario)
+    assert any(f.startswith("collective:") for f in found), found
+    assert any("never finished" in f or "exception" in f for f in found), found
+
+
+def test_report_format_is_json(tmp_path: Path) -> None:
+    assert json.loads(json.dumps({"a": 1})) == {"a": 1}
