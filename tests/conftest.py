@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from tests.vllm_reference import VLLM_VERSION, VllmUnavailable, prepare_import_root
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VECTORS_PATH = REPO_ROOT.parent / "shared" / "protocol" / "vectors" / "vectors.json"
 
@@ -42,3 +44,12 @@ def engine_addresses(transport: str) -> dict[str, Any]:
             "engine_output_address": "tcp://127.0.0.1:0",
         }
     return {"engine_input_address": None, "engine_output_address": None}
+
+
+@pytest.fixture(scope="session")
+def vllm_root() -> Path:
+    """The import root running vLLM's real code (tests/vllm_reference); skips without it."""
+    try:
+        return prepare_import_root()
+    except VllmUnavailable as error:
+        pytest.skip(f"vLLM {VLLM_VERSION}'s wheel cannot be had: {error}")

@@ -1,0 +1,211 @@
+"""vLLM 0.33.0's real coordinator process (``DPCoordinatorProc.run_coordinator``)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import trio
+
+from ._process import runner_command, vllm_env
+
+ADDRESSES_MARKER = "VLLM_REFERENCE_ADDRESSES "  # same as runners/coordinator.py
+
+
+@dataclass(frozen=True)
+class VllmCoordinatorAddresses:
+    """The three addresses vLLM's coordinator bound, as it reports them (LAST_ENDPOINT)."""
+
+    front_publish_address: str  # XPUB to front-ends (stats/wave publishes, SCALE_ELASTIC_EP in)
+    back_output_address: str  # PULL from engines (EngineCoreOutputs)
+    back_publish_address: str  # XPUB to engines (READY, START_DP_WAVE)
+
+
+def coordinator_command(
+    engine_count: int,
+    *,
+    front_publish_address: str | None = None,
+    back_output_address: str | None = None,
+    back_publish_address: str | None = None,
+    enable_wave_coordination: bool = True,
+    min_stats_update_interval_ms: int = 100,
+) -> list[str]:
+    """The command line of the coordinator runner; ``None`` addresses are picked by vLLM
+    (fresh IPC paths); ``tcp://127.0.0.1:*`` binds an ephemeral port."""
+    kwargs: dict[str, Any] = {
+        "engine_count": engine_count,
+        "front_publish_address": front_publish_address,
+        "back_output_address": back_output_address,
+        "back_publish_address": back_publish_address,
+        "enable_wave_coordination": enable_wave_coordination,
+        "min_stats_update_interval_ms": min_stats_update_interval_ms,
+    }
+    return runner_command("coordinator", json.dumps(kwargs))
+
+
+def parse_addresses_line(line: str) -> VllmCoordinatorAddresses | None:
+    if not line.startswith(ADDRESSES_MARKER):
+        return None
+    front, back_output, back_publish = json.loads(line[len(ADDRESSES_MARKER) :])
+    return VllmCoordinatorAddresses(front, back_output, back_publish)
+
+
+@dataclass
+class VllmCoordinator:
+    """A running vLLM coordinator process (``subprocess.Popen``) and its addresses."""
+
+    process: subprocess.Popen[str]
+    addresses: VllmCoordinatorAddresses
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGINT (vLLM's own clean exit: KeyboardInterrupt), then SIGKILL if it lingers."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> VllmCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _read_addresses(stdout: IO[str]) -> VllmCoordinatorAddresses | None:
+    for line in stdout:
+        addresses = parse_addresses_line(line)
+        if addresses is not None:
+            return addresses
+    return None
+
+
+def start_vllm_coordinator(
+    engine_count: int,
+    *,
+    front_publish_address: str | None = None,
+    back_output_address: str | None = None,
+    back_publish_address: str | None = None,
+    enable_wave_coordination: bool = True,
+    min_stats_update_interval_ms: int = 100,
+    root: Path | None = None,
+    stderr: int | IO[Any] | None = None,
+) -> VllmCoordinator:
+    """Start vLLM's coordinator in a subprocess; block until it reports its addresses.
+
+    For synchronous callers (benchmarks). Raises ``RuntimeError`` with its stderr if it
+    exits before binding. ``root`` is an import root from ``prepare_import_root``.
+    """
+    command = coordinator_command(
+        engine_count,
+        front_publish_address=front_publish_address,
+        back_output_address=back_output_address,
+        back_publish_address=back_publish_address,
+        enable_wave_coordination=enable_wave_coordination,
+        min_stats_update_interval_ms=min_stats_update_interval_ms,
+    )
+    process = subprocess.Popen(
+        command,
+        env=vllm_env(root),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stderr is None else stderr,
+        text=True,
+    )
+    assert process.stdout is not None
+    addresses = _read_addresses(process.stdout)
+    if addresses is None:
+        process.kill()
+        _, err = process.communicate()
+        raise RuntimeError(f"vLLM's coordinator exited before binding:\n{err}")
+    if stderr is None and process.stderr is not None:
+        process.stderr.close()  # nobody reads it; a full pipe must not block vLLM's logging
+    return VllmCoordinator(process, addresses)
+
+
+@asynccontextmanager
+async def open_vllm_coordinator(
+    engine_count: int,
+    *,
+    front_publish_address: str | None = None,
+    back_output_address: str | None = None,
+    back_publish_address: str | None = None,
+    enable_wave_coordination: bool = True,
+    min_stats_update_interval_ms: int = 100,
+    root: Path | None = None,
+) -> AsyncIterator[VllmCoordinatorAddresses]:
+    """Trio: vLLM's coordinator for the duration of the block; SIGINT and reap on exit.
+
+    vLLM's logs (stderr) are drained and dropped; stdout is read for the addresses line.
+    """
+    command = coordinator_command(
+        engine_count,
+        front_publish_address=front_publish_address,
+        back_output_address=back_output_address,
+        back_publish_address=back_publish_address,
+        enable_wave_coordination=enable_wave_coordination,
+        min_stats_update_interval_ms=min_stats_update_interval_ms,
+    )
+    env = vllm_env(root) if root is not None else await trio.to_thread.run_sync(vllm_env)
+    async with trio.open_nursery() as nursery:
+        process = await trio.lowlevel.open_process(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert process.stdout is not None and process.stderr is not None
+        stderr_tail: list[bytes] = []
+
+        async def drain_stderr(stream: trio.abc.ReceiveStream) -> None:
+            async for chunk in stream:
+                stderr_tail.append(bytes(chunk))
+                del stderr_tail[:-20]
+
+        nursery.start_soon(drain_stderr, process.stderr)
+        try:
+            addresses = await _receive_addresses(process.stdout)
+            if addresses is None:
+                await process.wait()
+                raise RuntimeError(
+                    "vLLM's coordinator exited before binding:\n"
+                    + b"".join(stderr_tail).decode(errors="replace")
+                )
+            nursery.start_soon(_drain, process.stdout)
+            yield addresses
+        finally:
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.send_signal(signal.SIGINT)
+                    with trio.move_on_after(10):
+                        await process.wait()
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+
+
+async def _receive_addresses(stdout: trio.abc.ReceiveStream) -> VllmCoordinatorAddresses | None:
+    buffer = b""
+    async for chunk in stdout:
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            addresses = parse_addresses_line(line.decode())
+            if addresses is not None:
+                return addresses
+    return None
+
+
+async def _drain(stream: trio.abc.ReceiveStream) -> None:
+    async for _ in stream:
+        pass
