@@ -31,13 +31,13 @@ import pytest
 import trio
 import zmq
 
-from tests.vllm_reference import prepare_import_root, vllm_env
+from tests.vllm_reference import vllm_env
 from tests.vllm_reference.dp_cluster import (
-    CLUSTER_INERT,
     Addresses,
     ClusterResult,
     Scenario,
     failures,
+    prepare_cluster_root,
     run_cluster,
 )
 from trio_dpcoord import protocol
@@ -73,7 +73,7 @@ PAUSE_METHODS = (
 @pytest.fixture(scope="module")
 def cluster_root(vllm_root: Path) -> Path:
     """The import root of the engine and front-end processes."""
-    return prepare_import_root(inert=CLUSTER_INERT)
+    return prepare_cluster_root()
 
 
 def bursts(count: int, size: int, tokens: tuple[int, int] = (2, 12)) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any
 import trio
 import zmq
 
+from tests.vllm_reference import prepare_import_root, wheel_path
 from trio_dpcoord.sim.collective import CollectiveHost
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -40,7 +42,6 @@ CLUSTER_INERT = (
     "pybase64",
     "requests",
     "transformers",
-    "urllib3",
     "uvloop",
     # vLLM modules that need torch or a GPU; engine_side.py stands in for what runs
     "vllm.compilation",
@@ -66,6 +67,22 @@ CLUSTER_INERT = (
     "vllm.v1.structured_output",
 )
 """Dotted names the engine and front-end processes' import root makes inert."""
+
+CLUSTER_REAL = ("vllm.outputs",)
+"""Modules the loader makes inert by default that these processes use for real: a paused
+engine rejects a request with ``vllm.outputs.RequestError``."""
+
+CLUSTER_STANDINS = HERE / "cluster_standins"
+"""The layer of hand-written stand-ins (``vllm.sampling_params``)."""
+
+
+def prepare_cluster_root() -> Path:
+    """The import root of the engine and front-end processes (cached by the loader)."""
+    with zipfile.ZipFile(wheel_path()) as wheel:
+        real = {
+            name: wheel.read(name.replace(".", "/") + ".py").decode() for name in CLUSTER_REAL
+        }
+    return prepare_import_root(inert=CLUSTER_INERT, layers=[CLUSTER_STANDINS], modules=real)
 
 
 @dataclass(frozen=True)

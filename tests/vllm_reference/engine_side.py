@@ -348,7 +348,7 @@ def make_vllm_config(spec: dict[str, Any]) -> StandInVllmConfig:
         speculative_config=None,
         instance_id=f"stand-in-{spec['rank']}",
         shutdown_timeout=0,
-        watchdog_config=None,
+        watchdog_config=_Config(dump_dir=None),
         max_concurrent_batches=1,
         is_mm_encoder_only=False,
     )
