@@ -30,10 +30,11 @@ import pytest
 import trio
 import zmq
 
-from tests.vllm_reference import vllm_env
+from tests.vllm_reference import open_vllm_coordinator, vllm_env
 from tests.vllm_reference.dp_cluster import (
     Addresses,
     ClusterResult,
+    Coordinator,
     Scenario,
     failures,
     prepare_cluster_root,
@@ -89,37 +90,44 @@ def bursts(count: int, size: int, tokens: tuple[int, int] = (2, 12)) -> list[dic
 async def ours(addresses: Addresses, engines: int) -> AsyncIterator[None]:
     """``trio-dpcoord serve``, started as tests/test_cli.py starts it."""
     command = [
-        sys.executable, "-m", "trio_dpcoord", "serve", "--engines", str(engines),
-        "--front", addresses.stats, "--back-pub", addresses.coordinator_input,
-        "--back-out", addresses.coordinator_output, "--exit-on-stdin-eof",
+        sys.executable,
+        "-m",
+        "trio_dpcoord",
+        "serve",
+        "--engines",
+        str(engines),
+        "--front",
+        addresses.stats,
+        "--back-pub",
+        addresses.coordinator_input,
+        "--back-out",
+        addresses.coordinator_output,
+        "--exit-on-stdin-eof",
     ]
-    async with _subprocess(command, None) as _:
+    async with _subprocess(command):
         yield
 
 
-def vllms(root: Path) -> Any:
+def vllms(root: Path) -> Coordinator:
     @asynccontextmanager
     async def vllm_coordinator(addresses: Addresses, engines: int) -> AsyncIterator[None]:
         """vLLM's real ``DPCoordinatorProc.run_coordinator`` in its own process."""
-        code = (
-            "import sys; from vllm.v1.engine.coordinator import DPCoordinatorProc as C; "
-            "C.run_coordinator(engine_count=int(sys.argv[1]), front_publish_address=sys.argv[2],"
-            " back_output_address=sys.argv[3], back_publish_address=sys.argv[4])"
-        )
-        command = [
-            sys.executable, "-c", code, str(engines), addresses.stats,
-            addresses.coordinator_output, addresses.coordinator_input,
-        ]
-        async with _subprocess(command, vllm_env(root)):
+        async with open_vllm_coordinator(
+            engines,
+            front_publish_address=addresses.stats,
+            back_output_address=addresses.coordinator_output,
+            back_publish_address=addresses.coordinator_input,
+            root=root,
+        ):
             yield
 
     return vllm_coordinator
 
 
 @asynccontextmanager
-async def _subprocess(command: list[str], env: dict[str, str] | None) -> AsyncIterator[None]:
+async def _subprocess(command: list[str]) -> AsyncIterator[None]:
     process = await trio.lowlevel.open_process(
-        command, env=env, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL
+        command, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL
     )
     try:
         yield
@@ -133,7 +141,7 @@ async def _subprocess(command: list[str], env: dict[str, str] | None) -> AsyncIt
             await process.wait()
 
 
-def broken(kind: str) -> Any:
+def broken(kind: str) -> Coordinator:
     """A tiny coordinator peer that gets one thing wrong, on purpose.
 
     ``never-wakes``: gates on the engines' subscriptions and sends READY, tracks the wave
@@ -144,7 +152,8 @@ def broken(kind: str) -> Any:
 
     @asynccontextmanager
     async def peer(addresses: Addresses, engines: int) -> AsyncIterator[None]:
-        xpub = {zmq.XPUB_VERBOSE: 1, zmq.LINGER: 0}  # one subscription message per engine
+        linger: dict[int, int | bytes] = {zmq.LINGER: 0}
+        xpub = {**linger, zmq.XPUB_VERBOSE: 1}  # one subscription message per engine
         async with AsyncExitStack() as stack:
             context = await stack.enter_async_context(open_context())
             pub, pull, front = [
@@ -153,7 +162,7 @@ def broken(kind: str) -> Any:
                 )
                 for kind, address, options in (
                     (zmq.XPUB, addresses.coordinator_input, xpub),
-                    (zmq.PULL, addresses.coordinator_output, {zmq.LINGER: 0}),
+                    (zmq.PULL, addresses.coordinator_output, linger),
                     (zmq.XPUB, addresses.stats, xpub),
                 )
             ]
@@ -180,7 +189,9 @@ async def _broken_loop(kind: str, engines: int, pub: Any, pull: Any, front: Any)
         elif out.start_wave is not None and not running:
             wave, running = max(wave, out.start_wave), True
             if kind == "previous-wave":
-                await pub.send_multipart(protocol.encode_start_dp_wave(max(wave - lag, 0), out.engine_index))
+                await pub.send_multipart(
+                    protocol.encode_start_dp_wave(max(wave - lag, 0), out.engine_index)
+                )
         else:
             continue
         await front.send(msgpack.packb([None, max(wave - lag, 0), running]))

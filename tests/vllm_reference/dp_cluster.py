@@ -10,6 +10,7 @@ process's report plus the verdict of the pass criteria (:func:`failures`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -79,9 +80,7 @@ CLUSTER_STANDINS = HERE / "cluster_standins"
 def prepare_cluster_root() -> Path:
     """The import root of the engine and front-end processes (cached by the loader)."""
     with zipfile.ZipFile(wheel_path()) as wheel:
-        real = {
-            name: wheel.read(name.replace(".", "/") + ".py").decode() for name in CLUSTER_REAL
-        }
+        real = {name: wheel.read(name.replace(".", "/") + ".py").decode() for name in CLUSTER_REAL}
     return prepare_import_root(inert=CLUSTER_INERT, layers=[CLUSTER_STANDINS], modules=real)
 
 
@@ -165,7 +164,7 @@ def failures(result: ClusterResult, scenario: Scenario) -> list[str]:
     if not sent:
         found.append("the front-end sent no request")
     history = fe.get("wave_history", [])
-    if any(later < earlier for earlier, later in zip(history, history[1:])):
+    if any(later < earlier for earlier, later in itertools.pairwise(history)):
         found.append(f"the front-end saw the wave go backwards: {history}")
     waves = {e.get("current_wave") for e in result.engines}
     if len(waves) != 1 or None in waves:
@@ -179,12 +178,15 @@ async def _pump(stream: trio.abc.ReceiveStream | None, sink: list[bytes]) -> Non
     if stream is None:
         return
     async for chunk in stream:
-        sink.append(chunk)
+        sink.append(bytes(chunk))
 
 
 @asynccontextmanager
 async def _process(
-    nursery: trio.Nursery, command: list[str], env: dict[str, str], logs: dict[str, list[bytes]],
+    nursery: trio.Nursery,
+    command: list[str],
+    env: dict[str, str],
+    logs: dict[str, list[bytes]],
     name: str,
 ) -> AsyncIterator[trio.Process]:
     process = await trio.lowlevel.open_process(
@@ -243,7 +245,6 @@ async def run_cluster(
         "timeout": scenario.timeout,
         "total_timeout": scenario.timeout * 3,
         "seed": scenario.seed,
-        "startup_done": str(tmp_path / "startup-done"),
         "report_path": str(reports / "frontend.json"),
     }
     host_box: list[CollectiveHost] = []
@@ -254,7 +255,14 @@ async def run_cluster(
                 host_box.append(host)
                 await nursery.start(host.run)
                 async with _run_processes(
-                    nursery, env, logs, addresses, scenario, common, frontend_spec, reports,
+                    nursery,
+                    env,
+                    logs,
+                    addresses,
+                    scenario,
+                    common,
+                    frontend_spec,
+                    reports,
                     coordinator,
                 ):
                     pass
@@ -323,4 +331,3 @@ def _read(path: Path, default: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError):
         return default
     return report
-

@@ -48,19 +48,18 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import vllm.v1.engine.core as vllm_core
 import zmq
-
-import vllm.v1.engine.core as vllm_core  # type: ignore[import-not-found]
-from vllm.v1.core.sched.interface import (  # type: ignore[import-not-found]
+from vllm.v1.core.sched.interface import (
     PauseState,
     SchedulerInterface,
 )
-from vllm.v1.engine import (  # type: ignore[import-not-found]
+from vllm.v1.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
 )
-from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
+from vllm.v1.request import RequestStatus
 
 ENGINE_INERT = (
     # third-party packages vLLM imports but these code paths never use
@@ -227,7 +226,7 @@ _torch_standin = types.SimpleNamespace(
 def real_parallel_config_functions() -> dict[str, Any]:
     """vLLM's own ``ParallelConfig.has_unfinished_dp`` and ``sync_dp_state`` bodies,
     compiled from ``vllm/config/parallel.py`` with the tensor stand-in above as torch."""
-    import vllm  # type: ignore[import-not-found]
+    import vllm
 
     source_path = Path(vllm.__file__).parent / "config" / "parallel.py"
     tree = ast.parse(source_path.read_text())
@@ -259,6 +258,9 @@ class _Config:
 
     def __init__(self, **fields: Any) -> None:
         self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> Any:  # fields set in __init__ (for mypy)
+        raise AttributeError(name)
 
 
 _REAL = real_parallel_config_functions()
@@ -449,8 +451,10 @@ class StandInScheduler(SchedulerInterface):  # type: ignore[misc]
         )
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Any]:
-        ids = None if request_ids is None else set(
-            [request_ids] if isinstance(request_ids, str) else request_ids
+        ids = (
+            None
+            if request_ids is None
+            else set([request_ids] if isinstance(request_ids, str) else request_ids)
         )
         removed: list[Any] = []
         for request_id in list(self.running):
@@ -614,7 +618,7 @@ class StandInEngineCore(vllm_core.EngineCore):  # type: ignore[misc]
         self.step_fn = self.step
         self.async_scheduling = False
         self.aborts_queue = vllm_core.queue.Queue()
-        self._idle_state_callbacks = []
+        self._idle_state_callbacks: list[Any] = []
 
 
 class StandInDPEngineCoreProc(vllm_core.DPEngineCoreProc, StandInEngineCore):  # type: ignore[misc]
@@ -646,7 +650,7 @@ class CallTracer:
 
     def stop(self) -> None:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
 
     def called(self) -> list[str]:
         with self._lock:

@@ -30,13 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from engine_side import StandInExecutor, make_vllm_config
-
-from vllm.sampling_params import SamplingParams  # type: ignore[import-not-found]
-from vllm.utils.network_utils import zmq_socket_ctx  # type: ignore[import-not-found]
-from vllm.v1.engine import EngineCoreRequest, FinishReason  # type: ignore[import-not-found]
-from vllm.v1.engine.core_client import DPLBAsyncMPClient  # type: ignore[import-not-found]
-from vllm.v1.engine.utils import (  # type: ignore[import-not-found]
+from engine_side import (  # type: ignore[import-not-found]  # beside this script
+    StandInExecutor,
+    make_vllm_config,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.network_utils import zmq_socket_ctx
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+from vllm.v1.engine.core_client import DPLBAsyncMPClient
+from vllm.v1.engine.utils import (
     CoreEngine,
     CoreEngineLaunch,
     EngineZmqAddresses,
@@ -52,7 +54,7 @@ class RecordingClient(DPLBAsyncMPClient):  # type: ignore[misc]
 
     @property
     def current_wave(self) -> int:
-        return self.__dict__.get("_wave", 0)
+        return int(self.__dict__.get("_wave", 0))
 
     @current_wave.setter
     def current_wave(self, wave: int) -> None:
@@ -61,13 +63,16 @@ class RecordingClient(DPLBAsyncMPClient):  # type: ignore[misc]
 
     @property
     def engines_running(self) -> bool:
-        return self.__dict__.get("_running", False)
+        return bool(self.__dict__.get("_running", False))
 
     @engines_running.setter
     def engines_running(self, running: bool) -> None:
         was = self.__dict__.get("_running", False)
         self.__dict__.setdefault("running_history", []).append(running)
         self.__dict__["_running"] = running
+        paused = self.__dict__.get("paused")
+        if paused is not None:
+            paused.clear() if running else paused.set()
         if was and not running and self.on_wave_end is not None:
             self.on_wave_end()
 
@@ -121,8 +126,10 @@ class Load:
                 reason = output.finish_reason
                 if reason is None:
                     continue
-                if reason == FinishReason.ERROR and output.error is not None and (
-                    output.error.code == "engine_paused"
+                if (
+                    reason == FinishReason.ERROR
+                    and output.error is not None
+                    and (output.error.code == "engine_paused")
                 ):
                     self.rejected.append(request_id)
                 self.finished[request_id] = FinishReason(reason).name
@@ -134,7 +141,9 @@ class Load:
             await self.waiters[request_id].wait()
 
 
-async def run_scenario(spec: dict[str, Any], report: dict[str, Any]) -> None:
+async def run_scenario(
+    spec: dict[str, Any], report: dict[str, Any], startup_done: threading.Event
+) -> None:
     vllm_config = make_vllm_config({**spec, "rank": "frontend"})
     client = RecordingClient(
         vllm_config,
@@ -160,9 +169,9 @@ async def run_scenario(spec: dict[str, Any], report: dict[str, Any]) -> None:
 
         client.on_wave_end = fire
     try:
-        startup = spec["startup_done"]
-        while not Path(startup).exists():  # the handshake thread writes it
-            await asyncio.sleep(0.02)
+        # requests only once vLLM's handshake saw every engine READY, as vLLM's launcher
+        if not await asyncio.to_thread(startup_done.wait, spec["timeout"]):
+            raise TimeoutError("the engines' startup handshake did not complete")
         for index, burst in enumerate(spec["bursts"]):
             ids = await load.burst(burst["count"], burst["min_tokens"], burst["max_tokens"])
             pause = burst.get("pause")
@@ -183,12 +192,14 @@ async def run_scenario(spec: dict[str, Any], report: dict[str, Any]) -> None:
             report["stage"] = f"burst {index}"
             await asyncio.wait_for(load.wait_all(ids), spec["timeout"])
             await asyncio.sleep(rng.uniform(*burst.get("gap", (0.0, 0.05))))
-        await asyncio.wait_for(load.wait_all([t for t in await asyncio.gather(*pending_extra)]),
-                               spec["timeout"])
+        await asyncio.wait_for(
+            load.wait_all([t for t in await asyncio.gather(*pending_extra)]), spec["timeout"]
+        )
         # the last wave ends when the engines have nothing left: wait until published
-        deadline = time.monotonic() + spec["timeout"]
-        while client.engines_running and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        paused = client.__dict__["paused"] = asyncio.Event()
+        if not client.engines_running:
+            paused.set()
+        await asyncio.wait_for(paused.wait(), spec["timeout"])
         report["stage"] = "done"
     finally:
         pump.cancel()
@@ -213,7 +224,7 @@ async def wait_for_tokens(load: Load, ids: list[str]) -> None:
         await load.progress.wait()
 
 
-def handshake(spec: dict[str, Any], report: dict[str, Any]) -> None:
+def handshake(spec: dict[str, Any], report: dict[str, Any], done: threading.Event) -> None:
     """vLLM's engine startup handshake, as its launcher runs it."""
     try:
         vllm_config = make_vllm_config({**spec, "rank": "launcher"})
@@ -231,7 +242,7 @@ def handshake(spec: dict[str, Any], report: dict[str, Any]) -> None:
                 socket, engines, vllm_config.parallel_config, True, vllm_config.cache_config, launch
             )
         report["handshake"] = "all engines READY"
-        Path(spec["startup_done"]).touch()
+        done.set()
     except BaseException as exc:
         report["handshake"] = "".join(traceback.format_exception(exc))
 
@@ -239,10 +250,12 @@ def handshake(spec: dict[str, Any], report: dict[str, Any]) -> None:
 def main() -> int:
     spec = json.loads(sys.argv[1])
     report: dict[str, Any] = {"exception": None}
-    thread = threading.Thread(target=handshake, args=(spec, report), daemon=True)
+    startup_done = threading.Event()
+    thread = threading.Thread(target=handshake, args=(spec, report, startup_done), daemon=True)
     thread.start()
     try:
-        asyncio.run(asyncio.wait_for(run_scenario(spec, report), spec["total_timeout"]))
+        scenario = run_scenario(spec, report, startup_done)
+        asyncio.run(asyncio.wait_for(scenario, spec["total_timeout"]))
     except BaseException as exc:
         report["exception"] = "".join(traceback.format_exception(exc))
     Path(spec["report_path"]).write_text(json.dumps(report, indent=1))

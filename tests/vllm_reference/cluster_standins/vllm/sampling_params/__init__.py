@@ -9,7 +9,7 @@ import msgspec
 from _vllm_standin import make_inert
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int | None = 16
     extra_args: dict[str, object] | None = None
     structured_outputs: None = None
