@@ -34,7 +34,6 @@ from benchmarks._util import (
     Child,
     cpu_ns,
     procs,
-    python_module,
     rss_bytes,
     spawn,
     summarize_us,
@@ -42,7 +41,8 @@ from benchmarks._util import (
 )
 from benchmarks._wake import WakeProbe
 from trio_dpcoord import open_coordinator, protocol
-from trio_dpcoord.testing import connect_engines
+from trio_dpcoord._endpoints import PrivateIpcDirectory
+from trio_dpcoord.testing import connect_engines, serve_command
 
 COORDINATOR_KINDS = ("inproc", "standalone")
 
@@ -54,18 +54,14 @@ class Env:
     quick: bool
     log_dir: Path
     profile_dir: Path | None = None
-    socket_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dpbench-")))
+    socket_dir: PrivateIpcDirectory = field(default_factory=PrivateIpcDirectory)
     _counter: Iterator[int] = field(default_factory=itertools.count)
 
     def address(self, name: str) -> str:
-        return f"ipc://{self.socket_dir}/{name}-{next(self._counter)}"
+        return self.socket_dir.address(f"{name}-{next(self._counter)}")
 
     def cleanup(self) -> None:
-        for path in self.socket_dir.glob("*"):
-            with contextlib.suppress(OSError):
-                path.unlink()
-        with contextlib.suppress(OSError):
-            self.socket_dir.rmdir()
+        self.socket_dir.cleanup()
 
 
 def standalone_unavailable() -> str | None:
@@ -73,7 +69,7 @@ def standalone_unavailable() -> str | None:
     if importlib.util.find_spec("trio_dpcoord.cli") is None:
         return "trio_dpcoord/cli.py does not exist yet"
     result = subprocess.run(
-        python_module("trio_dpcoord", "serve", "--help"),
+        serve_command("--help"),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -106,9 +102,7 @@ def serving(
         )
     elif kind == "standalone":
         argv = with_death_signal(
-            python_module(
-                "trio_dpcoord",
-                "serve",
+            serve_command(
                 "--engines",
                 str(engines),
                 "--back-pub",

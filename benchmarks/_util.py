@@ -32,19 +32,10 @@ def now_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation; NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def summarize_us(latencies_ns: Sequence[int]) -> dict[str, float]:
     """p50/p99/max of nanosecond latencies, in microseconds."""
+    from trio_dpcoord.sim.frontend import percentile  # lazily: see the frames below
+
     us = [v / 1000.0 for v in latencies_ns]
     return {
         "n": float(len(us)),

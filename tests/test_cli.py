@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,11 +23,16 @@ import trio
 import zmq
 
 from trio_dpcoord import cli, protocol
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import (
+    EnginePeer,
+    ServeProcess,
+    connect_engines,
+    open_serve,
+    serve_command,
+)
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 GUARD = 20.0  # generous: a subprocess and real sockets on a shared 2-core machine
-SERVE = [sys.executable, "-m", "trio_dpcoord", "serve"]
 READY = [protocol.READY]
 
 
@@ -41,87 +45,12 @@ def vector_frames(vectors: dict[str, dict[str, Any]], name: str) -> list[bytes]:
     return [bytes.fromhex(h) for h in vectors[name]["frames_hex"]]
 
 
-class Cli:
-    """A running ``serve`` subprocess, its stdout lines and its stderr, read as they come."""
-
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self.endpoints: dict[str, str] = {}
-        self.stdout_lines: list[str] = []
-        self.stderr = ""
-        self._open_streams = 2
-        self._changed = trio.lowlevel.ParkingLot()
-
-    async def _pump(self, stream: trio.abc.ReceiveStream, is_stdout: bool) -> None:
-        pending = b""
-        async for chunk in stream:
-            if is_stdout:
-                *lines, pending = (pending + chunk).split(b"\n")
-                self.stdout_lines.extend(line.decode() for line in lines)
-            else:
-                self.stderr += chunk.decode(errors="replace")
-            self._changed.unpark_all()
-        self._open_streams -= 1
-        self._changed.unpark_all()
-
-    async def _wait(self, predicate: Callable[[], bool], what: str) -> None:
-        while not predicate():
-            if self._open_streams == 0:
-                raise AssertionError(
-                    f"the coordinator exited (status {self.process.returncode}) before "
-                    f"{what}; stderr:\n{self.stderr}"
-                )
-            await self._changed.park()
-
-    async def line(self, index: int) -> str:
-        await self._wait(lambda: len(self.stdout_lines) > index, f"stdout line {index}")
-        return self.stdout_lines[index]
-
-    async def logged(self, text: str) -> None:
-        await self._wait(lambda: text in self.stderr, f"logging {text!r}")
-
-    async def stop(self, signum: int = signal.SIGTERM) -> int:
-        """Send ``signum``; return the exit status once all output has been read."""
-        self.process.send_signal(signum)
-        await self.process.wait()
-        await self._wait(lambda: self._open_streams == 0, "closing its output")
-        assert self.process.returncode is not None
-        return self.process.returncode
-
-    async def stop_cleanly(self) -> dict[str, Any]:
-        """SIGTERM: exit status 0, no traceback, and the final counters line."""
-        assert await self.stop() == 0, self.stderr
-        assert "Traceback" not in self.stderr
-        counters: dict[str, Any] = json.loads(self.stdout_lines[-1])["counters"]
-        return counters
-
-
-@asynccontextmanager
-async def run_cli(*args: str) -> AsyncIterator[Cli]:
-    """Start ``serve`` with ``args``, wait for its endpoints line; always kill and reap it."""
-    process = await trio.lowlevel.open_process(
-        [*SERVE, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    cli_process = Cli(process)
-    try:
-        assert process.stdout is not None and process.stderr is not None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cli_process._pump, process.stdout, True)
-            nursery.start_soon(cli_process._pump, process.stderr, False)
-            try:
-                cli_process.endpoints = json.loads(await cli_process.line(0))
-                yield cli_process
-            finally:
-                if process.returncode is None:
-                    process.kill()
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-            for stream in (process.stdin, process.stdout, process.stderr):
-                if stream is not None:
-                    await stream.aclose()
+async def stop_cleanly(coordinator: ServeProcess) -> dict[str, Any]:
+    """SIGTERM: exit status 0, no traceback, and the final counters line."""
+    assert await coordinator.stop() == 0, coordinator.stderr
+    assert "Traceback" not in coordinator.stderr
+    counters: dict[str, Any] = json.loads(coordinator.stdout_lines[-1])["counters"]
+    return counters
 
 
 @asynccontextmanager
@@ -135,7 +64,7 @@ async def connect_frontend(address: str) -> AsyncIterator[AsyncSocket]:
 
 @asynccontextmanager
 async def engines_of(
-    cli_process: Cli, count: int, first_index: int = 0
+    cli_process: ServeProcess, count: int, first_index: int = 0
 ) -> AsyncIterator[list[EnginePeer]]:
     endpoints = cli_process.endpoints
     async with connect_engines(
@@ -187,7 +116,7 @@ ZERO_COUNTS_2 = b"\x93\x92" + (b"\x93\x00\x00" + f64(0.0)) * 2 + b"\x00\xc2"
 
 async def test_endpoints_line_gate_and_ready_rebroadcast(transport: str, tmp_path: Path) -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "2", *tcp_or_ipc(transport, tmp_path)) as coordinator:
+        async with open_serve("--engines", "2", *tcp_or_ipc(transport, tmp_path)) as coordinator:
             endpoints = coordinator.endpoints
             assert set(endpoints) == {"front", "back_pub", "back_out"}
             if transport == "tcp":
@@ -216,7 +145,7 @@ async def test_endpoints_line_gate_and_ready_rebroadcast(transport: str, tmp_pat
                         # an engine restarts: READY again, to every engine
                         async with engines_of(coordinator, 1, first_index=1) as again:
                             await expect_broadcast(first + second + again, READY)
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["ready_broadcasts"] == 2
             assert counters["errors"] == 0
 
@@ -225,7 +154,7 @@ async def test_every_wave_rule_with_exact_bytes(
     transport: str, tmp_path: Path, vectors: dict[str, dict[str, Any]]
 ) -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "3", *tcp_or_ipc(transport, tmp_path)) as coordinator:
+        async with open_serve("--engines", "3", *tcp_or_ipc(transport, tmp_path)) as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
@@ -261,14 +190,14 @@ async def test_every_wave_rule_with_exact_bytes(
                     # nothing was broadcast in between
                     await expect_broadcast(engines, [b"\x02", b"\x92\x07\x00"])
                     assert await next_wave_publish(front) == b"\x93\xc0\x07\xc3"
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["wave_starts"] == 4
             assert counters["errors"] == 0
 
 
 async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str, Any]]) -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "3") as coordinator:
+        async with open_serve("--engines", "3") as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
@@ -281,14 +210,14 @@ async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str,
                     assert [await publish_with_counts(front, counts)] == vector_frames(
                         vectors, "front_publish_counts"
                     )
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["stats_applied"] == 2
             assert counters["errors"] == 0
 
 
 async def test_scale_down_drops_stats_from_removed_engines() -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "3") as coordinator:
+        async with open_serve("--engines", "3") as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
@@ -318,7 +247,7 @@ async def test_scale_down_drops_stats_from_removed_engines() -> None:
                         + f64(0.0)
                         + b"\x00\xc3"
                     )
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["rejected"] == {"unknown_engine_index": 1}
             assert counters["commands"] == 2
             assert counters["stats_applied"] == 1
@@ -326,7 +255,7 @@ async def test_scale_down_drops_stats_from_removed_engines() -> None:
 
 async def test_legacy_first_request_both_ways(vectors: dict[str, dict[str, Any]]) -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "3") as coordinator:
+        async with open_serve("--engines", "3") as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
@@ -345,7 +274,7 @@ async def test_legacy_first_request_both_ways(vectors: dict[str, dict[str, Any]]
                     await front.send(stale_req)
                     await expect_broadcast(engines, [b"\x02", b"\x92\x06\xc0"])
                     assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["commands"] == 2
             assert counters["wave_starts"] == 2
             assert counters["errors"] == 0
@@ -354,7 +283,7 @@ async def test_legacy_first_request_both_ways(vectors: dict[str, dict[str, Any]]
 async def test_unsubscription_during_the_gate_is_survived() -> None:
     """vLLM's coordinator returns on a 0x00 during the start-up gate (§5.9)."""
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "2") as coordinator:
+        async with open_serve("--engines", "2") as coordinator:
             async with engines_of(coordinator, 1) as flaky:
                 await flaky[0].unsubscribe()
                 await coordinator.logged("an engine unsubscribed")
@@ -362,7 +291,7 @@ async def test_unsubscription_during_the_gate_is_survived() -> None:
                     await expect_broadcast(engines, READY)
                     await engines[1].start_wave(0)
                     await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["ready_broadcasts"] == 1
             assert counters["errors"] == 0
 
@@ -370,7 +299,7 @@ async def test_unsubscription_during_the_gate_is_survived() -> None:
 async def test_a_bad_front_payload_is_survived() -> None:
     """vLLM's coordinator dies on a front payload that is not msgpack (§5.9)."""
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "2") as coordinator:
+        async with open_serve("--engines", "2") as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 2) as engines:
                     await expect_broadcast(engines, READY)
@@ -379,7 +308,7 @@ async def test_a_bad_front_payload_is_survived() -> None:
                     await front.send(b"\x92\x01\x00")  # then a valid FIRST_REQ
                     await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
                     assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["rejected"] == {"undecodable_front_message": 2}
             assert counters["commands"] == 1
 
@@ -407,13 +336,13 @@ async def test_a_bad_engine_output_is_survived(
     """vLLM's coordinator dies on each of these (§5.9); the next report must still work."""
     reason, frames = BAD_ENGINE_OUTPUTS[case]
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "2") as coordinator:
+        async with open_serve("--engines", "2") as coordinator:
             async with engines_of(coordinator, 2) as engines:
                 await expect_broadcast(engines, READY)
                 await engines[0].send_raw(frames(vectors))
                 await engines[0].start_wave(0)
                 await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["rejected"] == {reason: 1}
             assert counters["errors"] == 1
             assert counters["wave_starts"] == 1
@@ -423,7 +352,7 @@ async def test_a_bad_engine_output_is_survived(
 
 async def test_without_wave_coordination_wave_fields_are_ignored() -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "2", "--no-wave-coordination") as coordinator:
+        async with open_serve("--engines", "2", "--no-wave-coordination") as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 2) as engines:
                     await expect_broadcast(engines, READY)
@@ -442,7 +371,7 @@ async def test_without_wave_coordination_wave_fields_are_ignored() -> None:
                     # the start was not broadcast: a late subscription's READY comes next
                     async with engines_of(coordinator, 1, first_index=1) as late:
                         await expect_broadcast(engines + late, READY)
-            counters = await coordinator.stop_cleanly()
+            counters = await stop_cleanly(coordinator)
             assert counters["wave_starts"] == 0
             assert counters["errors"] == 0
 
@@ -450,7 +379,7 @@ async def test_without_wave_coordination_wave_fields_are_ignored() -> None:
 async def test_default_endpoints_are_private_and_removed_on_exit(tmp_path: Path) -> None:
     front_path = tmp_path / "front.sock"
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "1", "--front", f"ipc://{front_path}") as coordinator:
+        async with open_serve("--engines", "1", "--front", f"ipc://{front_path}") as coordinator:
             endpoints = coordinator.endpoints
             assert endpoints["front"] == f"ipc://{front_path}"
             assert front_path.stat().st_mode & 0o077 == 0
@@ -458,14 +387,14 @@ async def test_default_endpoints_are_private_and_removed_on_exit(tmp_path: Path)
             back_out = Path(endpoints["back_out"].removeprefix("ipc://"))
             assert back_pub.parent == back_out.parent
             assert back_pub.parent.stat().st_mode & 0o777 == 0o700
-            await coordinator.stop_cleanly()
+            await stop_cleanly(coordinator)
         assert not back_pub.parent.exists()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_signals_stop_it_cleanly(signum: int) -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "1") as coordinator:
+        async with open_serve("--engines", "1") as coordinator:
             async with engines_of(coordinator, 1) as engines:
                 await expect_broadcast(engines, READY)
                 await engines[0].start_wave(0)
@@ -474,14 +403,20 @@ async def test_signals_stop_it_cleanly(signum: int) -> None:
             assert "Traceback" not in coordinator.stderr
             assert len(coordinator.stdout_lines) == 2
             counters = json.loads(coordinator.stdout_lines[1])["counters"]
+            assert counters["wake_latency"]["count"] == 1
+            assert sum(counters["wake_latency"]["counts"]) == 1
             assert counters == {
                 "engine_messages": 1,
                 "stats_applied": 0,
+                "waves_completed": 0,
                 "wave_starts": 1,
+                "wave_starts_by_cause": {"engine_start_wave": 1},
                 "ready_broadcasts": 1,
                 "front_publishes": counters["front_publishes"],
                 "commands": 0,
+                "unconfirmed_expiries": 0,
                 "rejected": {},
+                "wake_latency": counters["wake_latency"],
                 "errors": 0,
             }
 
@@ -490,7 +425,7 @@ async def test_sigterm_under_engine_traffic_still_exits_cleanly() -> None:
     """Reports keep arriving while it stops: frames already received when the tasks are
     cancelled must not turn a clean stop into a task failure."""
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "2") as coordinator:
+        async with open_serve("--engines", "2") as coordinator:
             async with connect_frontend(coordinator.endpoints["front"]) as front:
                 async with engines_of(coordinator, 2) as engines:
                     await expect_broadcast(engines, READY)
@@ -516,8 +451,8 @@ async def test_sigterm_under_engine_traffic_still_exits_cleanly() -> None:
 
 async def test_a_signal_while_the_gate_is_closed_stops_it_cleanly() -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "4") as coordinator:
-            counters = await coordinator.stop_cleanly()
+        async with open_serve("--engines", "4") as coordinator:
+            counters = await stop_cleanly(coordinator)
             assert counters["ready_broadcasts"] == 0
 
 
@@ -535,7 +470,7 @@ async def test_a_signal_while_the_gate_is_closed_stops_it_cleanly() -> None:
 async def test_a_bad_address_or_option_fails_with_one_line(args: list[str], message: str) -> None:
     with trio.fail_after(GUARD):
         result = await trio.run_process(
-            [*SERVE, "--engines", "2", *args],
+            serve_command("--engines", "2", *args),
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -551,7 +486,10 @@ async def test_a_bad_address_or_option_fails_with_one_line(args: list[str], mess
 async def test_a_bad_engine_count_fails_with_one_line() -> None:
     with trio.fail_after(GUARD):
         result = await trio.run_process(
-            [*SERVE, "--engines", "zero"], capture_stdout=True, capture_stderr=True, check=False
+            serve_command("--engines", "zero"),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
         )
     assert result.returncode == 2
     assert result.stderr.decode().count("\n") == 1
@@ -593,7 +531,7 @@ async def test_the_console_script_is_installed() -> None:
 
 async def test_exit_on_stdin_eof_stops_it_when_the_launcher_goes() -> None:
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "1", "--exit-on-stdin-eof") as coordinator:
+        async with open_serve("--engines", "1", "--exit-on-stdin-eof") as coordinator:
             async with engines_of(coordinator, 1) as engines:
                 await expect_broadcast(engines, READY)
                 assert coordinator.process.stdin is not None
@@ -611,21 +549,21 @@ async def test_curve_secret_key_file_turns_curve_on(tmp_path: Path) -> None:
     key_file = tmp_path / "coordinator.key"
     key_file.write_bytes(secret + b"\n")
     with trio.fail_after(GUARD):
-        async with run_cli("--engines", "1", "--curve-secret-key-file", str(key_file)) as cli:
+        async with open_serve("--engines", "1", "--curve-secret-key-file", str(key_file)) as cli:
             public = cli.endpoints["curve_public_key"].encode()
             assert public == zmq.curve_public(secret)
             async with connect_engines(
                 cli.endpoints["back_pub"], cli.endpoints["back_out"], 1, curve_server_key=public
             ) as engines:
                 await expect_broadcast(engines, READY)
-            assert (await cli.stop_cleanly())["errors"] == 0
+            assert (await stop_cleanly(cli))["errors"] == 0
 
 
 async def test_a_bad_curve_key_file_exits_2(tmp_path: Path) -> None:
     key_file = tmp_path / "short.key"
     key_file.write_bytes(b"too short")
     result = await trio.run_process(
-        [*SERVE, "--engines", "1", "--curve-secret-key-file", str(key_file)],
+        serve_command("--engines", "1", "--curve-secret-key-file", str(key_file)),
         capture_stdout=True,
         capture_stderr=True,
         check=False,

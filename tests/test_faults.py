@@ -4,13 +4,10 @@ restarted under live engines (vLLM #32136), a front-end that reconnects."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
@@ -34,13 +31,9 @@ from trio_dpcoord.sim import (
     open_sim_frontend,
     run_cluster,
 )
-from trio_dpcoord.sim.collective import (
-    AllReduceResult,
-    CollectiveClient,
-    CollectiveHost,
-    rank_identity,
-)
+from trio_dpcoord.sim.collective import AllReduceResult, CollectiveClient, CollectiveHost
 from trio_dpcoord.sim.engine import run_sim_engine
+from trio_dpcoord.testing import ServeProcess, open_serve, rank_identity
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 
@@ -155,41 +148,16 @@ async def _run_in(scope: trio.CancelScope, engine: SimEngine) -> None:
         await run_sim_engine(engine)
 
 
-async def _serve(tmp_path: Path, engines: int) -> tuple[trio.Process, dict[str, str]]:
-    process = await trio.lowlevel.open_process(
-        [
-            sys.executable,
-            "-m",
-            "trio_dpcoord",
-            "serve",
-            f"--engines={engines}",
-            f"--front=ipc://{tmp_path}/front",
-            f"--back-pub=ipc://{tmp_path}/bp",
-            f"--back-out=ipc://{tmp_path}/bo",
-            "--exit-on-stdin-eof",
-            "--log-level=WARNING",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        start_new_session=True,
+def _serve(tmp_path: Path, engines: int) -> AbstractAsyncContextManager[ServeProcess]:
+    """The standalone coordinator on fixed ipc addresses, so a restart takes them over."""
+    return open_serve(
+        f"--engines={engines}",
+        f"--front=ipc://{tmp_path}/front",
+        f"--back-pub=ipc://{tmp_path}/bp",
+        f"--back-out=ipc://{tmp_path}/bo",
+        "--exit-on-stdin-eof",
+        "--log-level=WARNING",
     )
-    assert process.stdout is not None
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = await process.stdout.receive_some(4096)
-        assert chunk, "the coordinator exited before printing its endpoints"
-        line += chunk
-    return process, json.loads(line)
-
-
-async def _reap(process: trio.Process) -> None:
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        for stream in (process.stdin, process.stdout):
-            if stream is not None:
-                await stream.aclose()
 
 
 async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Path) -> None:
@@ -198,9 +166,8 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
     the loss at once; a coordinator restarted on the same addresses gets every engine
     back (gate, READY), the other front-end gets its next publish, the wave moves on
     from what the engines report and no request is stranded."""
-    first, endpoints = await _serve(tmp_path, 2)
-    processes = [first]
-    try:
+    async with _serve(tmp_path, 2) as first:
+        endpoints = first.endpoints
         with trio.fail_after(60):
             async with open_frontend(endpoints["front"], engine_count=2) as view:
                 async with open_sim_frontend(view, 2) as fe:
@@ -244,9 +211,9 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                         await nursery.start(strict_front_end)
                         for _ in range(4):  # in flight when the coordinator dies
                             await fe.submit(max_tokens=6)
-                        first.send_signal(signal.SIGKILL)
+                        first.process.send_signal(signal.SIGKILL)
                         killed_at = trio.current_time()
-                        await first.wait()
+                        await first.process.wait()
                         while not all(e.coordinator_lost.is_set() for e in engines):  # noqa: ASYNC110
                             await trio.sleep(0.02)
                         engines_knew = trio.current_time() - killed_at
@@ -258,28 +225,24 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                         await fe.wait_for(lambda f: f.pending == 0)  # the wave finished anyway
 
                         publishes = view.publishes_received
-                        second, _ = await _serve(tmp_path, 2)
-                        processes.append(second)
-                        await view.wait_for(lambda v: v.publishes_received > publishes)
-                        assert view.disconnects == 1 and view.connected
-                        while not all(e.counters.coordinator_reconnects == 1 for e in engines):  # noqa: ASYNC110
-                            await trio.sleep(0.02)
-                        # The restarted coordinator starts at wave 0; the engines' reports
-                        # take it past every wave it had reached before.
-                        for rank in (0, 1, 0):
-                            await fe.submit(max_tokens=2, engine=rank)
-                            await fe.wait_for(lambda f: f.pending == 0)
-                        await view.wait_for(
-                            lambda v: (
-                                v.snapshot().current_wave > wave_before
-                                and not v.snapshot().engines_running
+                        async with _serve(tmp_path, 2):  # the restart
+                            await view.wait_for(lambda v: v.publishes_received > publishes)
+                            assert view.disconnects == 1 and view.connected
+                            while not all(e.counters.coordinator_reconnects == 1 for e in engines):  # noqa: ASYNC110
+                                await trio.sleep(0.02)
+                            # The restarted coordinator starts at wave 0; the engines' reports
+                            # take it past every wave it had reached before.
+                            for rank in (0, 1, 0):
+                                await fe.submit(max_tokens=2, engine=rank)
+                                await fe.wait_for(lambda f: f.pending == 0)
+                            await view.wait_for(
+                                lambda v: (
+                                    v.snapshot().current_wave > wave_before
+                                    and not v.snapshot().engines_running
+                                )
                             )
-                        )
-                        assert fe.completed == fe.sent == 10
-                        nursery.cancel_scope.cancel()
-    finally:
-        for process in processes:
-            await _reap(process)
+                            assert fe.completed == fe.sent == 10
+                            nursery.cancel_scope.cancel()
 
 
 _ClientFactory = Callable[[int], AbstractAsyncContextManager[tuple[CollectiveClient, AsyncSocket]]]

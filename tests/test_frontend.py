@@ -16,6 +16,7 @@ from trio_dpcoord import (
     Coordinator,
     CoordinatorClosedError,
     CoordinatorError,
+    EngineLoad,
     Frontend,
     WaveSnapshot,
     engine_score,
@@ -79,10 +80,10 @@ async def test_loads_follow_stats_publishes(front_address: str) -> None:
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
                 await frontend.wait_for(lambda f: f.engine_count == 3)
-                assert frontend.engine_loads() == ((0, 0, 0.0),) * 3
+                assert frontend.engine_loads() == (EngineLoad(0, 0, 0.0),) * 3
                 await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
                 await engines[2].stats(0, 4, 0.1, wave=0, step=1)
-                expected = ((0, 0, 0.0), (3, 12, 0.4375), (0, 4, 0.1))
+                expected = (EngineLoad(0, 0, 0.0), EngineLoad(3, 12, 0.4375), EngineLoad(0, 4, 0.1))
                 await frontend.wait_for(lambda f: f.engine_loads() == expected)
                 assert frontend.last_publish_time is not None
                 assert frontend.coordinator_silent_for() >= 0.0
@@ -110,7 +111,7 @@ async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_afte
                 await engines[0].stats(4, 4, 0.0, wave=0, step=1)
                 await engines[1].stats(0, 1, 0.0, wave=0, step=1)
                 await engines[2].stats(0, 3, 0.0, wave=0, step=1)
-                loads = ((4, 4, 0.0), (0, 1, 0.0), (0, 3, 0.0))
+                loads = (EngineLoad(4, 4, 0.0), EngineLoad(0, 1, 0.0), EngineLoad(0, 3, 0.0))
                 await frontend.wait_for(lambda f: f.engine_loads() == loads)
                 assert [engine_score(load, 0, 1) for load in loads] == [8.0, 1.0, 3.0]
                 assert frontend.choose_engine() == 1  # lowest score
@@ -188,7 +189,7 @@ async def test_a_bad_publish_is_counted_and_the_next_one_applied() -> None:
                     await xpub.send(b"\x93\xc0\x02")  # a wave, then nothing: truncated
                     await xpub.send(
                         protocol.encode_front_publish(
-                            protocol.FrontPublish(((1, 2, 0.5),), 7, True)
+                            protocol.FrontPublish((EngineLoad(1, 2, 0.5),), 7, True)
                         )
                     )
                     await frontend.wait_for(lambda f: f.publishes_received == 1)

@@ -22,7 +22,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from hypothesis import strategies as st
 
 from trio_dpcoord import Coordinator, WaveSnapshot, open_coordinator, protocol
 from trio_dpcoord._state import WaveState
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import EnginePeer, connect_engines, parse_endpoints, serve_command
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 GUARD = 30.0
@@ -459,11 +458,7 @@ class StandaloneCoordinator:
         self.stderr_path = tmp_path / "coordinator.log"
         self._stderr = self.stderr_path.open("wb")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trio_dpcoord",
-                "serve",
+            serve_command(
                 "--engines",
                 str(ENGINES),
                 "--front",
@@ -474,13 +469,13 @@ class StandaloneCoordinator:
                 "tcp://127.0.0.1:0",
                 "--log-level",
                 "WARNING",
-            ],
+            ),
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             stdin=subprocess.DEVNULL,
         )
         self._buffer = b""
-        self.endpoints = json.loads(self.read_line(GUARD))
+        self.endpoints = parse_endpoints(self.read_line(GUARD))
 
     def read_line(self, timeout: float) -> str:
         assert self.proc.stdout is not None

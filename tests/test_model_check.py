@@ -1,15 +1,19 @@
-"""Exhaustive check of the wave rules (issue 7): a small bounded model checker.
+"""Exhaustive check of the coordinator's rules: a small bounded model checker.
 
-It explores every interleaving of front-end requests, engine reports, coordinator
-decisions and message deliveries for 2-3 engines, with the coordinator being our real
-:class:`trio_dpcoord._state.WaveState`. Engines follow PROTOCOL.md §6.9 in the abstract
-(wave, running, unserved requests); lock-step is modelled by letting a step or a wave
-end happen only while every engine runs.
+It explores every interleaving of engine subscriptions, front-end requests, engine
+reports, coordinator decisions and message deliveries for 2-3 engines, with the
+coordinator being our real, whole :class:`trio_dpcoord.CoordinatorCore`, fed the bytes
+the engines and front-ends would send: the start-up gate and READY, the wave rules, the
+front publishes the publish-fed front-ends read, and the wake-confirmation watchdog. Engines
+follow docs/protocol.md §6.9 in the abstract (subscribed, ready, wave, running, unserved
+requests); they serve nothing before READY; lock-step is modelled by letting a step or a
+wave end happen only while every engine runs. A wake-confirmation deadline passes only
+when nothing else can happen (the timeout is far longer than any delivery or step).
 
 Channels have ZeroMQ's ordering: each engine's PUSH to the coordinator is FIFO but
 unordered against other engines'; every engine consumes its broadcasts and its requests
-(two sockets) in order but independently of its peers; the handle's queued
-``FirstRequest`` notices and the front socket's legacy FIRST_REQ notices are each FIFO.
+(two sockets) in order but independently of its peers; the front socket's legacy
+FIRST_REQ notices are FIFO and join the handle's claims in the one FIFO command channel.
 
 Checked in every reachable state: the coordinator's wave never decreases; it never
 broadcasts a wave it already broadcast while that wave runs; engines stepping together
@@ -26,12 +30,23 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import pytest
 
-from trio_dpcoord._state import WaveSnapshot, WaveStart, WaveState
+from trio_dpcoord import CoordinatorCore, protocol
+from trio_dpcoord._core import (
+    ArmWakeDeadline,
+    Broadcast,
+    Effect,
+    Publish,
+    Reject,
+    RescheduleTimedPublish,
+    ScaleRequest,
+)
+from trio_dpcoord._state import FirstRequest, WaveSnapshot, WaveStart, WaveState
 
 # --------------------------------------------------------------------------- the model
 
@@ -68,6 +83,9 @@ class Config:
 
 @dataclass(frozen=True, slots=True)
 class Engine:
+    subscribed: bool = False
+    ready: bool = False
+    """Got READY: before it, the engine's busy loop does not run (requests wait)."""
     wave: int = 0
     running: bool = False
     work: int = 0
@@ -78,23 +96,27 @@ class Engine:
 
 Report = tuple[str, int]  # ("start_wave" | "wave_complete", wave)
 Notice = tuple[int, int]  # (request wave, target engine)
+Command = tuple[int, int, bool]  # (request wave, target engine, legacy FIRST_REQ?)
+T = TypeVar("T")
+READY = (-1, None)
+"""READY in an engine's broadcast queue (START_DP_WAVE entries are (wave, exclude))."""
 
 
 @dataclass(frozen=True, slots=True)
 class World:
-    """One global state. Equality and hashing ignore the WaveState object itself and use
-    its observable state (snapshot, first_request_pending) instead."""
+    """One global state. Equality and hashing ignore the core object itself and use its
+    state (see :func:`_observe`) instead."""
 
-    coordinator: tuple[int, bool, bool]
+    coordinator: tuple[object, ...]
     engines: tuple[Engine, ...]
     requests_in_flight: tuple[tuple[int, ...], ...]
     """Per engine: stamped waves of ADD requests on their way (front-end -> engine)."""
     broadcasts_in_flight: tuple[tuple[tuple[int, int | None], ...], ...]
-    """Per engine: START_DP_WAVE [wave, exclude] not yet consumed."""
+    """Per engine: READY or START_DP_WAVE [wave, exclude] not yet consumed."""
     reports_in_flight: tuple[tuple[Report, ...], ...]
     """Per engine: its PUSH to the coordinator."""
-    handle_notices: tuple[Notice, ...]
-    """FirstRequest notices the handle queued for the coordinator."""
+    commands: tuple[Command, ...]
+    """The command channel: the handle's claims and legacy FIRST_REQs, in order."""
     front_notices: tuple[Notice, ...]
     """Legacy FIRST_REQ notices on their way over the front socket."""
     publishes: tuple[tuple[int, bool], ...]
@@ -104,34 +126,50 @@ class World:
     requests_left: int
     last_broadcast_wave: int
     """The wave of the coordinator's latest START_DP_WAVE (-1 before the first)."""
-    wave_state: WaveState = field(compare=False, hash=False, repr=False)
+    deadlines: tuple[int, ...]
+    """Waves whose wake-confirmation deadline the watchdog holds, in order."""
+    core: CoordinatorCore = field(compare=False, hash=False, repr=False)
 
 
 def initial_world(config: Config) -> World:
-    state = config.wave_state()
+    core = CoordinatorCore(
+        config.engines,
+        publish_to_front_ends=_viewing_front_end(config),
+        wave_state=config.wave_state(),
+    )
     n = config.engines
     return World(
-        coordinator=_observe(state),
+        coordinator=_observe(core),
         engines=(Engine(),) * n,
         requests_in_flight=((),) * n,
         broadcasts_in_flight=((),) * n,
         reports_in_flight=((),) * n,
-        handle_notices=(),
+        commands=(),
         front_notices=(),
         publishes=(),
         view=(0, False),
         requests_left=config.requests,
         last_broadcast_wave=-1,
-        wave_state=state,
+        deadlines=(),
+        core=core,
     )
 
 
-def _observe(state: WaveState) -> tuple[int, bool, bool]:
-    snap = state.snapshot
-    return (snap.current_wave, snap.engines_running, state.first_request_pending)
+def _observe(core: CoordinatorCore) -> tuple[object, ...]:
+    """Everything in the core that decides what it does next (its counters excepted)."""
+    snap = core.snapshot()
+    return (
+        snap.current_wave,
+        snap.engines_running,
+        core.first_request_pending,
+        core.unconfirmed_wave,
+        core.gate_open,
+        repr(core._deferred),
+        repr(core._deferred_commands),
+    )
 
 
-def _set(items: tuple[object, ...], index: int, value: object) -> tuple[object, ...]:
+def _set(items: tuple[T, ...], index: int, value: T) -> tuple[T, ...]:
     return (*items[:index], value, *items[index + 1 :])
 
 
@@ -154,52 +192,88 @@ def _coordinator_step(
     config: Config,
     world: World,
     label: str,
-    act: Callable[[WaveState], WaveStart | bool | None],
+    act: Callable[[CoordinatorCore], Sequence[Effect]],
     *,
     tag: str | None = None,
     **changes: object,
 ) -> Step:
-    """Run one WaveState input on a copy and apply what it returns to the world."""
-    state = copy.copy(world.wave_state)
-    before = state.snapshot
-    result = act(state)
-    after = state.snapshot
+    """Run one core input on a copy and carry out the effects it returns in the world."""
+    core = copy.deepcopy(world.core)
+    before = core.snapshot()
+    effects = act(core)
+    after = core.snapshot()
     violation = None
     if after.current_wave < before.current_wave:
         violation = (
             f"the coordinator's wave decreased: {before.current_wave} -> {after.current_wave}"
             " (rewind)"
         )
-    new = replace(world, coordinator=_observe(state), wave_state=state, **changes)  # type: ignore[arg-type]
-    if isinstance(result, WaveStart):
-        label += f" -> START_DP_WAVE [{result.wave}, {_exclude(result.exclude)}]"
-        if (
-            violation is None
-            and before.engines_running
-            and result.wave == before.current_wave == world.last_broadcast_wave
-        ):
-            violation = (
-                f"START_DP_WAVE for wave {result.wave}, which was already broadcast and runs"
+    new = replace(world, coordinator=_observe(core), core=core, **changes)  # type: ignore[arg-type]
+    started = False
+    for effect in effects:
+        if isinstance(effect, Broadcast):
+            start = effect.wave_start
+            if start is None:
+                label += " -> READY"
+                entry: tuple[int, int | None] = READY
+            else:
+                started = True
+                label += f" -> START_DP_WAVE [{start.wave}, {_exclude(start.exclude)}]"
+                if (
+                    violation is None
+                    and before.engines_running
+                    and start.wave == before.current_wave == world.last_broadcast_wave
+                ):
+                    violation = (
+                        f"START_DP_WAVE for wave {start.wave}, which was already broadcast "
+                        "and runs"
+                    )
+                entry = (start.wave, start.exclude if isinstance(start.exclude, int) else None)
+                new = replace(new, last_broadcast_wave=start.wave)
+            new = replace(
+                new,
+                broadcasts_in_flight=tuple(
+                    (*q, entry) if e.subscribed else q
+                    for q, e in zip(new.broadcasts_in_flight, new.engines, strict=True)
+                ),
             )
-        exclude = result.exclude if isinstance(result.exclude, int) else None
-        new = replace(
-            new,
-            broadcasts_in_flight=tuple(
-                (*q, (result.wave, exclude)) for q in new.broadcasts_in_flight
-            ),
-            last_broadcast_wave=result.wave,
-        )
-    else:
-        label += " -> nothing sent" if after == before else ""
+        elif isinstance(effect, Publish):
+            published = protocol.decode_front_publish(effect.payload)
+            seen = (published.current_wave, published.engines_running)
+            new = replace(new, publishes=(*new.publishes, seen))
+        elif isinstance(effect, ArmWakeDeadline):
+            new = replace(new, deadlines=(*new.deadlines, effect.wave))
+        elif isinstance(effect, FirstRequest):
+            assert isinstance(effect.engine, int)
+            command = (effect.wave, effect.engine, effect.legacy)
+            new = replace(new, commands=(*new.commands, command))
+            label += " -> queued for the command receiver"
+        elif isinstance(effect, Reject):
+            violation = violation or f"the core rejected a valid input: {effect}"
+        else:
+            assert isinstance(effect, (RescheduleTimedPublish, ScaleRequest))
+    if not effects:
+        label += " -> nothing sent"
     if after.current_wave != before.current_wave:
         label += f"  [wave {before.current_wave} -> {after.current_wave}]"
-    if after != before and _viewing_front_end(config):
-        new = replace(new, publishes=(*new.publishes, (after.current_wave, after.engines_running)))
-    if tag == STALE_NOTICE and not isinstance(result, WaveStart):
+    if tag == STALE_NOTICE and not started:
         tag = None
-    if tag == LATE_COMPLETE and result:
+    if tag == LATE_COMPLETE and after != before:
         tag = None
     return Step(label, new, violation, tag)
+
+
+def _receives(frames: list[bytes]) -> Callable[[CoordinatorCore], Sequence[Effect]]:
+    return lambda core: core.receive_engine_output(frames, 0.0)
+
+
+def _engine_output(engine: int, what: str, wave: int) -> list[bytes]:
+    out = protocol.EngineCoreOutputs(
+        engine_index=engine,
+        wave_complete=wave if what == "wave_complete" else None,
+        start_wave=wave if what == "start_wave" else None,
+    )
+    return [protocol.encode_engine_core_outputs(out)]
 
 
 def _viewing_front_end(config: Config) -> bool:
@@ -211,9 +285,35 @@ def _exclude(value: object) -> str:
 
 
 def successors(config: Config, world: World) -> Iterator[Step]:
+    """Every step enabled in ``world``; a wake deadline passes only when nothing else can."""
+    steps = list(_ordinary_successors(config, world))
+    if steps or not world.deadlines:
+        yield from steps
+        return
+    wave = world.deadlines[0]
+    yield _coordinator_step(
+        config,
+        world,
+        f"the wake-confirmation deadline of wave {wave} passes",
+        lambda core: core.wake_deadline_passed(wave, 0.0),
+        deadlines=world.deadlines[1:],
+    )
+
+
+def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
     n = config.engines
     engines = world.engines
     reporting = config.engine_kind == REPORT_EVERY_WAKE
+
+    # An engine subscribes to the broadcast socket (the start-up gate counts these).
+    for i, engine in enumerate(engines):
+        if not engine.subscribed:
+            yield _coordinator_step(
+                config,
+                replace(world, engines=_set(engines, i, replace(engine, subscribed=True))),
+                f"engine {i} subscribes",
+                lambda core: core.receive_engine_subscription(protocol.SUBSCRIBE, 0.0),
+            )
 
     # A front-end routes a request to an engine.
     if world.requests_left:
@@ -223,18 +323,18 @@ def successors(config: Config, world: World) -> Iterator[Step]:
                 label = f"front-end ({kind}) routes request {number} to engine {target}"
                 changes: dict[str, object] = {"requests_left": world.requests_left - 1}
                 if kind == HANDLE:
-                    state = copy.copy(world.wave_state)
-                    stamp = state.snapshot.current_wave
-                    claim = state.claim_first_request(target)
+                    core = copy.deepcopy(world.core)
+                    stamp = core.snapshot().current_wave
+                    claim = core.claim_first_request(target)
                     label += f", stamped wave {stamp}"
                     if claim is not None:
                         label += (
                             f"; handle claims the wake-up, queues FirstRequest"
                             f"(wave {claim.wave}, engine {target})"
                         )
-                        changes["handle_notices"] = (*world.handle_notices, (claim.wave, target))
-                    changes["coordinator"] = _observe(state)
-                    changes["wave_state"] = state
+                        changes["commands"] = (*world.commands, (claim.wave, target, False))
+                    changes["coordinator"] = _observe(core)
+                    changes["core"] = core
                 else:
                     stamp, running = world.view
                     label += (
@@ -260,8 +360,8 @@ def successors(config: Config, world: World) -> Iterator[Step]:
 
     for i in range(n):
         engine = engines[i]
-        # An engine takes the next request (§6.3).
-        if world.requests_in_flight[i]:
+        # An engine takes the next request (§6.3), once its busy loop runs.
+        if engine.ready and world.requests_in_flight[i]:
             stamp = world.requests_in_flight[i][0]
             wave = max(engine.wave, stamp)
             reports = world.reports_in_flight[i]
@@ -276,12 +376,12 @@ def successors(config: Config, world: World) -> Iterator[Step]:
                     label += f", wakes, reports start_wave({wave})"
                 else:
                     label += ", wakes itself"
-            new_engine = Engine(wave, running, engine.work + 1, mirror)
+            new_engine = Engine(True, True, wave, running, engine.work + 1, mirror)
             yield Step(
                 label,
                 replace(
                     world,
-                    engines=_set(engines, i, new_engine),  # type: ignore[arg-type]
+                    engines=_set(engines, i, new_engine),
                     requests_in_flight=_set(
                         world.requests_in_flight, i, world.requests_in_flight[i][1:]
                     ),
@@ -293,10 +393,21 @@ def successors(config: Config, world: World) -> Iterator[Step]:
             wave, exclude = world.broadcasts_in_flight[i][0]
             rest = _set(world.broadcasts_in_flight, i, world.broadcasts_in_flight[i][1:])
             label = f"engine {i} receives START_DP_WAVE [{wave}, {_exclude(exclude)}]"
-            if exclude != i and wave >= engine.wave:
+            if (wave, exclude) == READY:
+                new_engine = replace(engine, ready=True)
+                label = f"engine {i} receives READY" + (", again" if engine.ready else "")
+            elif not engine.ready:
+                new_engine = engine
+                label += ", ignores it (not READY yet)"
+            elif exclude != i and wave >= engine.wave:
                 woke = not engine.running
                 new_engine = Engine(
-                    wave, True, engine.work, engine.mirror_owed or (woke and reporting and i == 0)
+                    True,
+                    True,
+                    wave,
+                    True,
+                    engine.work,
+                    engine.mirror_owed or (woke and reporting and i == 0),
                 )
                 label += ", wakes" if woke else ", already running"
             else:
@@ -304,73 +415,68 @@ def successors(config: Config, world: World) -> Iterator[Step]:
                 label += ", ignores it (excluded)" if exclude == i else ", ignores it (stale)"
             yield Step(
                 label,
-                replace(world, engines=_set(engines, i, new_engine), broadcasts_in_flight=rest),  # type: ignore[arg-type]
+                replace(world, engines=_set(engines, i, new_engine), broadcasts_in_flight=rest),
             )
         # The coordinator takes engine i's next report (§5.5).
         if world.reports_in_flight[i]:
             what, wave = world.reports_in_flight[i][0]
-            rest = _set(world.reports_in_flight, i, world.reports_in_flight[i][1:])
-            engine_index = i
-            if what == "start_wave":
-                yield _coordinator_step(
-                    config,
-                    world,
-                    f"coordinator handles start_wave({wave}) from engine {i}",
-                    lambda s, w=wave, e=engine_index: s.engine_start_wave(w, e),
-                    reports_in_flight=rest,
-                )
-            else:
-                yield _coordinator_step(
-                    config,
-                    world,
-                    f"coordinator handles wave_complete({wave}) from engine {i}",
-                    lambda s, w=wave: s.wave_complete(w),
-                    tag=LATE_COMPLETE,
-                    reports_in_flight=rest,
-                )
+            yield _coordinator_step(
+                config,
+                world,
+                f"coordinator handles {what}({wave}) from engine {i}",
+                _receives(_engine_output(i, what, wave)),
+                tag=LATE_COMPLETE if what == "wave_complete" else None,
+                reports_in_flight=_set(world.reports_in_flight, i, world.reports_in_flight[i][1:]),
+            )
 
-    # The coordinator handles the next queued notice of either path.
-    if world.handle_notices:
-        wave, target = world.handle_notices[0]
+    # The command receiver applies the next command; the front receiver reads FIRST_REQ.
+    if world.commands:
+        wave, target, legacy = world.commands[0]
+        what = (
+            f"FIRST_REQ [{target}, {wave}]"
+            if legacy
+            else f"the handle's FirstRequest(wave {wave}, engine {target})"
+        )
+        command = FirstRequest(target, wave, legacy=legacy)
         yield _coordinator_step(
             config,
             world,
-            f"coordinator handles the handle's FirstRequest(wave {wave}, engine {target})",
-            lambda s: s.start_wave_for_first_request(wave, target),
-            tag=STALE_NOTICE if wave < world.coordinator[0] else None,
-            handle_notices=world.handle_notices[1:],
+            f"coordinator handles {what}",
+            lambda core: core.receive_command(command, 0.0),
+            tag=STALE_NOTICE if wave < world.core.snapshot().current_wave else None,
+            commands=world.commands[1:],
         )
     if world.front_notices:
         fwave, ftarget = world.front_notices[0]
+        frame = protocol.encode_legacy_first_request(ftarget, fwave)
         yield _coordinator_step(
             config,
             world,
-            f"coordinator handles FIRST_REQ [{ftarget}, {fwave}]",
-            lambda s: s.start_wave_for_first_request(fwave, ftarget),
-            tag=STALE_NOTICE if fwave < world.coordinator[0] else None,
+            f"front socket delivers FIRST_REQ [{ftarget}, {fwave}]",
+            lambda core: core.receive_front_frame(frame, 0.0),
             front_notices=world.front_notices[1:],
         )
 
     # Lock-step: a step or a wave end needs every engine.
-    if all(e.running for e in engines):
+    if all(e.running and e.ready for e in engines):
         disagreement = None
         if len({e.wave for e in engines}) > 1:
             disagreement = "engines stepping together disagree on the wave: " + ", ".join(
                 f"engine {i} at {e.wave}" for i, e in enumerate(engines)
             )
         if any(e.work for e in engines):
-            reports = world.reports_in_flight
+            outputs = world.reports_in_flight
             label = "all engines step together, serving " + ", ".join(
                 f"{e.work} request(s) on engine {i}" for i, e in enumerate(engines) if e.work
             )
             first = engines[0]
             if first.mirror_owed:
-                reports = _set(reports, 0, (*reports[0], ("start_wave", first.wave)))  # type: ignore[assignment]
+                outputs = _set(outputs, 0, (*outputs[0], ("start_wave", first.wave)))
                 label += f"; rank 0 mirrors start_wave({first.wave})"
-            stepped = tuple(Engine(e.wave, True, 0, False) for e in engines)
+            stepped = tuple(Engine(True, True, e.wave, True, 0, False) for e in engines)
             yield Step(
                 label,
-                replace(world, engines=stepped, reports_in_flight=reports),
+                replace(world, engines=stepped, reports_in_flight=outputs),
                 disagreement,
             )
         else:
@@ -379,12 +485,12 @@ def successors(config: Config, world: World) -> Iterator[Step]:
                 f"all-reduce finds no work: wave {wave} ends, rank 0 reports wave_complete({wave})",
                 replace(
                     world,
-                    engines=tuple(Engine(e.wave + 1) for e in engines),
+                    engines=tuple(Engine(True, True, e.wave + 1) for e in engines),
                     reports_in_flight=_set(
                         world.reports_in_flight,
                         0,
                         (*world.reports_in_flight[0], ("wave_complete", wave)),
-                    ),  # type: ignore[arg-type]
+                    ),
                 ),
                 disagreement,
             )
@@ -402,9 +508,13 @@ def quiescent_violation(world: World) -> str | None:
             f"engine(s) {running} run while engine(s) {asleep} sleep and no message in flight "
             "will wake them: the runners block in lock-step collectives forever"
         )
+    not_ready = [i for i, e in enumerate(world.engines) if not e.ready]
+    if not_ready:
+        return f"engine(s) {not_ready} never got READY"
     waves = {e.wave for e in world.engines}
-    wave, running_flag, pending = world.coordinator
-    if waves != {wave} or running_flag or pending:
+    snap = world.core.snapshot()
+    wave, running_flag = snap.current_wave, snap.engines_running
+    if waves != {wave} or running_flag or world.core.first_request_pending:
         return (
             f"coordinator settles at wave {wave} {'running' if running_flag else 'paused'} "
             f"while the engines sleep at wave(s) {sorted(waves)}"
@@ -413,14 +523,18 @@ def quiescent_violation(world: World) -> str | None:
 
 
 def render(world: World) -> str:
-    wave, running, pending = world.coordinator
+    snap = world.core.snapshot()
     parts = [
-        f"coordinator wave {wave} {'running' if running else 'paused'}"
-        + (" (claim pending)" if pending else "")
+        f"coordinator wave {snap.current_wave} {'running' if snap.engines_running else 'paused'}"
+        + (" (claim pending)" if world.core.first_request_pending else "")
+        + ("" if world.core.gate_open else " (gate closed)")
     ]
     for i, e in enumerate(world.engines):
         parts.append(
-            f"e{i}: wave {e.wave} {'running' if e.running else 'asleep'}"
+            f"e{i}: "
+            + ("" if e.subscribed else "unsubscribed ")
+            + ("" if e.ready else "not ready ")
+            + f"wave {e.wave} {'running' if e.running else 'asleep'}"
             + (f" work={e.work}" if e.work else "")
         )
     flight = []
@@ -430,14 +544,19 @@ def render(world: World) -> str:
         if world.broadcasts_in_flight[i]:
             flight.append(
                 f"START->e{i} "
-                + " ".join(f"[{w},{_exclude(x)}]" for w, x in world.broadcasts_in_flight[i])
+                + " ".join(
+                    "READY" if (w, x) == READY else f"[{w},{_exclude(x)}]"
+                    for w, x in world.broadcasts_in_flight[i]
+                )
             )
         if world.reports_in_flight[i]:
             flight.append(
                 f"e{i}->coord " + " ".join(f"{k}({w})" for k, w in world.reports_in_flight[i])
             )
-    if world.handle_notices:
-        flight.append("FirstRequest " + " ".join(f"(w{w},e{t})" for w, t in world.handle_notices))
+    if world.commands:
+        flight.append("commands " + " ".join(f"(w{w},e{t})" for w, t, _ in world.commands))
+    if world.deadlines:
+        flight.append("wake deadlines " + " ".join(f"w{w}" for w in world.deadlines))
     if world.front_notices:
         flight.append("FIRST_REQ " + " ".join(f"[{t},{w}]" for w, t in world.front_notices))
     text = " | ".join(parts)

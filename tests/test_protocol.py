@@ -19,6 +19,7 @@ from trio_dpcoord.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineLoad,
     FrontPublish,
     LegacyFirstRequest,
     OutputKind,
@@ -186,7 +187,7 @@ def check_front_publish(v: Vector) -> None:
     else:
         counts, wave, running = d
     expected = FrontPublish(
-        counts=None if counts is None else tuple((w, r, float(u)) for w, r, u in counts),
+        counts=None if counts is None else tuple(EngineLoad(w, r, float(u)) for w, r, u in counts),
         current_wave=wave,
         engines_running=running,
     )
@@ -298,7 +299,7 @@ def test_stats_map_is_vllm_shape() -> None:
 
 
 def test_usage_is_always_float64() -> None:
-    frame = encode_front_publish(FrontPublish(((0, 0, 0),), 0, False))
+    frame = encode_front_publish(FrontPublish((EngineLoad(0, 0, 0),), 0, False))
     assert frame.hex() == "9391930000cb000000000000000000c2"
     assert decode_front_publish(frame).counts == ((0, 0, 0.0),)
     stats = SchedulerStats(kv_cache_usage=1)  # int given -> float64 on the wire
@@ -784,12 +785,12 @@ ENCODE_ERRORS: list[Callable[[], object]] = [
     lambda: encode_front_publish(FrontPublish(None, 1, 1)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(None, True, False)),
     lambda: encode_front_publish(FrontPublish(None, 2**64, False)),
-    lambda: encode_front_publish(FrontPublish(((True, 0, 0.0),), 0, False)),
-    lambda: encode_front_publish(FrontPublish(((0, -1, 0.0),), 0, False)),
-    lambda: encode_front_publish(FrontPublish(((0, 0, False),), 0, False)),
+    lambda: encode_front_publish(FrontPublish(((True, 0, 0.0),), 0, False)),  # type: ignore[arg-type]
+    lambda: encode_front_publish(FrontPublish(((0, -1, 0.0),), 0, False)),  # type: ignore[arg-type]
+    lambda: encode_front_publish(FrontPublish(((0, 0, False),), 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(((0, 0, "0"),), 0, False)),  # type: ignore[arg-type]
-    lambda: encode_front_publish(FrontPublish(((0, 0, math.nan),), 0, False)),
-    lambda: encode_front_publish(FrontPublish(((0, 0, 10**400),), 0, False)),
+    lambda: encode_front_publish(FrontPublish(((0, 0, math.nan),), 0, False)),  # type: ignore[arg-type]
+    lambda: encode_front_publish(FrontPublish(((0, 0, 10**400),), 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(((0, 0),), 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish(FrontPublish(5, 0, False)),  # type: ignore[arg-type]
     lambda: encode_front_publish("x"),  # type: ignore[arg-type]
@@ -1066,12 +1067,14 @@ def general_decode(frame: bytes) -> tuple[P.OutputKind, int, object] | str:
     if kind is P.OutputKind.STATS:
         s = out.scheduler_stats
         assert s is not None
-        value = (
-            s.num_running_reqs,
-            s.num_waiting_reqs,
-            s.step_counter,
-            s.current_wave,
-            s.kv_cache_usage,
+        value = P.StatsReport(
+            P.EngineLoad(
+                waiting=s.num_waiting_reqs,
+                running=s.num_running_reqs,
+                kv_cache_usage=s.kv_cache_usage,
+            ),
+            wave=s.current_wave,
+            step=s.step_counter,
         )
     elif kind is P.OutputKind.WAVE_COMPLETE:
         value = out.wave_complete
@@ -1126,7 +1129,11 @@ def test_coordinator_hot_path_agrees_on_mutated_control_frames(
 
 def test_coordinator_hot_path_on_the_vectors(vectors: Vectors) -> None:
     expected = {
-        "eco_scheduler_stats_moe": (P.OutputKind.STATS, 2, (12, 3, 17, 5, 0.4375)),
+        "eco_scheduler_stats_moe": (
+            P.OutputKind.STATS,
+            2,
+            P.StatsReport(P.EngineLoad(waiting=3, running=12, kv_cache_usage=0.4375), 5, 17),
+        ),
         "eco_wave_complete": (P.OutputKind.WAVE_COMPLETE, 0, 5),
         "eco_start_wave": (P.OutputKind.START_WAVE, 2, 6),
         "eco_utility_output": (P.OutputKind.UTILITY_REPLY, 0, None),

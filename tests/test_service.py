@@ -21,7 +21,8 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord._core import Broadcast
+from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -360,7 +361,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
             ):
                 await coordinator.wait_ready()
                 # break an invariant of our own: an empty frame list for the broadcaster
-                coordinator._broadcast_send.send_nowait([])
+                coordinator._pumps.broadcasts.send_nowait(Broadcast([], None, 0.0))
                 await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
@@ -390,7 +391,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
                 context,
                 zmq.XSUB,
                 connect=coordinator.engine_input_address,
-                options={zmq.IDENTITY: (0).to_bytes(2, "little")},
+                options={zmq.IDENTITY: rank_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]
@@ -408,7 +409,7 @@ async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish()
                 ):
                     await coordinator.wait_ready()
                     publish = protocol.decode_front_publish(await sub.recv())
-                    assert publish == protocol.FrontPublish(((0, 0, 0.0), (0, 0, 0.0)), 0, False)
+                    assert publish == protocol.FrontPublish((protocol.IDLE_LOAD,) * 2, 0, False)
             await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 0)
 
 

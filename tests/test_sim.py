@@ -19,7 +19,8 @@ import pytest
 import trio
 import zmq
 
-from trio_dpcoord import WaveSnapshot, open_coordinator, protocol
+from trio_dpcoord import EngineLoad, WaveSnapshot, open_coordinator, protocol
+from trio_dpcoord.protocol import IDLE_LOAD
 from trio_dpcoord.sim import (
     ClusterConfig,
     CollectiveTimeoutError,
@@ -52,7 +53,7 @@ class HandCoordinator:
     def snapshot(self) -> WaveSnapshot:
         return WaveSnapshot(self.wave, False)
 
-    def engine_loads(self) -> Sequence[tuple[int, int, float]]:
+    def engine_loads(self) -> Sequence[EngineLoad]:
         return ()
 
     def notify_first_request(self, engine_index: int) -> None:
@@ -377,8 +378,8 @@ class NeverBroadcastingCoordinator:
     def snapshot(self) -> WaveSnapshot:
         return WaveSnapshot(0, False)
 
-    def engine_loads(self) -> Sequence[tuple[int, int, float]]:
-        return ((0, 0, 0.0),) * self._engines
+    def engine_loads(self) -> Sequence[EngineLoad]:
+        return (IDLE_LOAD,) * self._engines
 
     def notify_first_request(self, engine_index: int) -> None:
         pass

@@ -18,6 +18,7 @@ from trio_dpcoord._state import (
     WaveStart,
     WaveState,
 )
+from trio_dpcoord.protocol import EngineLoad, StatsReport
 
 # --- the two cases of vLLM PR #46833, stated literally -----------------------------------
 
@@ -320,21 +321,29 @@ TestWaveRules.settings = settings(max_examples=300, stateful_step_count=40, dead
 # --- load table -------------------------------------------------------------------------------
 
 
+def report(
+    waiting: int, running: int, usage: float, *, wave: int = 0, step: int = 0
+) -> StatsReport:
+    return StatsReport(
+        EngineLoad(waiting=waiting, running=running, kv_cache_usage=usage), wave=wave, step=step
+    )
+
+
 def test_load_table_applies_and_reports_unknown_engines() -> None:
     table = LoadTable(3)
-    assert table.apply_stats(1, 3, 12, 0.4375, wave=0, step=1) is StatsOutcome.APPLIED
+    assert table.apply_stats(1, report(3, 12, 0.4375, wave=0, step=1)) is StatsOutcome.APPLIED
     assert table.loads() == ((0, 0, 0.0), (3, 12, 0.4375), (0, 0, 0.0))
-    assert table.apply_stats(3, 1, 1, 0.0) is StatsOutcome.UNKNOWN_ENGINE
-    assert table.apply_stats(-1, 1, 1, 0.0) is StatsOutcome.UNKNOWN_ENGINE
+    assert table.apply_stats(3, report(1, 1, 0.0)) is StatsOutcome.UNKNOWN_ENGINE
+    assert table.apply_stats(-1, report(1, 1, 0.0)) is StatsOutcome.UNKNOWN_ENGINE
     assert table.loads()[1] == (3, 12, 0.4375)
 
 
 def test_lockstep_snapshot_captures_counts_at_the_step_boundary() -> None:
     table = LoadTable(2)
-    table.apply_stats(0, 1, 0, 0.0, wave=0, step=1)
-    table.apply_stats(1, 2, 0, 0.0, wave=0, step=1)
+    table.apply_stats(0, report(1, 0, 0.0, wave=0, step=1))
+    table.apply_stats(1, report(2, 0, 0.0, wave=0, step=1))
     # first report of step 2: the counts as of the end of step 1 are kept
-    table.apply_stats(0, 0, 5, 0.5, wave=0, step=2)
+    table.apply_stats(0, report(0, 5, 0.5, wave=0, step=2))
     assert table.pending_snapshot == ((1, 0, 0.0), (2, 0, 0.0))
     assert table.take_publish_counts() == ((1, 0, 0.0), (2, 0, 0.0))
     assert table.stats_changed  # the live counts follow
@@ -344,31 +353,31 @@ def test_lockstep_snapshot_captures_counts_at_the_step_boundary() -> None:
 
 def test_slower_engine_is_not_out_of_order_but_a_regression_is() -> None:
     table = LoadTable(2)
-    table.apply_stats(0, 0, 1, 0.0, wave=1, step=5)
+    table.apply_stats(0, report(0, 1, 0.0, wave=1, step=5))
     # engine 1 is still reporting step 4: behind the others, but in order for itself
-    assert table.apply_stats(1, 0, 1, 0.0, wave=1, step=4) is StatsOutcome.APPLIED
-    assert table.apply_stats(0, 0, 2, 0.0, wave=1, step=3) is StatsOutcome.OUT_OF_ORDER
+    assert table.apply_stats(1, report(0, 1, 0.0, wave=1, step=4)) is StatsOutcome.APPLIED
+    assert table.apply_stats(0, report(0, 2, 0.0, wave=1, step=3)) is StatsOutcome.OUT_OF_ORDER
     assert table.loads()[0] == (0, 2, 0.0)  # still applied, as vLLM does
 
 
 def test_non_lockstep_table_never_snapshots() -> None:
     table = LoadTable(2, lockstep=False)
-    table.apply_stats(0, 1, 0, 0.0)
-    table.apply_stats(0, 2, 0, 0.0, wave=3, step=9)
+    table.apply_stats(0, report(1, 0, 0.0))
+    table.apply_stats(0, report(2, 0, 0.0, wave=3, step=9))
     assert table.pending_snapshot is None
     assert table.take_publish_counts() == ((2, 0, 0.0), (0, 0, 0.0))
 
 
 def test_resize_grows_with_zero_loads_and_truncates() -> None:
     table = LoadTable(2)
-    table.apply_stats(1, 4, 4, 0.25)
+    table.apply_stats(1, report(4, 4, 0.25))
     table.take_publish_counts()
     table.resize(4)
     assert table.stats_changed  # the next timed publish carries the new size
     assert table.loads() == ((0, 0, 0.0), (4, 4, 0.25), (0, 0, 0.0), (0, 0, 0.0))
     table.resize(1)
     assert table.loads() == ((0, 0, 0.0),)
-    assert table.apply_stats(1, 9, 9, 0.9) is StatsOutcome.UNKNOWN_ENGINE
+    assert table.apply_stats(1, report(9, 9, 0.9)) is StatsOutcome.UNKNOWN_ENGINE
 
 
 @given(
@@ -390,7 +399,7 @@ def test_load_table_live_counts_are_the_last_report_per_engine(
     table = LoadTable(4)
     last: dict[int, tuple[int, int, float]] = {}
     for engine, waiting, running, usage, wave, step in reports:
-        table.apply_stats(engine, waiting, running, usage, wave=wave, step=step)
+        table.apply_stats(engine, report(waiting, running, usage, wave=wave, step=step))
         last[engine] = (waiting, running, usage)
         assert table.stats_changed
     assert table.loads() == tuple(last.get(i, (0, 0, 0.0)) for i in range(4))
@@ -409,7 +418,7 @@ def test_publish_schedule_heartbeat_and_interval() -> None:
     schedule = PublishSchedule(interval=0.1, heartbeat=5.0)
     schedule.published(10.0)
     assert schedule.next_due(table) == pytest.approx(15.0)
-    table.apply_stats(0, 1, 1, 0.0)
+    table.apply_stats(0, report(1, 1, 0.0))
     assert schedule.next_due(table) == pytest.approx(10.1)
     table.take_publish_counts()
     schedule.published(10.1)

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 from ._balance import EngineChooser as EngineChooser
 from ._balance import engine_score as engine_score
+from ._core import CoordinatorCore as CoordinatorCore
+from ._core import CoordinatorCounters as CoordinatorCounters
+from ._core import HistogramSnapshot as HistogramSnapshot
+from ._core import SubscriptionView as SubscriptionView
+from ._core import WaveStartCause as WaveStartCause
 from ._errors import CoordinatorClosedError as CoordinatorClosedError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import ReadyTimeoutError as ReadyTimeoutError
 from ._frontend import Frontend as Frontend
 from ._frontend import open_frontend as open_frontend
 from ._service import Coordinator as Coordinator
-from ._service import CoordinatorCounters as CoordinatorCounters
-from ._service import SubscriptionView as SubscriptionView
 from ._service import open_coordinator as open_coordinator
 from ._state import WaveSnapshot as WaveSnapshot
 from ._state import WaveStart as WaveStart
+from ._view import CoordinatorView as CoordinatorView
+from .protocol import EngineLoad as EngineLoad
 from .protocol import ProtocolError as ProtocolError
 
 __version__ = "0.1.0"
@@ -27,15 +32,20 @@ __version__ = "0.1.0"
 __all__ = [
     "Coordinator",
     "CoordinatorClosedError",
+    "CoordinatorCore",
     "CoordinatorCounters",
     "CoordinatorError",
+    "CoordinatorView",
     "EngineChooser",
+    "EngineLoad",
     "Frontend",
+    "HistogramSnapshot",
     "ProtocolError",
     "ReadyTimeoutError",
     "SubscriptionView",
     "WaveSnapshot",
     "WaveStart",
+    "WaveStartCause",
     "engine_score",
     "open_coordinator",
     "open_frontend",

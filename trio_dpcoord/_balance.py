@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._state import EngineLoad
+from .protocol import IDLE_LOAD, EngineLoad
 
 __all__ = ["EngineChooser", "engine_score"]
 
 
 def engine_score(load: EngineLoad, inflight: int, client_count: int) -> float:
     """vLLM's score: queue length or own in-flight share, plus a KV-pressure penalty."""
-    waiting, running, usage = load
-    score = float(max(client_count * inflight, waiting + running))
+    waiting = load.waiting
+    score = float(max(client_count * inflight, waiting + load.running))
     if waiting > 0:
-        score += waiting * 6.0 * max(0.0, usage - 0.5)
+        score += waiting * 6.0 * max(0.0, load.kv_cache_usage - 0.5)
     return score
 
 
@@ -39,7 +39,7 @@ class EngineChooser:
         self._inflight = [0] * engine_count
         self._start = (engine_count * client_index) // client_count
         self._table: tuple[EngineLoad, ...] = ()
-        self._local: list[EngineLoad] = [(0, 0, 0.0)] * engine_count
+        self._local: list[EngineLoad] = [IDLE_LOAD] * engine_count
 
     @property
     def inflight(self) -> tuple[int, ...]:
@@ -72,8 +72,8 @@ class EngineChooser:
             score = engine_score(self._local[index], self._inflight[index], self.client_count)
             if score < best_score:
                 best_index, best_score = index, score
-        waiting, running, usage = self._local[best_index]
-        self._local[best_index] = (waiting + self.client_count, running, usage)
+        chosen = self._local[best_index]
+        self._local[best_index] = chosen._replace(waiting=chosen.waiting + self.client_count)
         self._inflight[best_index] += 1
         self._start = (start + 1) % count
         return best_index

@@ -1,19 +1,19 @@
 """The front-end side of the coordinator's front socket, for trio front-ends.
 
-What a vLLM 0.33.0 DP client does with the front socket (PROTOCOL.md §7.1), as a trio
+What a vLLM 0.33.0 DP client does with the front socket (docs/protocol.md §7.1), as a trio
 async context manager: an XSUB connected to the coordinator's front address keeps the
 latest ``(counts, wave, running)`` publish, requests are routed with vLLM's score
 (§7.2, the same :class:`EngineChooser` an embedded front-end uses), and
 ``SCALE_ELASTIC_EP`` and the legacy FIRST_REQ go upstream on the same socket.
 
-Two tasks, one way each::
+Four tasks, data flowing one way through each::
 
     coordinator front XPUB ─► XSUB ─► publish receiver (batch, keep the latest) ─► state
     scale(), notify_first_request() ─► [send channel] ─► sender ─► XSUB ─► coordinator
+    socket monitor events ─► monitor ─► connection watcher (log; give up when gone)
 
-The sender is the only code that sends on the XSUB (its subscription included).
-
-A third task follows the connection itself (a ZeroMQ socket monitor plus ZMTP
+The sender is the only code that sends on the XSUB (its subscription included). The
+monitor and the watcher follow the connection itself (a ZeroMQ socket monitor plus ZMTP
 heartbeats): a lost connection is logged at once, and with ``coordinator_timeout`` the
 front-end gives up with :class:`CoordinatorError` instead of following a dead coordinator
 forever (vLLM issue #32136). ZeroMQ reconnects by itself and the XSUB re-sends its
@@ -28,16 +28,19 @@ import math
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import final
 
 import trio
 import zmq
 
 from . import protocol
 from ._balance import EngineChooser
+from ._core import HEARTBEAT_INTERVAL
 from ._errors import CoordinatorClosedError, CoordinatorError
 from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
-from ._state import EngineLoad, WaveSnapshot
+from ._state import WaveSnapshot
 from ._tasks import RejectLog, open_task_nursery
+from .protocol import IDLE_LOAD, EngineLoad
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -47,28 +50,26 @@ __all__ = ["Frontend", "open_frontend"]
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL = 5.0
-"""The coordinator publishes at least this often (PublishSchedule's heartbeat)."""
-
-
+@final
 class Frontend:
     """The handle :func:`open_frontend` yields: the coordinator as one front-end sees it.
 
-    Every method is synchronous and cheap, for use from trio tasks; only
-    :meth:`wait_for` awaits.
+    Built complete by :func:`open_frontend` once its socket is connected. Every method is
+    synchronous and cheap, for use from trio tasks; only :meth:`wait_for` awaits.
     """
 
     def __init__(
         self,
         front_address: str,
+        monitor: ConnectionMonitor,
         *,
         client_index: int,
         client_count: int,
         engine_count: int | None,
     ) -> None:
-        self.front_address = front_address
-        self.client_index = client_index
-        self.client_count = client_count
+        self._front_address = front_address
+        self._client_index = client_index
+        self._client_count = client_count
         self.publishes_received = 0
         """Valid publishes received (each one, even if a later one superseded it)."""
         self.last_publish_time: float | None = None
@@ -82,8 +83,21 @@ class Frontend:
         self._reject = RejectLog(logger)
         self._observers = trio.lowlevel.ParkingLot()
         self._send, self._send_queue = trio.open_memory_channel[bytes](math.inf)
-        self._monitor: ConnectionMonitor | None = None
+        self._monitor = monitor
         self._lost: CoordinatorError | None = None
+
+    @property
+    def front_address(self) -> str:
+        """The coordinator front socket this front-end follows."""
+        return self._front_address
+
+    @property
+    def client_index(self) -> int:
+        return self._client_index
+
+    @property
+    def client_count(self) -> int:
+        return self._client_count
 
     # --- reading the coordinator's state ---------------------------------------------
 
@@ -99,7 +113,7 @@ class Frontend:
         """
         if self._counts is not None:
             return self._counts
-        return ((0, 0, 0.0),) * (self._engine_count or 0)
+        return (IDLE_LOAD,) * (self._engine_count or 0)
 
     @property
     def engine_count(self) -> int:
@@ -123,12 +137,12 @@ class Frontend:
     @property
     def connected(self) -> bool:
         """Whether the connection to the coordinator's front socket is up now."""
-        return self._monitor is not None and self._monitor.connected
+        return self._monitor.connected
 
     @property
     def disconnects(self) -> int:
         """How many times the connection to the coordinator dropped."""
-        return self._monitor.disconnects if self._monitor is not None else 0
+        return self._monitor.disconnects
 
     async def wait_for(self, predicate: Callable[[Frontend], bool]) -> None:
         """Wait until ``predicate(self)`` holds; re-checked after every batch of publishes.
@@ -184,14 +198,21 @@ class Frontend:
     def notify_first_request(self, engine_index: int) -> None:
         """A request is being routed to ``engine_index``: wake the engines if they sleep.
 
-        The legacy FIRST_REQ path (PROTOCOL.md §7.4): if the latest publish says paused,
+        The legacy FIRST_REQ path (docs/protocol.md §7.4): if the latest publish says paused,
         the local snapshot flips to running at once (so concurrent requests send one
         notice) and ``[engine_index, wave]`` goes to the coordinator, which wakes the
         engines with PR #46833's rule. vLLM 0.33.0 engines wake themselves; this is for
-        front-ends that want the coordinator to do it.
+        front-ends that want the coordinator to do it. ``TypeError`` for a non-int,
+        ``ValueError`` for an index outside the engines (when their count is known),
+        :class:`CoordinatorClosedError` once stopped, as the embedded handle.
         """
-        if type(engine_index) is not int or engine_index < 0:
-            raise ValueError(f"engine_index must be an int >= 0, got {engine_index!r}")
+        if type(engine_index) is not int:
+            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
+        count = self.engine_count
+        if engine_index < 0 or (count and engine_index >= count):
+            raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
+        if self._closed:
+            raise CoordinatorClosedError("the front-end has stopped")
         snap = self._snapshot
         if snap.engines_running:
             return
@@ -371,12 +392,7 @@ async def open_frontend(
         raise ValueError(f"engine_count must be positive, got {engine_count!r}")
     if coordinator_timeout is not None and not coordinator_timeout > 0:
         raise ValueError(f"coordinator_timeout must be positive, got {coordinator_timeout!r}")
-    handle = Frontend(
-        front_address,
-        client_index=client_index,
-        client_count=client_count,
-        engine_count=engine_count,
-    )
+    handle: Frontend | None = None
     try:
         async with AsyncExitStack() as stack:
             context = await stack.enter_async_context(open_context())
@@ -393,7 +409,7 @@ async def open_frontend(
                     )
                 )
                 # Monitored before connecting, so that the first handshake is seen.
-                handle._monitor = await stack.enter_async_context(
+                monitor = await stack.enter_async_context(
                     open_connection_monitor(context, sub, "front-end coordinator link")
                 )
                 sub.connect(front_address)
@@ -401,11 +417,18 @@ async def open_frontend(
                 raise CoordinatorError(
                     f"cannot connect to the coordinator's front socket {front_address!r}: {exc}"
                 ) from exc
+            handle = Frontend(
+                front_address,
+                monitor,
+                client_index=client_index,
+                client_count=client_count,
+                engine_count=engine_count,
+            )
             async with open_task_nursery(on_exit=handle._close, failure=handle._failure) as nursery:
                 await nursery.start(handle._publish_receiver, sub)
                 await nursery.start(handle._sender, sub)
-                await nursery.start(handle._monitor.run)
-                await nursery.start(handle._watch_connection, handle._monitor, coordinator_timeout)
+                await nursery.start(monitor.run)
+                await nursery.start(handle._watch_connection, monitor, coordinator_timeout)
                 logger.info(
                     "front-end %d of %d following the coordinator at %s",
                     client_index,
@@ -414,4 +437,5 @@ async def open_frontend(
                 )
                 yield handle
     finally:
-        handle._close()
+        if handle is not None:
+            handle._close()

@@ -1,8 +1,8 @@
-"""The sans-IO core: the wave state machine, the per-engine load table and publish timing.
+"""The parts of the sans-IO core: the wave state machine, the load table, publish timing.
 
-Nothing here does I/O, knows trio or ZeroMQ, or reads a clock: the service calls these
-objects under its lock and sends whatever they return. Every rule of PROTOCOL.md §5 is
-one method whose result says what must go out on the wire.
+Nothing here does I/O, knows trio or ZeroMQ, or reads a clock. :class:`CoordinatorCore`
+(``_core.py``) composes these three objects with the rest of the coordinator's rules;
+each rule of docs/protocol.md §5 is one method whose result says what must go out.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import logging
 import math
 from dataclasses import dataclass
 from enum import Enum
+
+from .protocol import IDLE_LOAD, EngineLoad, StatsReport
 
 __all__ = [
     "FirstRequest",
@@ -23,10 +25,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-EngineLoad = tuple[int, int, float]
-"""One engine's load as front-ends see it: ``(waiting, running, kv_cache_usage)``."""
-
 
 @dataclass(frozen=True, slots=True)
 class WaveSnapshot:
@@ -50,10 +48,15 @@ class WaveStart:
 
 @dataclass(frozen=True, slots=True)
 class FirstRequest:
-    """A front-end routed a request to ``engine`` while it believed ``wave`` was paused."""
+    """A front-end routed a request to ``engine`` while it believed ``wave`` was paused.
+
+    ``legacy`` marks a FIRST_REQ that came over the front socket (pre-0.33 front-ends)
+    rather than from the embedded handle; the rule is the same, only the counters differ.
+    """
 
     engine: int | bytes | None
     wave: int
+    legacy: bool = False
 
 
 class WaveState:
@@ -62,7 +65,7 @@ class WaveState:
     Invariants: the wave never decreases; an accepted start produces exactly one
     :class:`WaveStart`; an ignored input changes nothing.
 
-    Three inputs move it (PROTOCOL.md §5.5 and vLLM PR #46833):
+    Three inputs move it (docs/protocol.md §5.5 and vLLM PR #46833):
 
     * :meth:`wave_complete` from DP rank 0,
     * :meth:`engine_start_wave` when a request reached an idle engine (vLLM >= 0.33),
@@ -225,7 +228,7 @@ class StatsOutcome(Enum):
 
     APPLIED = "applied"
     OUT_OF_ORDER = "out_of_order"
-    """Applied, but older than this engine's previous report (PROTOCOL.md §5.4, R10)."""
+    """Applied, but older than this engine's previous report (docs/protocol.md §5.4, R10)."""
     UNKNOWN_ENGINE = "unknown_engine"
     """Dropped: the engine index is beyond the table (e.g. after a scale-down)."""
 
@@ -238,7 +241,7 @@ class LoadTable:
 
     In wave mode (``lockstep=True``), the first report of a newer ``(wave, step)``
     captures the counts as they stood at the end of the previous step, so front-ends
-    see all engines as of one step boundary (PROTOCOL.md §5.4). Unlike vLLM, the
+    see all engines as of one step boundary (docs/protocol.md §5.4). Unlike vLLM, the
     out-of-order check uses a cursor per engine: a slower engine's report for a step
     the others already left is normal, not out of order (R10).
     """
@@ -256,7 +259,7 @@ class LoadTable:
         if engine_count < 1:
             raise ValueError(f"engine_count must be >= 1, got {engine_count}")
         self._lockstep = lockstep
-        self._loads: list[EngineLoad] = [(0, 0, 0.0)] * engine_count
+        self._loads: list[EngineLoad] = [IDLE_LOAD] * engine_count
         self._cursors: list[tuple[int, int]] = [_NO_STEP] * engine_count
         self._step_cursor = _NO_STEP
         self.stats_changed = False
@@ -270,21 +273,13 @@ class LoadTable:
         """The live per-engine loads, in rank order."""
         return tuple(self._loads)
 
-    def apply_stats(
-        self,
-        engine_index: int,
-        waiting: int,
-        running: int,
-        kv_cache_usage: float,
-        wave: int = 0,
-        step: int = 0,
-    ) -> StatsOutcome:
-        """Record one engine's load report (PROTOCOL.md §5.4)."""
+    def apply_stats(self, engine_index: int, report: StatsReport) -> StatsOutcome:
+        """Record one engine's load report (docs/protocol.md §5.4)."""
         if not 0 <= engine_index < len(self._loads):
             return StatsOutcome.UNKNOWN_ENGINE
         outcome = StatsOutcome.APPLIED
         if self._lockstep:
-            position = (wave, step)
+            position = (report.wave, report.step)
             if position > self._step_cursor:
                 if self.stats_changed:
                     self.pending_snapshot = tuple(self._loads)
@@ -293,17 +288,17 @@ class LoadTable:
                 outcome = StatsOutcome.OUT_OF_ORDER
             else:
                 self._cursors[engine_index] = position
-        self._loads[engine_index] = (waiting, running, float(kv_cache_usage))
+        self._loads[engine_index] = report.load
         self.stats_changed = True
         return outcome
 
     def resize(self, engine_count: int) -> None:
-        """Elastic EP: grow with zero loads or truncate (PROTOCOL.md §5.8)."""
+        """Elastic EP: grow with zero loads or truncate (docs/protocol.md §5.8)."""
         if engine_count < 1:
             raise ValueError(f"engine_count must be >= 1, got {engine_count}")
         current = len(self._loads)
         if engine_count > current:
-            self._loads.extend([(0, 0, 0.0)] * (engine_count - current))
+            self._loads.extend([IDLE_LOAD] * (engine_count - current))
             self._cursors.extend([_NO_STEP] * (engine_count - current))
         else:
             del self._loads[engine_count:]

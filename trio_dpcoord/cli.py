@@ -10,6 +10,7 @@ then holds the counters, so the launcher can check that nothing was rejected.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -242,16 +243,7 @@ async def _serve(args: argparse.Namespace) -> int:
             return 1 if started else 2
         _emit(
             {
-                "counters": {
-                    "engine_messages": counters.engine_messages,
-                    "stats_applied": counters.stats_applied,
-                    "wave_starts": counters.wave_starts,
-                    "ready_broadcasts": counters.ready_broadcasts,
-                    "front_publishes": counters.front_publishes,
-                    "commands": counters.commands,
-                    "rejected": counters.rejected,
-                    "errors": counters.errors,
-                }
+                "counters": {**dataclasses.asdict(counters), "errors": counters.errors}
             }
         )
         logger.info("stopped cleanly (%d rejected inputs)", counters.errors)

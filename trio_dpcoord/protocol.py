@@ -1,8 +1,8 @@
 """Wire codec for vLLM 0.33.0's data-parallel coordinator protocol.
 
 Every function here is pure (no I/O, no logging) and byte-for-byte compatible with the
-frames vLLM itself produces (see ``../shared/protocol/PROTOCOL.md`` §3-§4 and the
-``vectors.json`` test vectors).
+frames vLLM itself produces (see ``docs/protocol.md`` §3-§4, and ``tests/data/vectors.json``,
+regenerated from vLLM's own encoders).
 
 Wire rules, briefly:
 
@@ -34,7 +34,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import msgpack
 
@@ -48,6 +48,7 @@ __all__ = [
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
+    "EngineLoad",
     "FrontPublish",
     "LegacyFirstRequest",
     "OutputKind",
@@ -56,7 +57,7 @@ __all__ = [
     "ScaleElasticEP",
     "SchedulerStats",
     "StartDPWave",
-    "StatsFields",
+    "StatsReport",
     "Subscription",
     "classify_output",
     "decode_coordinator_output",
@@ -603,15 +604,37 @@ def _new_stats(
     return o
 
 
-StatsFields = tuple[int, int, int, int, float]
-"""``(num_running_reqs, num_waiting_reqs, step_counter, current_wave, kv_cache_usage)``."""
+class EngineLoad(NamedTuple):
+    """One engine's load, in the one field order used from the codec to the public API.
+
+    The order is that of a front publish entry (§4.7) and of vLLM's own
+    ``[waiting, running, usage]`` lists; build it by keyword where order could be confused.
+    """
+
+    waiting: int
+    running: int
+    kv_cache_usage: float
+
+
+IDLE_LOAD: Final = EngineLoad(waiting=0, running=0, kv_cache_usage=0.0)
+"""The load of an engine that has not reported yet."""
+
+
+class StatsReport(NamedTuple):
+    """What one engine's stats-only message tells the coordinator (§4.6, §5.4)."""
+
+    load: EngineLoad
+    wave: int
+    """The engine's ``current_wave`` when it stepped."""
+    step: int
+    """The engine's ``step_counter`` within that wave."""
 
 
 def _decode_stats(d: object) -> SchedulerStats:
     return _new_stats(*_decode_stats_fields(d))
 
 
-def _decode_stats_fields(d: object) -> StatsFields:
+def _decode_stats_fields(d: object) -> tuple[int, int, int, int, float]:
     if type(d) is not dict:
         raise ProtocolError(f"scheduler_stats must be a map or nil, got {_tname(d)}")
     get = d.get
@@ -637,6 +660,13 @@ def _decode_stats_fields(d: object) -> StatsFields:
     if type(kv) is not float or not math.isfinite(kv):
         kv = _finite_float(kv, "scheduler_stats.kv_cache_usage")
     return running, waiting, step, wave, kv
+
+
+def _stats_report(d: object) -> StatsReport:
+    running, waiting, step, wave, kv = _decode_stats_fields(d)
+    return StatsReport(
+        EngineLoad(waiting=waiting, running=running, kv_cache_usage=kv), wave=wave, step=step
+    )
 
 
 def _decode_outputs(items: list[Any]) -> tuple[EngineCoreOutput, ...]:
@@ -758,12 +788,12 @@ def classify_output(out: EngineCoreOutputs) -> OutputKind:
     return OutputKind.EMPTY
 
 
-def decode_coordinator_output(frame: bytes) -> tuple[OutputKind, int, StatsFields | int | None]:
+def decode_coordinator_output(frame: bytes) -> tuple[OutputKind, int, StatsReport | int | None]:
     """Decode and classify one frame of the coordinator's output socket in one pass.
 
     The coordinator's hot path: equivalent to :func:`decode_engine_core_outputs` then
     :func:`classify_output`, returning ``(kind, engine_index, value)`` where ``value`` is
-    the :data:`StatsFields` tuple for STATS, the wave for WAVE_COMPLETE / START_WAVE, and
+    the :class:`StatsReport` for STATS, the wave for WAVE_COMPLETE / START_WAVE, and
     None otherwise. The shapes engines send the coordinator (a full 9-slot array with no
     outputs, utility reply or finished requests) are checked field by field without
     building objects; anything else takes the general decoder, so both paths accept and
@@ -784,7 +814,7 @@ def decode_coordinator_output(frame: bytes) -> tuple[OutputKind, int, StatsField
         stats, wc, sw = obj[2], obj[6], obj[7]
         if wc is None and sw is None:
             if stats is not None:
-                return OutputKind.STATS, obj[0], _decode_stats_fields(stats)
+                return OutputKind.STATS, obj[0], _stats_report(stats)
         elif stats is None and (wc is None or sw is None):
             wave = sw if wc is None else wc
             if type(wave) is int and wave >= 0:
@@ -798,12 +828,14 @@ def decode_coordinator_output(frame: bytes) -> tuple[OutputKind, int, StatsField
     if kind is OutputKind.STATS:
         st = out.scheduler_stats
         assert st is not None
-        fields: StatsFields = (
-            st.num_running_reqs,
-            st.num_waiting_reqs,
-            st.step_counter,
-            st.current_wave,
-            st.kv_cache_usage,
+        fields = StatsReport(
+            EngineLoad(
+                waiting=st.num_waiting_reqs,
+                running=st.num_running_reqs,
+                kv_cache_usage=st.kv_cache_usage,
+            ),
+            wave=st.current_wave,
+            step=st.step_counter,
         )
         return kind, out.engine_index, fields
     if kind is OutputKind.WAVE_COMPLETE:
@@ -824,7 +856,7 @@ class FrontPublish:
     entry per engine in rank order.
     """
 
-    counts: tuple[tuple[int, int, float], ...] | None
+    counts: tuple[EngineLoad, ...] | None
     current_wave: int
     engines_running: bool
 
@@ -870,7 +902,7 @@ def decode_front_publish(frame: bytes) -> FrontPublish:
     obj = _unpack(frame, "front publish", MAX_CONTROL_FRAME_BYTES)
     items = _expect_list(obj, "front publish", exact=3)
     raw_counts, wave, running = items
-    counts: tuple[tuple[int, int, float], ...] | None
+    counts: tuple[EngineLoad, ...] | None
     if raw_counts is None:
         counts = None
     else:
@@ -879,10 +911,10 @@ def decode_front_publish(frame: bytes) -> FrontPublish:
         for i, entry in enumerate(raw):
             e = _expect_list(entry, f"front publish counts[{i}]", exact=3)
             entries.append(
-                (
-                    _uint(e[0], f"counts[{i}].waiting"),
-                    _uint(e[1], f"counts[{i}].running"),
-                    _finite_float(e[2], f"counts[{i}].kv_cache_usage"),
+                EngineLoad(
+                    waiting=_uint(e[0], f"counts[{i}].waiting"),
+                    running=_uint(e[1], f"counts[{i}].running"),
+                    kv_cache_usage=_finite_float(e[2], f"counts[{i}].kv_cache_usage"),
                 )
             )
         counts = tuple(entries)

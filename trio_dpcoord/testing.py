@@ -1,22 +1,49 @@
-"""Test helpers: bare engine peers that speak vLLM's engine side of the protocol.
+"""Test helpers: bare engine peers, and the standalone coordinator as a child process.
 
 For tests of a front-end or of the coordinator itself: each :class:`EnginePeer` is what
 a vLLM engine's coordinator-facing sockets are (an XSUB with its rank as identity, a
 PUSH of ``EngineCoreOutputs``), with no scheduler behind them. For engines that run
 waves in lock-step, see :mod:`trio_dpcoord.sim`.
+
+:func:`open_serve` runs ``python -m trio_dpcoord serve`` for the duration of a block and
+yields its endpoints; blocking callers build the same command with :func:`serve_command`
+and read its first line with :func:`parse_endpoints`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+import math
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
+import trio
 import zmq
 
 from . import protocol
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
-__all__ = ["EnginePeer", "connect_engines"]
+__all__ = [
+    "EnginePeer",
+    "ServeProcess",
+    "connect_engines",
+    "open_serve",
+    "parse_endpoints",
+    "rank_identity",
+    "read_lines",
+    "serve_command",
+]
+
+_ENDPOINT_KEYS = ("front", "back_pub", "back_out")
+
+
+def rank_identity(rank: int) -> bytes:
+    """A DP rank's ZeroMQ identity, as vLLM engines set it: 2 bytes little-endian."""
+    return rank.to_bytes(2, "little")
 
 
 class EnginePeer:
@@ -95,7 +122,7 @@ async def connect_engines(
                     zmq.XSUB,
                     connect=input_address,
                     options={
-                        zmq.IDENTITY: index.to_bytes(2, "little"),
+                        zmq.IDENTITY: rank_identity(index),
                         zmq.LINGER: 0,
                         **security,
                     },
@@ -114,3 +141,177 @@ async def connect_engines(
                 await peer.subscribe()
             peers.append(peer)
         yield peers
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def serve_command(*options: str) -> list[str]:
+    """The command line of ``python -m trio_dpcoord serve`` with ``options``, run by this
+    very interpreter (so the child imports the same ``trio_dpcoord``)."""
+    return [sys.executable, "-m", "trio_dpcoord", "serve", *options]
+
+
+def parse_endpoints(line: str | bytes) -> dict[str, str]:
+    """The endpoints from serve's first stdout line (``{"front": ..., "back_pub": ...,
+    "back_out": ...}``, plus ``curve_public_key`` with CURVE); ValueError if it is not
+    such a line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if not (
+        isinstance(record, dict)
+        and all(isinstance(value, str) for value in record.values())
+        and all(key in record for key in _ENDPOINT_KEYS)
+    ):
+        raise ValueError(f"not an endpoints line of trio-dpcoord serve: {line!r}")
+    return record
+
+
+async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
+    """The lines of ``stream`` as they come (decoded, newline stripped), the last one even
+    without its newline."""
+    pending = b""
+    async for chunk in stream:
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode(errors="replace")
+    if pending:
+        yield pending.decode(errors="replace")
+
+
+class ServeProcess:
+    """A running ``serve`` child (see :func:`open_serve`): its endpoints, the lines of its
+    stdout and its stderr, read as they come."""
+
+    def __init__(self, process: trio.Process, stderr_line: Callable[[str], None] | None) -> None:
+        self.process = process
+        #: the endpoints line, parsed (see :func:`parse_endpoints`)
+        self.endpoints: dict[str, str] = {}
+        self.stdout_lines: list[str] = []
+        #: everything it wrote on stderr, unless ``stderr_line`` takes it line by line
+        self.stderr = ""
+        self._stderr_line = stderr_line
+        self._open_streams = 2
+        self._changed = trio.lowlevel.ParkingLot()
+
+    @property
+    def final_counters(self) -> dict[str, Any] | None:
+        """The counters of the line serve writes last on a clean exit, or None (not yet
+        exited, or not cleanly)."""
+        if not self.stdout_lines:
+            return None
+        try:
+            record = json.loads(self.stdout_lines[-1])
+        except ValueError:
+            return None
+        if isinstance(record, dict) and isinstance(record.get("counters"), dict):
+            counters: dict[str, Any] = record["counters"]
+            return counters
+        return None
+
+    async def line(self, index: int) -> str:
+        """Stdout line ``index`` (0 is the endpoints line), once it has been written."""
+        await self._wait(lambda: len(self.stdout_lines) > index, f"stdout line {index}")
+        return self.stdout_lines[index]
+
+    async def logged(self, text: str) -> None:
+        """Return once ``text`` appeared on stderr (not with ``stderr_line``)."""
+        await self._wait(lambda: text in self.stderr, f"logging {text!r}")
+
+    async def stop(self, signum: int = signal.SIGTERM) -> int:
+        """Send ``signum``; return the exit status once all its output has been read."""
+        self.process.send_signal(signum)
+        await self.process.wait()
+        await self._wait(lambda: self._open_streams == 0, "closing its output")
+        assert self.process.returncode is not None
+        return self.process.returncode
+
+    async def _pump(self, stream: trio.abc.ReceiveStream, on_line: Callable[[str], None]) -> None:
+        async with stream:
+            async for line in read_lines(stream):
+                on_line(line)
+                self._changed.unpark_all()
+        self._open_streams -= 1
+        self._changed.unpark_all()
+
+    def _stdout(self, line: str) -> None:
+        self.stdout_lines.append(line)
+
+    def _stderr(self, line: str) -> None:
+        if self._stderr_line is None:
+            self.stderr += line + "\n"
+        else:
+            self._stderr_line(line.rstrip())
+
+    async def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        while not predicate():
+            if self._open_streams == 0:
+                status = await self.process.wait()
+                raise RuntimeError(
+                    f"trio-dpcoord serve exited (status {status}) before {what}; "
+                    f"stderr:\n{self.stderr[-4000:]}"
+                )
+            await self._changed.park()
+
+    async def _terminate(self, grace: float) -> None:
+        """SIGTERM, up to ``grace`` s to exit and finish its output, then SIGKILL; reaped."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await self.process.wait()
+            while self._open_streams:
+                await self._changed.park()
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+
+
+@asynccontextmanager
+async def open_serve(
+    *options: str,
+    ready_timeout: float | None = None,
+    stderr_line: Callable[[str], None] | None = None,
+    env: Mapping[str, str] | None = None,
+    stop_grace: float = 5.0,
+) -> AsyncIterator[ServeProcess]:
+    """``python -m trio_dpcoord serve`` with ``options``, for the duration of the block.
+
+    Yields once the endpoints line is read (``trio.TooSlowError`` after
+    ``ready_timeout`` s; RuntimeError if it exits first). Its stderr goes line by line to
+    ``stderr_line`` if given, else into :attr:`ServeProcess.stderr`. It runs in its own
+    session (a terminal's Ctrl-C reaches only the caller) with its stdin a pipe held by
+    the caller, so with ``--exit-on-stdin-eof`` it also stops if the caller dies. On
+    exit, if still running, it gets SIGTERM and ``stop_grace`` s to write its counters
+    line (:attr:`ServeProcess.final_counters`) and exit, then SIGKILL; it is always
+    reaped, cancellation included.
+    """
+    process = await trio.lowlevel.open_process(
+        serve_command(*options),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
+    serve = ServeProcess(process, stderr_line)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve._pump, process.stdout, serve._stdout)
+            nursery.start_soon(serve._pump, process.stderr, serve._stderr)
+            try:
+                with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
+                    serve.endpoints = parse_endpoints(await serve.line(0))
+                yield serve
+            finally:
+                with trio.CancelScope(shield=True):
+                    await serve._terminate(stop_grace)
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:  # the pumps failed: never orphan it
+                process.kill()
+            await process.wait()
+            if process.stdin is not None:
+                await process.stdin.aclose()

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import cast
+from typing import TypeVar, cast
 
 import trio
 import zmq
@@ -44,6 +44,8 @@ _SNDMORE = zmq.SNDMORE
 _POLLIN = zmq.POLLIN
 _POLLOUT = zmq.POLLOUT
 _EVENTS = zmq.EVENTS
+
+_Received = TypeVar("_Received")
 
 
 @asynccontextmanager
@@ -319,15 +321,21 @@ class AsyncSocket:
 
     # -- receiving ----------------------------------------------------------------------
 
-    async def recv(self) -> bytes:
-        """Receive one frame."""
+    async def _receive(self, take: Callable[[], _Received]) -> _Received:
+        """The one receive loop: ``take()`` is a synchronous attempt that raises
+        ``zmq.Again`` when nothing is queued; on Again wait for the FD and try again.
+
+        ``_try_sync`` checkpoints: cancellation is checked before the first attempt, and
+        what ``take()`` returned is never lost to it; a receive that had to wait has passed
+        a full checkpoint and returns without another.
+        """
         await trio.lowlevel.checkpoint_if_cancelled()
         suspect = 0
-        waited = False  # a wait was a full checkpoint: no second one on success
+        waited = False
         while True:
             self._check_open()
             try:
-                frame = self._sock.recv(_NOBLOCK)
+                received = take()
             except zmq.Again:
                 suspect = await self._wait(_POLLIN, suspect)
                 waited = True
@@ -338,28 +346,31 @@ class AsyncSocket:
             self._touched()
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
-            return frame
+            return received
+
+    @staticmethod
+    def _take_queued(receive_one: Callable[[int], _Received], max_messages: int) -> list[_Received]:
+        """One ``receive_one`` (``zmq.Again`` propagates), then whatever is already queued,
+        up to ``max_messages`` in all, without waiting."""
+        batch = [receive_one(_NOBLOCK)]
+        try:
+            while len(batch) < max_messages:
+                batch.append(receive_one(_NOBLOCK))
+        except zmq.ZMQError:
+            # Again: drained.  Any other error resurfaces on the next call; the frames
+            # already taken must not be lost.
+            pass
+        return batch
+
+    async def recv(self) -> bytes:
+        """Receive one frame."""
+        recv = self._sock.recv
+        return await self._receive(lambda: recv(_NOBLOCK))
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one (whole) multipart message."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        suspect = 0
-        waited = False  # a wait was a full checkpoint: no second one on success
-        while True:
-            self._check_open()
-            try:
-                msg = self._sock.recv_multipart(_NOBLOCK)
-            except zmq.Again:
-                suspect = await self._wait(_POLLIN, suspect)
-                waited = True
-                continue
-            except BaseException:
-                self._touched()
-                raise
-            self._touched()
-            if not waited:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            return msg
+        recv_multipart = self._sock.recv_multipart
+        return await self._receive(lambda: recv_multipart(_NOBLOCK))
 
     async def recv_batch(self, max_messages: int = 1000) -> list[bytes]:
         """Wait for at least one frame, then also take every frame already queued (up to
@@ -367,32 +378,8 @@ class AsyncSocket:
         parts of a multipart message come back as separate items)."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        await trio.lowlevel.checkpoint_if_cancelled()
         recv = self._sock.recv
-        suspect = 0
-        waited = False  # a wait was a full checkpoint: no second one on success
-        while True:
-            self._check_open()
-            try:
-                batch = [recv(_NOBLOCK)]
-            except zmq.Again:
-                suspect = await self._wait(_POLLIN, suspect)
-                waited = True
-                continue
-            except BaseException:
-                self._touched()
-                raise
-            try:
-                while len(batch) < max_messages:
-                    batch.append(recv(_NOBLOCK))
-            except zmq.ZMQError:
-                # Again: drained.  Any other error resurfaces on the next call; the
-                # frames already taken must not be lost.
-                pass
-            self._touched()
-            if not waited:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            return batch
+        return await self._receive(lambda: self._take_queued(recv, max_messages))
 
     def _recv_message(self, flags: int) -> list[bytes]:
         """``recv_multipart`` for the batch path: ``Frame.more`` costs less than pyzmq's
@@ -410,30 +397,7 @@ class AsyncSocket:
         """Like :meth:`recv_batch`, for multipart messages."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        await trio.lowlevel.checkpoint_if_cancelled()
-        recv_multipart = self._recv_message
-        suspect = 0
-        waited = False  # a wait was a full checkpoint: no second one on success
-        while True:
-            self._check_open()
-            try:
-                batch = [recv_multipart(_NOBLOCK)]
-            except zmq.Again:
-                suspect = await self._wait(_POLLIN, suspect)
-                waited = True
-                continue
-            except BaseException:
-                self._touched()
-                raise
-            try:
-                while len(batch) < max_messages:
-                    batch.append(recv_multipart(_NOBLOCK))
-            except zmq.ZMQError:
-                pass
-            self._touched()
-            if not waited:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            return batch
+        return await self._receive(lambda: self._take_queued(self._recv_message, max_messages))
 
     # -- closing ------------------------------------------------------------------------
 

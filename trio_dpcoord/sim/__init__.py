@@ -26,7 +26,7 @@ from .engine import (
     run_engine,
     run_sim_engine,
 )
-from .frontend import LoadPlan, SimFrontend, WakePath, WaveView, generate_load, open_sim_frontend
+from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 
 __all__ = [
     "AllReduceResult",
@@ -43,7 +43,6 @@ __all__ = [
     "SimEngine",
     "SimFrontend",
     "WakePath",
-    "WaveView",
     "generate_load",
     "open_sim_frontend",
     "run_cluster",

@@ -20,11 +20,15 @@ import trio
 
 from .._tasks import cancel_at_stdin_eof
 from .collective import CollectiveTimeoutError
-from .engine import CoordinatorLostError, EngineConfig, EngineProtocolError, run_engine
-
-EXIT_COLLECTIVE_TIMEOUT = 3
-EXIT_PROTOCOL_ERROR = 4
-EXIT_COORDINATOR_LOST = 5
+from .engine import (
+    EXIT_COLLECTIVE_TIMEOUT,
+    EXIT_COORDINATOR_LOST,
+    EXIT_PROTOCOL_ERROR,
+    CoordinatorLostError,
+    EngineConfig,
+    EngineProtocolError,
+    run_engine,
+)
 
 logger = logging.getLogger("trio_dpcoord.sim")
 

@@ -22,15 +22,12 @@ names) is never restarted: its DP group is broken.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -39,8 +36,11 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from .. import open_coordinator, open_frontend
-from .frontend import LoadPlan, SimFrontend, WakePath, WaveView, generate_load, open_sim_frontend
+from .. import CoordinatorView, open_coordinator, open_frontend
+from .._endpoints import PrivateIpcDirectory
+from ..testing import ServeProcess, open_serve, read_lines
+from .engine import DIAGNOSED_EXIT_STATUSES
+from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -59,9 +59,6 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["inproc", "standalone"]
 _COLLECTIVE_TIMEOUT_MARK = "collective timeout"
-# Exit statuses of ``python -m trio_dpcoord.sim engine`` for failures it diagnosed itself
-# (collective timeout, invalid broadcast, coordinator lost): never restarted.
-_DIAGNOSED_EXIT_STATUSES = frozenset({3, 4, 5})
 
 
 class _Counters(Protocol):
@@ -69,7 +66,7 @@ class _Counters(Protocol):
     def errors(self) -> int: ...
 
 
-class EmbeddedCoordinator(WaveView, Protocol):
+class EmbeddedCoordinator(CoordinatorView, Protocol):
     """What ``inproc`` mode needs from the embedded coordinator (``open_coordinator``'s
     handle, or a test's stand-in)."""
 
@@ -285,7 +282,7 @@ class _Fleet:
             and not self.stopping
             and self.frontend is not None
             and self._nursery is not None
-            and code not in _DIAGNOSED_EXIT_STATUSES
+            and code not in DIAGNOSED_EXIT_STATUSES
             and self.frontend.engine_ready[rank]
         )
 
@@ -321,17 +318,10 @@ class _Fleet:
             self.on_failure()
 
     async def forward_stderr(self, rank: int, stream: trio.abc.ReceiveStream) -> None:
-        buffer = b""
-        async for chunk in stream:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for raw in lines:
-                self._line(raw)
-        if buffer:
-            self._line(buffer)
+        async for line in read_lines(stream):
+            self._line(line.rstrip())
 
-    def _line(self, raw: bytes) -> None:
-        line = raw.decode(errors="replace").rstrip()
+    def _line(self, line: str) -> None:
         if _COLLECTIVE_TIMEOUT_MARK in line and "trio_dpcoord.sim engine rank" in line:
             self.report.collective_timeouts.append(line)
         self._log_line(line)
@@ -414,92 +404,22 @@ async def _engine_fleet(
                 await fleet.stop()
 
 
-@dataclass(slots=True)
-class _Serve:
-    process: trio.Process
-    front: str
-    back_pub: str
-    back_out: str
-    final: dict[str, Any] | None = None
-
-
-async def _read_line(stream: trio.abc.ReceiveStream, buffer: bytearray) -> bytes | None:
-    while b"\n" not in buffer:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return None
-        buffer += chunk
-    line, _, rest = bytes(buffer).partition(b"\n")
-    buffer[:] = rest
-    return line
-
-
 @asynccontextmanager
 async def _serve_process(
     config: ClusterConfig, report: ClusterReport, log_line: Callable[[str], None]
-) -> AsyncIterator[_Serve]:
-    """``python -m trio_dpcoord serve`` for the duration of the block; SIGTERM on exit."""
-    process = await trio.lowlevel.open_process(
-        [
-            sys.executable,
-            "-m",
-            "trio_dpcoord",
-            "serve",
-            "--exit-on-stdin-eof",
-            f"--engines={config.engines}",
-            f"--log-level={config.engine_log_level}",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+) -> AsyncIterator[ServeProcess]:
+    """``python -m trio_dpcoord serve`` for the duration of the block; its stderr goes to
+    ``log_line``, its final counters to :attr:`ServeProcess.final_counters`."""
+    async with open_serve(
+        "--exit-on-stdin-eof",
+        f"--engines={config.engines}",
+        f"--log-level={config.engine_log_level}",
+        ready_timeout=config.ready_timeout,
+        stderr_line=log_line,
         env=_child_environment(),
-    )
-    report.coordinator_pid = process.pid
-    assert process.stdout is not None and process.stderr is not None
-    stdout = process.stdout
-    buffer = bytearray()
-    serve: _Serve | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_forward_lines, process.stderr, log_line)
-            try:
-                with trio.fail_after(config.ready_timeout):
-                    first = await _read_line(stdout, buffer)
-                if first is None:
-                    raise RuntimeError(
-                        f"the coordinator process exited with status {await process.wait()} "
-                        "before printing its endpoints"
-                    )
-                endpoints = json.loads(first)
-                serve = _Serve(
-                    process, endpoints["front"], endpoints["back_pub"], endpoints["back_out"]
-                )
-                yield serve
-            finally:
-                with trio.CancelScope(shield=True):
-                    if process.returncode is None:
-                        process.send_signal(signal.SIGTERM)
-                    with trio.move_on_after(5.0):
-                        while (line := await _read_line(stdout, buffer)) is not None:
-                            record = json.loads(line) if line.startswith(b"{") else None
-                            if (
-                                serve is not None
-                                and isinstance(record, dict)
-                                and "counters" in record
-                            ):
-                                serve.final = record["counters"]
-                    await _reap([process], grace=2.0)
-    finally:
-        if process.returncode is None:  # pragma: no cover - defensive: never orphan it
-            with trio.CancelScope(shield=True):
-                await _reap([process], grace=0.0)
-
-
-async def _forward_lines(stream: trio.abc.ReceiveStream, log_line: Callable[[str], None]) -> None:
-    buffer = bytearray()
-    while (line := await _read_line(stream, buffer)) is not None:
-        log_line(line.decode(errors="replace").rstrip())
+    ) as serve:
+        report.coordinator_pid = serve.process.pid
+        yield serve
 
 
 async def _monitor(
@@ -574,10 +494,10 @@ async def run_cluster(
         planned=config.load.requests,
     )
     started = trio.current_time()
-    workdir = Path(tempfile.mkdtemp(prefix="trio-dpcoord-cluster-"))
+    workdir = PrivateIpcDirectory()
     frontend: SimFrontend | None = None
     coordinator: EmbeddedCoordinator | None = None
-    serve: _Serve | None = None
+    serve: ServeProcess | None = None
     try:
         with trio.CancelScope() as run_scope:
 
@@ -587,7 +507,7 @@ async def run_cluster(
                 run_scope.cancel()
 
             async with AsyncExitStack() as stack:
-                view: WaveView
+                view: CoordinatorView
                 if config.mode == "inproc":
                     factory = coordinator_factory or _default_coordinator(config)
                     coordinator = await stack.enter_async_context(factory(config.engines))
@@ -599,9 +519,10 @@ async def run_cluster(
                         _serve_process(config, report, log_line)
                     )
                     view = await stack.enter_async_context(
-                        open_frontend(serve.front, engine_count=config.engines)
+                        open_frontend(serve.endpoints["front"], engine_count=config.engines)
                     )
-                    engine_input, engine_output = serve.back_pub, serve.back_out
+                    engine_input = serve.endpoints["back_pub"]
+                    engine_output = serve.endpoints["back_out"]
                 frontend = await stack.enter_async_context(
                     open_sim_frontend(view, config.engines, wake_path=config.wake_path)
                 )
@@ -611,7 +532,7 @@ async def run_cluster(
                         coordinator_input=engine_input,
                         coordinator_output=engine_output,
                         frontend=frontend,
-                        collective_address=f"ipc://{workdir}/collective",
+                        collective_address=workdir.address("collective"),
                         report=report,
                         log_line=log_line,
                     )
@@ -650,14 +571,15 @@ async def run_cluster(
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("cluster run failed")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.cleanup()
     if frontend is not None:
         _collect(report, frontend, coordinator)
     if serve is not None:
-        if serve.final is None:
+        final = serve.final_counters
+        if final is None:
             report.failures.append("the coordinator process printed no final counters")
         else:
-            report.coordinator_errors = int(serve.final.get("errors", 0))
+            report.coordinator_errors = int(final.get("errors", 0))
     report.duration = trio.current_time() - started
     return report
 

@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 import trio
 
+from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket
 
 __all__ = [
@@ -50,15 +51,9 @@ __all__ = [
     "CollectiveClient",
     "CollectiveHost",
     "CollectiveTimeoutError",
-    "rank_identity",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def rank_identity(rank: int) -> bytes:
-    """A DP rank's ZeroMQ identity, as vLLM engines set it: 2 bytes little-endian."""
-    return rank.to_bytes(2, "little")
 
 
 class CollectiveTimeoutError(Exception):

@@ -40,6 +40,7 @@ import sys
 from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Final
 
 import msgpack
 import trio
@@ -47,14 +48,19 @@ import zmq
 
 from .. import protocol
 from .._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
+from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from . import messages
-from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError, rank_identity
+from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
+    "DIAGNOSED_EXIT_STATUSES",
+    "EXIT_COLLECTIVE_TIMEOUT",
+    "EXIT_COORDINATOR_LOST",
+    "EXIT_PROTOCOL_ERROR",
     "CoordinatorLostError",
     "EngineConfig",
     "EngineCounters",
@@ -68,6 +74,16 @@ logger = logging.getLogger(__name__)
 
 _FINISH_LENGTH = 1
 _FINISH_ABORT = 2
+
+
+# Exit statuses of ``python -m trio_dpcoord.sim engine`` for the failures it diagnoses
+# itself; a launcher never restarts such a rank (its DP group is broken).
+EXIT_COLLECTIVE_TIMEOUT: Final = 3  # CollectiveTimeoutError
+EXIT_PROTOCOL_ERROR: Final = 4  # EngineProtocolError
+EXIT_COORDINATOR_LOST: Final = 5  # CoordinatorLostError
+DIAGNOSED_EXIT_STATUSES: Final = frozenset(
+    {EXIT_COLLECTIVE_TIMEOUT, EXIT_PROTOCOL_ERROR, EXIT_COORDINATOR_LOST}
+)
 
 
 class EngineProtocolError(Exception):

@@ -1,11 +1,11 @@
 """A simulated trio front-end and load generator for the simulated engines.
 
-The front-end does what vLLM's DP client does (PROTOCOL.md §7.1-§7.2): it stamps each
+The front-end does what vLLM's DP client does (docs/protocol.md §7.1-§7.2): it stamps each
 request with the coordinator's current wave, chooses the engine with the shared
 :class:`~trio_dpcoord.EngineChooser`, and sends ``ADD`` over a ROUTER to the engine's
 DEALER (identity = rank). With the ``frontend`` or ``both`` wake path it also calls
 ``notify_first_request`` when the snapshot says the engines are paused, like pre-0.33
-front-ends (§7.4). It works with anything shaped like a :class:`WaveView`: the embedded
+front-ends (§7.4). It works with anything shaped like a :class:`CoordinatorView`: the embedded
 :class:`~trio_dpcoord.Coordinator` or a front-end of the standalone process.
 
 It also measures, honestly, what a user of the coordinator cares about:
@@ -30,28 +30,26 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import trio
 import zmq
 
-from .. import EngineChooser, protocol
+from .. import CoordinatorView, EngineChooser, protocol
+from .._endpoints import PrivateIpcDirectory
+from ..protocol import IDLE_LOAD, EngineLoad
+from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
-from .collective import rank_identity
 
 __all__ = [
     "LoadPlan",
     "SimFrontend",
     "WakePath",
-    "WaveView",
     "generate_load",
     "open_sim_frontend",
     "percentile",
@@ -61,24 +59,6 @@ logger = logging.getLogger(__name__)
 
 WakePath = Literal["engine", "frontend", "both"]
 WAKE_PATHS: tuple[WakePath, ...] = ("engine", "frontend", "both")
-
-
-class _Snapshot(Protocol):
-    @property
-    def current_wave(self) -> int: ...
-
-    @property
-    def engines_running(self) -> bool: ...
-
-
-class WaveView(Protocol):
-    """What the simulated front-end needs from a coordinator (embedded or remote)."""
-
-    def snapshot(self) -> _Snapshot: ...
-
-    def engine_loads(self) -> Sequence[tuple[int, int, float]]: ...
-
-    def notify_first_request(self, engine_index: int) -> None: ...
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -109,7 +89,7 @@ class SimFrontend:
 
     def __init__(
         self,
-        view: WaveView,
+        view: CoordinatorView,
         engine_count: int,
         *,
         wake_path: WakePath,
@@ -191,10 +171,10 @@ class SimFrontend:
 
     # --- requests and commands -------------------------------------------------------
 
-    def _loads(self) -> Sequence[tuple[int, int, float]]:
+    def _loads(self) -> Sequence[EngineLoad]:
         loads = self.view.engine_loads()
         if len(loads) != self.engine_count:  # no report yet from a remote coordinator
-            return ((0, 0, 0.0),) * self.engine_count
+            return (IDLE_LOAD,) * self.engine_count
         return loads
 
     async def submit(self, max_tokens: int | None = None, *, engine: int | None = None) -> str:
@@ -422,7 +402,7 @@ class SimFrontend:
 
 @asynccontextmanager
 async def open_sim_frontend(
-    view: WaveView,
+    view: CoordinatorView,
     engine_count: int,
     *,
     wake_path: WakePath = "both",
@@ -435,9 +415,7 @@ async def open_sim_frontend(
     exit. Engines connect to :attr:`SimFrontend.request_address` and
     :attr:`SimFrontend.completion_address`.
     """
-    private: Path | None = None
-    if request_address is None or completion_address is None:
-        private = Path(tempfile.mkdtemp(prefix="trio-dpcoord-sim-"))
+    private = PrivateIpcDirectory()  # created only if an address is needed
     try:
         async with AsyncExitStack() as stack:
             context = await stack.enter_async_context(open_context())
@@ -457,8 +435,8 @@ async def open_sim_frontend(
             pull = await stack.enter_async_context(
                 open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0})
             )
-            bound_requests = router.bind(request_address or f"ipc://{private}/requests")
-            bound_completions = pull.bind(completion_address or f"ipc://{private}/completions")
+            bound_requests = router.bind(request_address or private.address("requests"))
+            bound_completions = pull.bind(completion_address or private.address("completions"))
             frontend = SimFrontend(
                 view,
                 engine_count,
@@ -475,8 +453,7 @@ async def open_sim_frontend(
                 finally:
                     nursery.cancel_scope.cancel()
     finally:
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
+        private.cleanup()
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
-import tempfile
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import trio
 
 from .. import open_frontend
+from .._endpoints import PrivateIpcDirectory
 from ..testing import connect_engines
 from .cluster import ClusterConfig, ClusterReport, _engine_fleet, _serve_process
 from .frontend import LoadPlan, open_sim_frontend
@@ -112,7 +111,7 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
     lines: list[str] = []
     sink = log_line if log_line is not None else lines.append
     fleet_report = ClusterReport("standalone", config.engines, "both", config.seed, 0)
-    workdir = Path(tempfile.mkdtemp(prefix="trio-dpcoord-soak-"))
+    workdir = PrivateIpcDirectory()
     started = trio.current_time()
     rng = random.Random(config.seed)
     try:
@@ -120,7 +119,7 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
             serve = await stack.enter_async_context(_serve_process(cluster, fleet_report, sink))
             pid = serve.process.pid
             view = await stack.enter_async_context(
-                open_frontend(serve.front, engine_count=config.engines)
+                open_frontend(serve.endpoints["front"], engine_count=config.engines)
             )
             frontend = await stack.enter_async_context(
                 open_sim_frontend(view, config.engines, wake_path="both")
@@ -128,10 +127,10 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
             await stack.enter_async_context(
                 _engine_fleet(
                     cluster,
-                    coordinator_input=serve.back_pub,
-                    coordinator_output=serve.back_out,
+                    coordinator_input=serve.endpoints["back_pub"],
+                    coordinator_output=serve.endpoints["back_out"],
                     frontend=frontend,
-                    collective_address=f"ipc://{workdir}/collective",
+                    collective_address=workdir.address("collective"),
                     report=fleet_report,
                     log_line=sink,
                 )
@@ -139,7 +138,12 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
             with trio.fail_after(60):
                 await frontend.wait_for(lambda f: all(f.engine_ready))
             peers = await stack.enter_async_context(
-                connect_engines(serve.back_pub, serve.back_out, config.pushers, subscribe=False)
+                connect_engines(
+                    serve.endpoints["back_pub"],
+                    serve.endpoints["back_out"],
+                    config.pushers,
+                    subscribe=False,
+                )
             )
             with trio.CancelScope() as run_scope:
                 async with trio.open_nursery() as nursery:
@@ -216,13 +220,14 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
             report.pauses = frontend.pauses
             report.wave_regressions = frontend.wave_regressions
             report.final_wave = view.snapshot().current_wave
-        if serve.final is not None:
-            report.coordinator_engine_messages = int(serve.final["engine_messages"])
-            report.coordinator_errors = int(serve.final["errors"])
+        final = serve.final_counters
+        if final is not None:
+            report.coordinator_engine_messages = int(final["engine_messages"])
+            report.coordinator_errors = int(final["errors"])
         else:
             report.failures.append("the coordinator printed no final counters")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.cleanup()
     report.failures += fleet_report.failures
     report.duration_s = trio.current_time() - started
     return report

@@ -1,0 +1,505 @@
+"""The sans-IO CoordinatorCore: unit tests with explicit clock readings, and a hypothesis
+state machine that drives the whole core with the bytes peers send.
+
+The wave rules themselves are checked against a reference model in ``test_state.py`` and
+exhaustively in ``test_model_check.py``; here the oracle for them is a plain
+:class:`WaveState` fed the inputs the core should pass on, and what is checked is what the
+core adds: the start-up gate, deferral behind READY, bounds checks, the wake-confirmation
+watchdog, publish timing, and the counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from trio_dpcoord import CoordinatorCore, WaveSnapshot, WaveStartCause, protocol
+from trio_dpcoord._core import (
+    MAX_ENGINES,
+    MAX_WAVE,
+    ArmWakeDeadline,
+    Broadcast,
+    Effect,
+    Publish,
+    Reject,
+    RescheduleTimedPublish,
+    ScaleRequest,
+)
+from trio_dpcoord._state import FirstRequest, WaveStart, WaveState
+from trio_dpcoord.protocol import EngineCoreOutputs, EngineLoad, SchedulerStats
+
+SUB = protocol.SUBSCRIBE
+UNSUB = protocol.UNSUBSCRIBE
+
+
+def output(engine: int, **fields: object) -> list[bytes]:
+    return [protocol.encode_engine_core_outputs(EngineCoreOutputs(engine_index=engine, **fields))]  # type: ignore[arg-type]
+
+
+def stats(engine: int, waiting: int, running: int, usage: float = 0.0, **more: int) -> list[bytes]:
+    return output(
+        engine,
+        scheduler_stats=SchedulerStats(
+            num_waiting_reqs=waiting, num_running_reqs=running, kv_cache_usage=usage, **more
+        ),
+    )
+
+
+def open_core(engines: int = 2, **options: object) -> tuple[CoordinatorCore, list[Effect]]:
+    """A core with its gate opened at clock 0; returns it and the gate's effects."""
+    core = CoordinatorCore(engines, **options)  # type: ignore[arg-type]
+    effects: list[Effect] = []
+    for _ in range(engines):
+        effects.extend(core.receive_engine_subscription(SUB, 0.0))
+    return core, effects
+
+
+def starts(effects: Sequence[Effect]) -> list[tuple[int, int | bytes | None]]:
+    """The START_DP_WAVE broadcasts among ``effects``, decoded from their frames."""
+    found = []
+    for effect in effects:
+        if isinstance(effect, Broadcast) and effect.wave_start is not None:
+            decoded = protocol.decode_start_dp_wave(effect.frames)
+            found.append((decoded.wave, decoded.exclude_engine_index))
+    return found
+
+
+def publishes(effects: Sequence[Effect]) -> list[protocol.FrontPublish]:
+    return [protocol.decode_front_publish(e.payload) for e in effects if isinstance(e, Publish)]
+
+
+# --- the start-up gate ---------------------------------------------------------------------
+
+
+def test_nothing_leaves_before_the_gate_and_ready_goes_first() -> None:
+    core = CoordinatorCore(2, publish_to_front_ends=True)
+    assert core.receive_engine_subscription(SUB, 0.0) == ()
+    # an engine report before the gate is applied at once, its broadcast waits
+    assert core.receive_engine_output(output(1, start_wave=0), 0.5) == ()
+    assert core.snapshot() == WaveSnapshot(0, True)
+    claim = core.claim_first_request(0)
+    assert claim is None  # already running
+    assert core.receive_command(ScaleRequest(3), 0.6) == ()  # waits for the gate
+    assert core.engine_count == 2
+    assert core.next_publish_due() == float("inf")
+    effects = core.receive_engine_subscription(SUB, 1.0)
+    assert isinstance(effects[0], Broadcast) and effects[0].frames == [protocol.READY]
+    assert starts(effects) == [(0, 1)]
+    assert [p.current_wave for p in publishes(effects)] == [0]
+    assert any(isinstance(e, RescheduleTimedPublish) for e in effects)
+    assert core.engine_count == 3  # the deferred resize, applied behind READY
+    assert core.gate_open and core.subscriptions().gate_open
+
+
+def test_late_subscriptions_get_ready_again_and_unsubscriptions_count() -> None:
+    core, _ = open_core(2)
+    assert core.receive_engine_subscription(UNSUB, 1.0) == ()
+    effects = core.receive_engine_subscription(SUB, 2.0)
+    assert [e.frames for e in effects if isinstance(e, Broadcast)] == [[protocol.READY]]
+    view = core.subscriptions()
+    assert (view.current, view.subscribed, view.unsubscribed, view.late_subscriptions) == (
+        2,
+        3,
+        1,
+        1,
+    )
+
+
+def test_ready_sent_counts_and_silent_engines() -> None:
+    core, effects = open_core(3)
+    for effect in effects:
+        assert isinstance(effect, Broadcast)
+        core.broadcast_sent(effect, 0.0)
+    assert core.counters().ready_broadcasts == 1
+    core.receive_engine_output(stats(2, 0, 0), 0.1)
+    assert core.silent_engines() == [0, 1]
+
+
+# --- waves and the first-request path --------------------------------------------------------
+
+
+def test_stale_first_request_wakes_everyone_at_the_current_wave() -> None:
+    """vLLM PR #46833: a FirstRequest claimed in wave 0, handled after wave_complete(0)."""
+    core, _ = open_core(2)
+    claim = core.claim_first_request(1)
+    assert claim == FirstRequest(1, 0)
+    core.receive_engine_output(output(0, wave_complete=0), 1.0)
+    assert core.snapshot() == WaveSnapshot(1, False)
+    effects = core.receive_command(claim, 1.5)
+    assert starts(effects) == [(1, None)]
+    assert effects[-1] == ArmWakeDeadline(1, 1.5 + core.wake_confirm_timeout)
+    assert core.snapshot() == WaveSnapshot(1, True)
+
+
+def test_a_current_first_request_excludes_its_target_and_is_counted_by_cause() -> None:
+    core, _ = open_core(3)
+    claim = core.claim_first_request(2)
+    assert claim is not None and core.claim_first_request(0) is None  # coalesced
+    effects = core.receive_command(claim, 2.0)
+    assert starts(effects) == [(0, 2)]
+    legacy = core.receive_front_frame(protocol.encode_legacy_first_request(1, 0), 2.1)
+    assert legacy == (FirstRequest(1, 0, legacy=True),)
+    for effect in effects:
+        if isinstance(effect, Broadcast):
+            core.broadcast_sent(effect, 2.0004)
+    counters = core.counters()
+    assert counters.wave_starts_by_cause == {WaveStartCause.FIRST_REQUEST: 1}
+    assert counters.commands == 1
+    latency = counters.wake_latency
+    assert latency.count == 1 and latency.sum == pytest.approx(0.0004)
+    assert latency.counts[latency.bounds.index(0.0005)] == 1
+
+
+def test_claim_checks_the_index_and_non_wave_mode_ignores_waves() -> None:
+    core, _ = open_core(2, wave_coordination=False, publish_to_front_ends=True)
+    with pytest.raises(ValueError, match="out of range"):
+        core.claim_first_request(2)
+    assert core.claim_first_request(1) is None
+    assert core.receive_engine_output(output(0, start_wave=4), 1.0) == ()
+    assert core.receive_engine_output(output(0, wave_complete=4), 1.0) == ()
+    assert core.receive_command(FirstRequest(0, 0, legacy=True), 1.0) == ()
+    core.receive_engine_output(stats(1, 2, 3, current_wave=7, step_counter=1), 1.1)
+    assert core.snapshot() == WaveSnapshot(0, False)
+    timed = protocol.decode_front_publish(core.timed_publish(1.2))
+    assert (timed.current_wave, timed.engines_running) == (0, False)
+    assert timed.counts is not None and timed.counts[1] == EngineLoad(2, 3, 0.0)
+
+
+# --- the wake-confirmation watchdog -------------------------------------------------------
+
+
+def test_an_unconfirmed_start_goes_back_to_paused_at_its_deadline() -> None:
+    core, _ = open_core(2, wake_confirm_timeout=30.0, publish_to_front_ends=True)
+    claim = core.claim_first_request(0)
+    assert claim is not None
+    effects = core.receive_command(claim, 10.0)
+    deadline = next(e for e in effects if isinstance(e, ArmWakeDeadline))
+    assert deadline == ArmWakeDeadline(0, 40.0)
+    expired = core.wake_deadline_passed(0, 40.0)
+    assert core.snapshot() == WaveSnapshot(0, False)
+    assert [(p.counts, p.current_wave, p.engines_running) for p in publishes(expired)] == [
+        (None, 0, False)
+    ]
+    assert core.counters().unconfirmed_expiries == 1
+    assert core.wake_deadline_passed(0, 41.0) == ()  # once
+
+
+def test_an_engine_report_confirms_the_start() -> None:
+    core, _ = open_core(2, wake_confirm_timeout=30.0)
+    claim = core.claim_first_request(0)
+    assert claim is not None
+    core.receive_command(claim, 10.0)
+    core.receive_engine_output(output(0, start_wave=0), 10.01)  # rank 0's mirror (R8)
+    assert core.wake_deadline_passed(0, 40.0) == ()
+    assert core.snapshot() == WaveSnapshot(0, True)
+    assert core.counters().unconfirmed_expiries == 0
+
+
+# --- bounds checks: every bad input is a counted Reject, nothing else ----------------------
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"\xc1"], "undecodable_engine_output"),
+        ([b"a", b"b"], "multipart_engine_output"),
+        (stats(5, 1, 1), "unknown_engine_index"),
+        (output(9, start_wave=1), "unknown_engine_index"),
+        (output(0, wave_complete=MAX_WAVE), "wave_out_of_range"),
+        (output(0, utility_output=[1, 2]), "non_control_output_utility_reply"),
+        (output(0, finished_requests=["r"]), "non_control_output_request_batch"),
+        (output(0), "non_control_output_empty"),
+        (output(0, start_wave=1, wave_complete=1), "non_control_output_mixed"),
+    ],
+)
+def test_bad_engine_outputs_are_rejected_by_reason(frames: list[bytes], reason: str) -> None:
+    core, _ = open_core(2)
+    before = core.snapshot()
+    effects = core.receive_engine_output(frames, 1.0)
+    assert len(effects) == 1 and isinstance(effects[0], Reject)
+    assert effects[0].reason == reason
+    assert core.counters().rejected == {reason: 1}
+    assert core.counters().engine_messages == 1
+    assert core.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (protocol.encode_scale_elastic_ep(MAX_ENGINES + 1), "bad_scale_request"),
+        (b"\x92\xa1x\x01", "undecodable_front_message"),
+        (b"\xff", "undecodable_front_message"),
+    ],
+)
+def test_bad_front_frames_are_rejected_by_reason(frame: bytes, reason: str) -> None:
+    core, _ = open_core(2, publish_to_front_ends=True)
+    effects = core.receive_front_frame(frame, 1.0)
+    assert [(e.reason) for e in effects if isinstance(e, Reject)] == [reason]
+    assert core.counters().errors == 1
+
+
+def test_a_payload_on_the_broadcast_socket_is_rejected() -> None:
+    core, _ = open_core(1)
+    effects = core.receive_engine_subscription(b"\x02hello", 1.0)
+    assert [e.reason for e in effects if isinstance(e, Reject)] == [
+        "unexpected_broadcast_socket_frame"
+    ]
+
+
+def test_constructor_refuses_nonsense() -> None:
+    for bad in (0, MAX_ENGINES + 1, True, 2.0):
+        with pytest.raises(ValueError, match="engine_count"):
+            CoordinatorCore(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wake_confirm_timeout"):
+        CoordinatorCore(1, wake_confirm_timeout=0)
+
+
+# --- publish timing (the clock is passed in) -------------------------------------------------
+
+
+def test_publish_timing_follows_the_clock_passed_in() -> None:
+    core, _ = open_core(2, stats_interval=0.1, heartbeat_interval=5.0, publish_to_front_ends=True)
+    assert core.next_publish_due() == float("-inf")  # the first one at once
+    first = protocol.decode_front_publish(core.timed_publish(100.0))
+    assert first.counts == (EngineLoad(0, 0, 0.0),) * 2
+    assert core.next_publish_due() == pytest.approx(105.0)  # heartbeat: no news
+    # news while the publisher sleeps until the heartbeat: it must ask again, once
+    nudge = core.receive_engine_output(stats(1, 4, 2, 0.5), 100.5)
+    assert len(nudge) == 1 and isinstance(nudge[0], RescheduleTimedPublish)
+    assert core.next_publish_due() == pytest.approx(100.1)
+    assert core.receive_engine_output(stats(0, 1, 1), 100.55) == ()  # it already knows
+    second = protocol.decode_front_publish(core.timed_publish(100.6))
+    assert second.counts == (EngineLoad(1, 1, 0.0), EngineLoad(4, 2, 0.5))
+    assert core.next_publish_due() == pytest.approx(105.6)
+
+
+def test_a_new_front_end_gets_the_counts_at_once() -> None:
+    core, _ = open_core(2, publish_to_front_ends=True)
+    core.receive_engine_output(stats(0, 3, 1), 1.0)
+    effects = core.receive_front_frame(SUB, 2.0)
+    assert [p.counts for p in publishes(effects)] == [
+        (EngineLoad(3, 1, 0.0), EngineLoad(0, 0, 0.0))
+    ]
+    assert core.subscriptions().front_ends == 1
+    core.receive_front_frame(UNSUB, 3.0)
+    assert core.subscriptions().front_ends == 0
+
+
+def test_without_a_front_socket_nothing_is_published() -> None:
+    core, _ = open_core(2)
+    effects = core.receive_engine_output(output(1, start_wave=0), 1.0)
+    assert publishes(effects) == [] and starts(effects) == [(0, 1)]
+    assert core.next_publish_due() == float("inf")
+
+
+# --- the whole core, driven by random peers --------------------------------------------------
+
+ENGINES = 3
+TIMEOUT = 30.0
+
+
+class CoreRules(RuleBasedStateMachine):
+    """Random sequences of every input the pumps can feed, at random clock readings.
+
+    The oracle for the wave rules is a :class:`WaveState` fed what the core should pass
+    on (engine reports at once, commands only after the gate); what is checked is the
+    gate, deferral behind READY, bounds, the watchdog, publishes and the counters.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = CoordinatorCore(
+            ENGINES, wake_confirm_timeout=TIMEOUT, publish_to_front_ends=True
+        )
+        self.oracle = WaveState()
+        self.now = 0.0
+        self.subscribed = 0
+        self.gate_open = False
+        self.commands: list[FirstRequest | ScaleRequest] = []
+        """The command channel (handle claims and front commands), FIFO."""
+        self.deferred_commands: list[FirstRequest | ScaleRequest] = []
+        self.deferred_starts: list[WaveStart] = []
+        self.deadlines: list[ArmWakeDeadline] = []
+        self.engine_messages = 0
+        self.rejects = 0
+        self.highest_wave = 0
+        self.engine_count = ENGINES
+
+    # -- carrying out effects, and what must hold of them --
+
+    def _apply(self, effects: Sequence[Effect], expected_starts: list[WaveStart]) -> None:
+        seen_starts: list[WaveStart] = []
+        for effect in effects:
+            assert self.gate_open or isinstance(effect, (Reject, FirstRequest, ScaleRequest)), (
+                f"{effect!r} left before the gate opened"
+            )
+            if isinstance(effect, Broadcast):
+                if effect.wave_start is not None:
+                    decoded = protocol.decode_start_dp_wave(effect.frames)
+                    start = effect.wave_start
+                    assert (decoded.wave, decoded.exclude_engine_index) == (
+                        start.wave,
+                        start.exclude,
+                    )
+                    seen_starts.append(start)
+                self.core.broadcast_sent(effect, self.now)
+            elif isinstance(effect, Publish):
+                protocol.decode_front_publish(effect.payload)
+            elif isinstance(effect, ArmWakeDeadline):
+                assert effect.deadline == self.now + TIMEOUT
+                self.deadlines.append(effect)
+            elif isinstance(effect, Reject):
+                self.rejects += 1
+            elif isinstance(effect, (FirstRequest, ScaleRequest)):
+                self.commands.append(effect)
+        assert seen_starts == expected_starts
+
+    def _oracle_command(self, command: FirstRequest | ScaleRequest) -> list[WaveStart]:
+        if isinstance(command, ScaleRequest):
+            self.engine_count = command.engine_count
+            return []
+        start = self.oracle.start_wave_for_first_request(command.wave, command.engine)
+        return [] if start is None else [start]
+
+    # -- the rules --
+
+    @rule(seconds=st.floats(0, 40))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(subscribe=st.booleans())
+    def engine_subscription(self, subscribe: bool) -> None:
+        effects = self.core.receive_engine_subscription(SUB if subscribe else UNSUB, self.now)
+        expected: list[WaveStart] = []
+        if subscribe:
+            self.subscribed += 1
+            if not self.gate_open and self.subscribed >= ENGINES:
+                self.gate_open = True
+                assert isinstance(effects[0], Broadcast) and effects[0].frames == [protocol.READY]
+                expected = self.deferred_starts
+                self.deferred_starts = []
+                for command in self.deferred_commands:
+                    expected += self._oracle_command(command)
+                self.deferred_commands = []
+        else:
+            self.subscribed -= 1
+        self._apply(effects, expected)
+
+    @rule(engine=st.integers(0, ENGINES), wave=st.integers(0, 8), complete=st.booleans())
+    def engine_wave_report(self, engine: int, wave: int, complete: bool) -> None:
+        fields = {"wave_complete" if complete else "start_wave": wave}
+        effects = self.core.receive_engine_output(output(engine, **fields), self.now)
+        self.engine_messages += 1
+        expected: list[WaveStart] = []
+        if engine < self.engine_count:
+            if complete:
+                self.oracle.wave_complete(wave)
+            else:
+                start = self.oracle.engine_start_wave(wave, engine)
+                if start is not None:
+                    expected = [start]
+        if not self.gate_open:
+            self.deferred_starts += expected
+            expected = []
+        self._apply(effects, expected)
+
+    @rule(
+        engine=st.integers(0, ENGINES),
+        waiting=st.integers(0, 9),
+        running=st.integers(0, 9),
+        step=st.integers(0, 5),
+    )
+    def engine_stats(self, engine: int, waiting: int, running: int, step: int) -> None:
+        frames = stats(engine, waiting, running, current_wave=self.highest_wave, step_counter=step)
+        self.engine_messages += 1
+        self._apply(self.core.receive_engine_output(frames, self.now), [])
+        if engine < self.engine_count:
+            assert self.core.engine_loads()[engine] == EngineLoad(waiting, running, 0.0)
+
+    @rule(frame=st.binary(max_size=12), multipart=st.booleans())
+    def engine_garbage(self, frame: bytes, multipart: bool) -> None:
+        # two frames, or one that starts with 0xc1 (never used by msgpack): always bad
+        frames = [frame, frame] if multipart else [b"\xc1" + frame]
+        self.engine_messages += 1
+        self._apply(self.core.receive_engine_output(frames, self.now), [])
+
+    @rule(engine=st.integers(0, ENGINES - 1))
+    def handle_claim(self, engine: int) -> None:
+        if engine >= self.engine_count:
+            return
+        claim = self.core.claim_first_request(engine)
+        expected = self.oracle.claim_first_request(engine)
+        assert claim == expected
+        if claim is not None:
+            self.commands.append(claim)
+
+    @rule(engine=st.integers(0, ENGINES - 1), wave=st.integers(0, 8))
+    def legacy_first_request(self, engine: int, wave: int) -> None:
+        frame = protocol.encode_legacy_first_request(engine, wave)
+        self._apply(self.core.receive_front_frame(frame, self.now), [])
+
+    @rule(count=st.integers(0, 6))
+    def scale(self, count: int) -> None:
+        self._apply(
+            self.core.receive_front_frame(protocol.encode_scale_elastic_ep(count), self.now), []
+        )
+
+    @precondition(lambda self: bool(self.commands))
+    @rule()
+    def command_receiver(self) -> None:
+        command = self.commands.pop(0)
+        effects = self.core.receive_command(command, self.now)
+        expected: list[WaveStart] = []
+        if self.gate_open:
+            expected = self._oracle_command(command)
+        else:
+            self.deferred_commands.append(command)
+        self._apply(effects, expected)
+
+    @precondition(lambda self: bool(self.deadlines))
+    @rule()
+    def wake_watchdog(self) -> None:
+        deadline = self.deadlines.pop(0)
+        self.now = max(self.now, deadline.deadline)
+        self.oracle.expire_unconfirmed_start(deadline.wave)
+        self._apply(self.core.wake_deadline_passed(deadline.wave, self.now), [])
+
+    @rule()
+    def front_publisher(self) -> None:
+        due = self.core.next_publish_due()
+        if not self.gate_open:
+            assert due == float("inf")
+            return
+        if due <= self.now:
+            payload = protocol.decode_front_publish(self.core.timed_publish(self.now))
+            snap = self.oracle.snapshot
+            assert (payload.current_wave, payload.engines_running) == (
+                snap.current_wave,
+                snap.engines_running,
+            )
+            assert payload.counts is not None and len(payload.counts) == self.engine_count
+            self.core.publish_sent()
+        else:
+            assert due <= self.now + 5.0
+
+    @invariant()
+    def agrees_with_the_oracle_and_counts_right(self) -> None:
+        snap = self.core.snapshot()
+        assert snap == self.oracle.snapshot
+        assert snap.current_wave >= self.highest_wave
+        self.highest_wave = snap.current_wave
+        assert self.core.gate_open == self.gate_open
+        assert self.core.engine_count == self.engine_count
+        counters = self.core.counters()
+        assert counters.engine_messages == self.engine_messages
+        assert counters.errors == self.rejects
+        assert counters.wave_starts == sum(counters.wave_starts_by_cause.values())
+        assert counters.wake_latency.count == counters.wave_starts
+
+
+TestCoreRules = CoreRules.TestCase
+TestCoreRules.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)

@@ -1,0 +1,36 @@
+"""What both handles offer a front-end that routes requests: one typing Protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from ._state import WaveSnapshot
+from .protocol import EngineLoad
+
+__all__ = ["CoordinatorView"]
+
+
+class CoordinatorView(Protocol):
+    """The coordinator as a request router sees it, embedded or standalone.
+
+    Both :class:`~trio_dpcoord.Coordinator` (embedded, authoritative) and
+    :class:`~trio_dpcoord.Frontend` (following a standalone coordinator's publishes)
+    satisfy it, so routing code such as the simulator's front-end works with either.
+    """
+
+    def snapshot(self) -> WaveSnapshot:
+        """The wave to stamp on a new request, and whether the engines run."""
+        ...
+
+    def engine_loads(self) -> Sequence[EngineLoad]:
+        """Every engine's latest load, in rank order."""
+        ...
+
+    def notify_first_request(self, engine_index: int) -> None:
+        """A request is being routed to ``engine_index``: wake the engines if they sleep.
+
+        ``TypeError`` for a non-int, ``ValueError`` for an index outside the engines,
+        :class:`~trio_dpcoord.CoordinatorClosedError` once the handle has stopped.
+        """
+        ...
