@@ -18,8 +18,6 @@ engines, one that broadcasts the previous wave) must fail those same checks.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -41,6 +39,7 @@ from tests.vllm_reference.dp_cluster import (
     run_cluster,
 )
 from trio_dpcoord import protocol
+from trio_dpcoord.testing import open_serve
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
 pytestmark = pytest.mark.vllm
@@ -86,26 +85,31 @@ def bursts(count: int, size: int, tokens: tuple[int, int] = (2, 12)) -> list[dic
 # --- coordinators -------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def ours(addresses: Addresses, engines: int) -> AsyncIterator[None]:
-    """``trio-dpcoord serve``, started as tests/test_cli.py starts it."""
-    command = [
-        sys.executable,
-        "-m",
-        "trio_dpcoord",
-        "serve",
-        "--engines",
-        str(engines),
-        "--front",
-        addresses.stats,
-        "--back-pub",
-        addresses.coordinator_input,
-        "--back-out",
-        addresses.coordinator_output,
-        "--exit-on-stdin-eof",
-    ]
-    async with _subprocess(command):
-        yield
+class Ours:
+    """``trio-dpcoord serve`` (:func:`trio_dpcoord.testing.open_serve`); keeps the
+    counters it writes on its clean exit."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, Any] | None = None
+        self.output = ""
+
+    @asynccontextmanager
+    async def __call__(self, addresses: Addresses, engines: int) -> AsyncIterator[None]:
+        async with open_serve(
+            "--engines",
+            str(engines),
+            "--front",
+            addresses.stats,
+            "--back-pub",
+            addresses.coordinator_input,
+            "--back-out",
+            addresses.coordinator_output,
+            "--exit-on-stdin-eof",
+            ready_timeout=30,
+        ) as serve:
+            yield
+        self.counters = serve.final_counters
+        self.output = f"stdout: {serve.stdout_lines}\nstderr: {serve.stderr[-3000:]}"
 
 
 def vllms(root: Path) -> Coordinator:
@@ -122,23 +126,6 @@ def vllms(root: Path) -> Coordinator:
             yield
 
     return vllm_coordinator
-
-
-@asynccontextmanager
-async def _subprocess(command: list[str]) -> AsyncIterator[None]:
-    process = await trio.lowlevel.open_process(
-        command, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    try:
-        yield
-    finally:
-        process.terminate()
-        with trio.move_on_after(10):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
-        with trio.CancelScope(shield=True):
-            await process.wait()
 
 
 def broken(kind: str) -> Coordinator:
@@ -216,15 +203,24 @@ def assert_healthy(result: ClusterResult, scenario: Scenario) -> None:
     assert waves[-1] == result.engines[0]["current_wave"] > 0
 
 
+def assert_clean_counters(ours: Ours) -> None:
+    """Our coordinator exited cleanly, rejected nothing and counted no error."""
+    assert ours.counters is not None, f"serve did not exit cleanly; {ours.output}"
+    assert ours.counters["errors"] == 0
+    assert ours.counters["rejected"] == {}
+    assert ours.counters["ready_broadcasts"] >= 1
+
+
 @pytest.mark.parametrize("dp_size", [2, 4])
 async def test_bursty_load_with_our_coordinator(
     cluster_root: Path, tmp_path: Path, dp_size: int
 ) -> None:
     scenario = Scenario(dp_size=dp_size, bursts=bursts(6, 2 * dp_size))
+    ours = Ours()
     result = await run(cluster_root, tmp_path, ours, scenario)
     assert_healthy(result, scenario)
-    # the waves really went through START_DP_WAVE: every engine took part in them
     assert all(e["forward_passes"] > 0 for e in result.engines)
+    assert_clean_counters(ours)
 
 
 async def test_bursty_load_with_vllm_coordinator(cluster_root: Path, tmp_path: Path) -> None:
@@ -243,7 +239,7 @@ async def test_pause_and_resume(cluster_root: Path, tmp_path: Path, mode: str) -
             {"count": 4, "min_tokens": 3, "max_tokens": 6},
         ],
     )
-    result = await run(cluster_root, tmp_path, ours, scenario)
+    result = await run(cluster_root, tmp_path, Ours(), scenario)
     assert_healthy(result, scenario)
     for engine in result.engines:
         missing = [m for m in PAUSE_METHODS if m not in engine["called"]]
@@ -263,7 +259,7 @@ async def test_pause_and_resume(cluster_root: Path, tmp_path: Path, mode: str) -
 
 async def test_coordinator_started_after_the_engines(cluster_root: Path, tmp_path: Path) -> None:
     scenario = Scenario(dp_size=2, bursts=bursts(3, 4), coordinator_delay=3.0)
-    result = await run(cluster_root, tmp_path, ours, scenario)
+    result = await run(cluster_root, tmp_path, Ours(), scenario)
     assert_healthy(result, scenario)
 
 
@@ -274,7 +270,7 @@ async def test_stress_sync_every_step_and_requests_at_wave_ends(
     scenario = Scenario(
         dp_size=3, bursts=bursts(8, 3, (1, 4)), dp_sync_interval=1, requests_at_wave_end=6
     )
-    chosen = ours if coordinator == "ours" else vllms(cluster_root)
+    chosen = Ours() if coordinator == "ours" else vllms(cluster_root)
     result = await run(cluster_root, tmp_path, chosen, scenario)
     assert_healthy(result, scenario)
     assert result.frontend["extra_sent"] == 6
@@ -288,10 +284,14 @@ async def test_one_request_at_a_time_needs_the_wake(
     by START_DP_WAVE: healthy with our coordinator; the negative controls (a coordinator
     that never wakes the engines, one that broadcasts the previous wave) fail the checks."""
     scenario = Scenario(dp_size=2, bursts=bursts(3, 1), collective_timeout=3.0, timeout=20.0)
-    coordinator = ours if kind == "ours" else broken(kind)
-    result = await run(cluster_root, tmp_path, coordinator, scenario)
+    ours = Ours()
+    result = await run(cluster_root, tmp_path, ours if kind == "ours" else broken(kind), scenario)
     if kind == "ours":
         assert_healthy(result, scenario)
+        assert_clean_counters(ours)
+        # every wave started on one engine: our START_DP_WAVE woke the other
+        assert ours.counters is not None
+        assert ours.counters["wave_starts"] >= len(scenario.bursts)
         return
     found = failures(result, scenario)
     assert any(f.startswith("collective: collective timeout") for f in found), found
