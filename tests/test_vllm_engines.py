@@ -18,6 +18,7 @@ engines, one that broadcasts the previous wave) must fail those same checks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -59,6 +60,16 @@ KEY_ENGINE_METHODS = (
     "vllm.v1.engine.core:EngineCore.step",
     "vllm.v1.engine.core:EngineCore.execute_dummy_batch",
     "vllm.config.parallel:sync_dp_state",
+)
+KEY_FRONTEND_METHODS = (
+    "vllm.v1.engine.utils:wait_for_engine_startup",
+    "vllm.v1.engine.core_client:MPClient.__init__",
+    "vllm.v1.engine.core_client:DPAsyncMPClient.add_request_async",
+    "vllm.v1.engine.core_client:DPLBAsyncMPClient.get_core_engine_for_request",
+    "vllm.v1.engine.core_client:DPAsyncMPClient._ensure_stats_update_task."
+    "<locals>.run_engine_stats_update_task",
+    "vllm.v1.engine.core_client:AsyncMPClient.get_output_async",
+    "vllm.v1.engine.core_client:DPLBAsyncMPClient.process_engine_outputs",
 )
 PAUSE_METHODS = (
     "vllm.v1.engine.core:EngineCoreProc.pause_generation",
@@ -187,8 +198,10 @@ async def _broken_loop(kind: str, engines: int, pub: Any, pull: Any, front: Any)
 # --- the runs -----------------------------------------------------------------------
 
 
-async def run(root: Path, tmp_path: Path, coordinator: Any, scenario: Scenario) -> ClusterResult:
-    with trio.fail_after(GUARD):
+async def run(
+    root: Path, tmp_path: Path, coordinator: Coordinator, scenario: Scenario, guard: float = GUARD
+) -> ClusterResult:
+    with trio.fail_after(guard):
         return await run_cluster(root, vllm_env(root), tmp_path, coordinator, scenario)
 
 
@@ -199,6 +212,8 @@ def assert_healthy(result: ClusterResult, scenario: Scenario) -> None:
     for engine in result.engines:
         missing = [m for m in KEY_ENGINE_METHODS if m not in engine["called"]]
         assert not missing, f"engine {engine['rank']} never ran {missing}"
+    missing = [m for m in KEY_FRONTEND_METHODS if m not in result.frontend["called"]]
+    assert not missing, f"the front-end never ran {missing}"
     waves = result.frontend["wave_history"]
     assert waves[-1] == result.engines[0]["current_wave"] > 0
 
@@ -258,9 +273,22 @@ async def test_pause_and_resume(cluster_root: Path, tmp_path: Path, mode: str) -
 
 
 async def test_coordinator_started_after_the_engines(cluster_root: Path, tmp_path: Path) -> None:
+    """The engines start, connect to the coordinator's addresses before anything is bound
+    there and wait for its READY; the startup handshake completes only after it."""
     scenario = Scenario(dp_size=2, bursts=bursts(3, 4), coordinator_delay=3.0)
-    result = await run(cluster_root, tmp_path, Ours(), scenario)
+    ours = Ours()
+    started: list[float] = []
+
+    @asynccontextmanager
+    async def late(addresses: Addresses, engines: int) -> AsyncIterator[None]:
+        started.append(time.time())
+        async with ours(addresses, engines):
+            yield
+
+    result = await run(cluster_root, tmp_path, late, scenario)
     assert_healthy(result, scenario)
+    assert_clean_counters(ours)
+    assert result.frontend["handshake_done_at"] > started[0]
 
 
 @pytest.mark.parametrize("coordinator", ["ours", "vllm"])
@@ -274,6 +302,24 @@ async def test_stress_sync_every_step_and_requests_at_wave_ends(
     result = await run(cluster_root, tmp_path, chosen, scenario)
     assert_healthy(result, scenario)
     assert result.frontend["extra_sent"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("coordinator", ["ours", "vllm"])
+async def test_stress_long_run(cluster_root: Path, tmp_path: Path, coordinator: str) -> None:
+    """The stress mode, longer and wider: 4 engines, 120 bursts, 100 requests at wave ends."""
+    scenario = Scenario(
+        dp_size=4,
+        bursts=bursts(120, 6, (1, 6)),
+        dp_sync_interval=1,
+        requests_at_wave_end=100,
+        timeout=120.0,
+        seed=7,
+    )
+    chosen = Ours() if coordinator == "ours" else vllms(cluster_root)
+    result = await run(cluster_root, tmp_path, chosen, scenario, guard=900.0)
+    assert_healthy(result, scenario)
+    assert result.frontend["extra_sent"] == 100
 
 
 @pytest.mark.parametrize("kind", ["ours", "never-wakes", "previous-wave"])

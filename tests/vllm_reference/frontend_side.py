@@ -14,7 +14,7 @@ The only addition is :class:`RecordingClient`, which records every value the cli
 stats task assigns to ``current_wave`` and ``engines_running`` (so the report shows
 whether the front-end ever saw the wave go backwards) and, in stress mode, fires extra
 requests the moment the coordinator announces a wave end. The report (JSON) lists every
-request's outcome.
+request's outcome, and every vLLM function that ran in this process.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 from engine_side import (  # type: ignore[import-not-found]  # beside this script
+    CallTracer,
     StandInExecutor,
     make_vllm_config,
 )
@@ -44,6 +46,8 @@ from vllm.v1.engine.utils import (
     EngineZmqAddresses,
     wait_for_engine_startup,
 )
+
+T = TypeVar("T")
 
 
 class RecordingClient(DPLBAsyncMPClient):  # type: ignore[misc]
@@ -159,6 +163,21 @@ async def run_scenario(
     rng = random.Random(spec.get("seed", 1))
     load = Load(client, rng)
     pump = asyncio.create_task(load.pump_outputs())
+    timeout = float(spec["timeout"])
+
+    async def guarded(awaitable: Awaitable[T]) -> T:
+        """``awaitable`` within the timeout, ended early if the output pump fails (e.g.
+        EngineDeadError: an engine died), whose error then ends the scenario."""
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait({task, pump}, timeout=timeout, return_when="FIRST_COMPLETED")
+        if task in done:
+            return task.result()
+        task.cancel()
+        if pump in done:
+            pump.result()
+            raise RuntimeError("the front-end's output pump stopped")
+        raise TimeoutError(f"{awaitable!r} took more than {timeout} s")
+
     pending_extra: list[asyncio.Task[str]] = []
     if spec.get("requests_at_wave_end"):
 
@@ -170,15 +189,15 @@ async def run_scenario(
         client.on_wave_end = fire
     try:
         # requests only once vLLM's handshake saw every engine READY, as vLLM's launcher
-        if not await asyncio.to_thread(startup_done.wait, spec["timeout"]):
+        if not await asyncio.to_thread(startup_done.wait, timeout):
             raise TimeoutError("the engines' startup handshake did not complete")
         for index, burst in enumerate(spec["bursts"]):
             ids = await load.burst(burst["count"], burst["min_tokens"], burst["max_tokens"])
             pause = burst.get("pause")
             if pause is not None:
                 report["stage"] = f"pause {pause} at burst {index}"
-                await wait_for_tokens(load, ids)
-                await client.pause_generation_async(mode=pause, clear_cache=True)
+                await guarded(wait_for_tokens(load, ids))
+                await guarded(client.pause_generation_async(mode=pause, clear_cache=True))
                 if pause == "keep":
                     ids += await load.burst(2, 1, 3)  # queued while paused, not rejected
                     frozen = dict(load.tokens)
@@ -188,18 +207,16 @@ async def run_scenario(
                     )
                 else:
                     ids += await load.burst(1, 1, 3)  # rejected: generation is paused
-                await client.resume_scheduler_async()
+                await guarded(client.resume_scheduler_async())
             report["stage"] = f"burst {index}"
-            await asyncio.wait_for(load.wait_all(ids), spec["timeout"])
+            await guarded(load.wait_all(ids))
             await asyncio.sleep(rng.uniform(*burst.get("gap", (0.0, 0.05))))
-        await asyncio.wait_for(
-            load.wait_all([t for t in await asyncio.gather(*pending_extra)]), spec["timeout"]
-        )
+        await guarded(load.wait_all(await asyncio.gather(*pending_extra)))
         # the last wave ends when the engines have nothing left: wait until published
         paused = client.__dict__["paused"] = asyncio.Event()
         if not client.engines_running:
             paused.set()
-        await asyncio.wait_for(paused.wait(), spec["timeout"])
+        await guarded(paused.wait())
         report["stage"] = "done"
     finally:
         pump.cancel()
@@ -242,6 +259,7 @@ def handshake(spec: dict[str, Any], report: dict[str, Any], done: threading.Even
                 socket, engines, vllm_config.parallel_config, True, vllm_config.cache_config, launch
             )
         report["handshake"] = "all engines READY"
+        report["handshake_done_at"] = time.time()
         done.set()
     except BaseException as exc:
         report["handshake"] = "".join(traceback.format_exception(exc))
@@ -250,6 +268,10 @@ def handshake(spec: dict[str, Any], report: dict[str, Any], done: threading.Even
 def main() -> int:
     spec = json.loads(sys.argv[1])
     report: dict[str, Any] = {"exception": None}
+    import vllm
+
+    tracer = CallTracer(str(Path(vllm.__file__).parent.parent))
+    tracer.start()
     startup_done = threading.Event()
     thread = threading.Thread(target=handshake, args=(spec, report, startup_done), daemon=True)
     thread.start()
@@ -258,6 +280,8 @@ def main() -> int:
         asyncio.run(asyncio.wait_for(scenario, spec["total_timeout"]))
     except BaseException as exc:
         report["exception"] = "".join(traceback.format_exception(exc))
+    tracer.stop()
+    report["called"] = tracer.called()
     Path(spec["report_path"]).write_text(json.dumps(report, indent=1))
     return 0 if report["exception"] is None else 1
 
