@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import zipfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -26,7 +25,7 @@ from typing import Any
 import trio
 import zmq
 
-from tests.vllm_reference import prepare_import_root, wheel_path
+from tests.vllm_reference import prepare_import_root, runner_command, wheel_path
 from trio_dpcoord.sim.collective import CollectiveHost
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -296,12 +295,11 @@ async def _run_processes(
 ) -> AsyncIterator[None]:
     """The front-end, then the engines, then (after ``coordinator_delay``) the
     coordinator; until the front-end's scenario ends, then the engines' clean stop."""
-    python = sys.executable
     async with AsyncExitStack() as stack:
         frontend = await stack.enter_async_context(
             _process(
                 nursery,
-                [python, str(HERE / "frontend_side.py"), json.dumps(frontend_spec)],
+                runner_command(HERE / "frontend_side.py", json.dumps(frontend_spec)),
                 env,
                 logs,
                 "frontend",
@@ -310,7 +308,7 @@ async def _run_processes(
         engines = []
         for rank in range(scenario.dp_size):
             spec = {**common, "rank": rank, "report_path": str(reports / f"engine-{rank}.json")}
-            command = [python, str(HERE / "engine_side.py"), json.dumps(spec)]
+            command = runner_command(HERE / "engine_side.py", json.dumps(spec))
             engines.append(
                 await stack.enter_async_context(
                     _process(nursery, command, env, logs, f"engine-{rank}")

@@ -116,8 +116,11 @@ class LockstepCollective:
     incarnation]``; the host answers once every rank contributed to ``(channel, seq)``,
     or with a failure naming the ranks that never arrived. ``seq`` counts this rank's
     rounds on the channel, so the n-th round of every rank meets the n-th round of its
-    peers, as successive collectives on one communicator do. Blocking and synchronous:
-    the engine's busy loop waits here exactly as it waits in a real all-reduce.
+    peers, as successive collectives on one communicator do. (The host keys its rounds by
+    what it calls ``(wave, step)``; here that pair carries ``(channel, seq)``, so its logs
+    read "wave 0 step 17" for forward round 17.) Blocking and synchronous: the engine's
+    busy loop waits here exactly as it waits in a real all-reduce; a rank that dies leaves
+    its peers failing within the host's timeout, as a DP group dies with a member.
     """
 
     def __init__(self, address: str, rank: int, *, timeout: float) -> None:
@@ -150,7 +153,8 @@ class LockstepCollective:
             if reply[2] is None:
                 raise CollectiveError(
                     f"rank {self._rank}: collective channel {channel} round {seq} failed: "
-                    f"ranks {reply[3]} never arrived (host round {reply[4]}/{reply[5]})"
+                    f"ranks {reply[3]} never arrived (the host's failed round: channel "
+                    f"{reply[4]} round {reply[5]})"
                 )
             self.rounds[channel] += 1
             return int(reply[2]), int(reply[3])

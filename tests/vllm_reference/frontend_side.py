@@ -200,6 +200,9 @@ async def run_scenario(
                 await guarded(client.pause_generation_async(mode=pause, clear_cache=True))
                 if pause == "keep":
                     ids += await load.burst(2, 1, 3)  # queued while paused, not rejected
+                    # outputs sent before the pause completed are already received (each
+                    # engine's outputs precede its pause result); let the pump take them
+                    await asyncio.sleep(0.1)
                     frozen = dict(load.tokens)
                     await asyncio.sleep(0.3)
                     report.setdefault("progress_while_paused", []).append(
