@@ -3,6 +3,7 @@
     python examples/launch_cluster.py                       # inproc coordinator, 4 engines
     python examples/launch_cluster.py --mode standalone     # `trio-dpcoord serve` + open_frontend
     python examples/launch_cluster.py --engines 2 --wake-path frontend --json
+    python examples/launch_cluster.py --timeline waves.png     # a picture of the run
 
 One command starts the coordinator (embedded in this trio front-end, or as the
 standalone ``python -m trio_dpcoord serve`` process), N simulated MoE engine processes
@@ -27,7 +28,14 @@ from collections.abc import Sequence
 
 import trio
 
-from trio_dpcoord.sim import ClusterConfig, ClusterReport, LoadPlan, Progress, run_cluster
+from trio_dpcoord.sim import (
+    ClusterConfig,
+    ClusterReport,
+    LoadPlan,
+    Progress,
+    plot_timeline,
+    run_cluster,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--json", action="store_true", help="make the last stdout line the summary as JSON"
+    )
+    parser.add_argument(
+        "--timeline",
+        metavar="PATH",
+        default=None,
+        help="draw the run to PATH (.png or .svg): one band per engine (running / idle / "
+        "paused), wave numbers, wake-ups and their latency, requests in flight; needs "
+        "matplotlib (pip install 'trio-dpcoord[plot]')",
     )
     parser.add_argument(
         "--log-level",
@@ -235,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             collective_timeout=args.collective_timeout,
             engine_log_level=args.log_level.upper(),
             restart_vanished=args.restart_vanished,
+            record_timeline=args.timeline is not None,
         )
     except ValueError as exc:
         print(f"launch_cluster: {exc}", file=sys.stderr)
@@ -245,6 +262,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted: every process stopped", file=sys.stderr)
         return 130
     print(_summary(report), flush=True)
+    if args.timeline is not None and report.timeline is not None:
+        title = (
+            f"{report.engines} engines, {report.mode} coordinator, wake path "
+            f"{report.wake_path}: {report.completed} requests, {report.waves} waves"
+        )
+        try:
+            plot_timeline(report.timeline, args.timeline, title=title)
+        except (RuntimeError, OSError, ValueError) as exc:
+            print(f"launch_cluster: cannot draw the timeline: {exc}", file=sys.stderr)
+            return 1
+        print(f"  timeline: {args.timeline}", flush=True)
     if args.json:
         print(json.dumps(report.to_json()), flush=True)
     return 0 if report.ok else 1

@@ -11,16 +11,12 @@ import pytest
 from tests.vllm_reference import VLLM_VERSION, VllmUnavailable, prepare_import_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VECTORS_PATH = REPO_ROOT.parent / "shared" / "protocol" / "vectors" / "vectors.json"
+VECTORS_PATH = REPO_ROOT / "tests" / "data" / "vectors.json"
 
 
 def load_vectors() -> list[dict[str, Any]]:
-    """vLLM's own frames, read from ../shared; the suite never carries a copy."""
-    if not VECTORS_PATH.parent.is_dir():
-        pytest.skip(
-            f"protocol vectors folder {VECTORS_PATH.parent} is absent: "
-            "byte-exact vLLM compatibility cannot be checked on this machine"
-        )
+    """vLLM 0.33.0's own frames, made by its code (``tests/vllm_reference/make_vectors.py``)
+    and committed; ``tests/test_vllm_vectors.py`` checks they still match vLLM."""
     vectors: list[dict[str, Any]] = json.loads(VECTORS_PATH.read_text())
     return vectors
 

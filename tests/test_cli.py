@@ -1,4 +1,4 @@
-"""The standalone coordinator (``python -m trio_dpcoord serve``) as a real subprocess (issue 4).
+"""The standalone coordinator (``python -m trio_dpcoord serve``) as a real subprocess.
 
 Raw peers drive it over its three sockets: engines from :mod:`trio_dpcoord.testing`, and
 front-ends that are bare XSUB sockets sending ``0x01``, as vLLM's DP clients are. Bytes
@@ -37,7 +37,7 @@ READY = [protocol.READY]
 
 
 def f64(value: float) -> bytes:
-    """msgpack float64, as every kv_cache_usage is encoded (PROTOCOL.md §3)."""
+    """msgpack float64, as every kv_cache_usage is encoded (docs/protocol.md §3)."""
     return b"\xcb" + struct.pack(">d", value)
 
 

@@ -1,4 +1,4 @@
-"""Faults (issue 7): an engine killed mid-wave, the standalone coordinator killed and
+"""Faults: an engine killed mid-wave, the standalone coordinator killed and
 restarted under live engines (vLLM #32136), a front-end that reconnects."""
 
 from __future__ import annotations
@@ -466,7 +466,7 @@ async def test_a_vanished_engine_is_restarted_and_the_cluster_goes_on() -> None:
 async def test_curve_simulated_engines_work_and_a_keyless_engine_is_kept_out(
     tmp_path: Path,
 ) -> None:
-    """Optional CURVE (issue 7): simulated engines with the coordinator's key run waves;
+    """Optional CURVE: simulated engines with the coordinator's key run waves;
     an engine without it never gets through the start-up gate (its subscription and
     announcement never arrive)."""
     _, secret = zmq.curve_keypair()

@@ -1,4 +1,4 @@
-"""open_frontend against an in-process coordinator's front socket, over real sockets (issue 4)."""
+"""open_frontend against an in-process coordinator's front socket, over real sockets."""
 
 from __future__ import annotations
 

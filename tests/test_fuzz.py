@@ -1,4 +1,4 @@
-"""Fuzzing the running coordinator over its real sockets (issue 7).
+"""Fuzzing the running coordinator over its real sockets.
 
 Hypothesis throws random and mutated frames (built from vLLM's vectors) at every socket:
 engine outputs (PULL), front-end payloads (front XPUB) and upstream payloads on the

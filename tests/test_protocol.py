@@ -1,4 +1,4 @@
-"""Tests for the wire codec against vLLM 0.33.0's own frames (../shared vectors)."""
+"""Tests for the wire codec against vLLM 0.33.0's own frames (tests/data/vectors.json)."""
 
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def test_vector(vectors: Vectors, name: str) -> None:
 
 
 def test_protocol_md_wave_complete_example() -> None:
-    # PROTOCOL.md §4.5: wave_complete=5 from engine 0 with timestamp 81234.5678
+    # docs/protocol.md §4.5: wave_complete=5 from engine 0 with timestamp 81234.5678
     out = EngineCoreOutputs(engine_index=0, timestamp=81234.5678, wave_complete=5)
     assert encode_engine_core_outputs(out).hex() == "990090c0cb40f3d52915b573ebc0c005c0c0"
 
@@ -295,7 +295,7 @@ def test_stats_map_is_vllm_shape() -> None:
     assert len(wire) == 9
     assert len(wire[2]) == 18
     assert frame[3:6] == b"\xde\x00\x12"  # 16-bit map header, as vLLM
-    assert len(frame) == 496  # PROTOCOL.md §4.6: 496 bytes for small numbers
+    assert len(frame) == 496  # docs/protocol.md §4.6: 496 bytes for small numbers
 
 
 def test_usage_is_always_float64() -> None:

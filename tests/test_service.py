@@ -1,8 +1,9 @@
-"""The in-process coordinator over real sockets, with bare engine peers (issue 3)."""
+"""The in-process coordinator over real sockets, with bare engine peers."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -373,6 +374,30 @@ async def test_bad_bind_address_fails_at_once() -> None:
     with pytest.raises(CoordinatorError, match="allow_remote"):
         async with open_coordinator(1, engine_output_address="tcp://0.0.0.0:0"):
             pass
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+async def test_an_ipv6_tcp_address_is_bound_in_ipv6_mode() -> None:
+    """vLLM puts a socket in IPv6 mode for a bracketed host; so do we, or the bind fails."""
+    with trio.fail_after(GUARD):
+        async with open_coordinator(
+            1, engine_input_address="tcp://[::1]:0", engine_output_address="tcp://[::1]:0"
+        ) as coordinator:
+            assert coordinator.engine_input_address.startswith("tcp://[::1]:")
+            async with open_context() as context:
+                async with open_socket(context, zmq.XSUB, options={zmq.IPV6: 1}) as sub:
+                    sub.connect(coordinator.engine_input_address)
+                    await sub.send(protocol.SUBSCRIBE)
+                    assert await sub.recv() == protocol.READY
 
 
 async def test_remote_bind_needs_the_opt_in_and_warns(caplog: pytest.LogCaptureFixture) -> None:

@@ -2,7 +2,7 @@
 
 In-process tests drive the engines (run_engine, several ranks in one trio run, the
 collective over ipc) with a hand-held coordinator socket pair and check the wire
-behaviour of PROTOCOL.md §6; the cluster tests run real engine processes against the
+behaviour of docs/protocol.md §6; the cluster tests run real engine processes against the
 embedded and the standalone coordinator for every wake path.
 """
 

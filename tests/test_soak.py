@@ -1,4 +1,4 @@
-"""The soak (issue 7): a long run against the standalone coordinator; not in CI's
+"""The soak: a long run against the standalone coordinator; not in CI's
 default run (``-m "not slow"``). Figures of a full run are in benchmarks/README.md."""
 
 from __future__ import annotations

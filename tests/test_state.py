@@ -94,7 +94,7 @@ def test_claims_coalesce_behind_one_broadcast() -> None:
     assert not state.first_request_pending
 
 
-# --- the races of PROTOCOL.md §8 --------------------------------------------------------------
+# --- the races of docs/protocol.md §8 ----------------------------------------------------------
 
 
 def test_r1_stale_first_request_after_wave_complete_does_not_rewind() -> None:

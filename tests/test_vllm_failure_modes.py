@@ -1,4 +1,4 @@
-"""The failure modes vLLM users reported, each against the simulated fleet (issue 7).
+"""The failure modes vLLM users reported, each against the simulated fleet.
 
 Issue numbers are the vLLM repository's. Engines run in-process (``SimEngine``, the
 collective over ipc) against the real coordinator; the coordinator-loss case (#32136)

@@ -39,6 +39,7 @@ from typing import Final, final
 
 from . import protocol
 from ._state import (
+    HEARTBEAT_INTERVAL,
     FirstRequest,
     LoadTable,
     PublishSchedule,
@@ -69,8 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL: Final = 5.0
-"""Front-ends get a publish at least this often, news or not (vLLM's heartbeat)."""
 MAX_WAVE: Final = (1 << 64) - 1
 """Waves travel as msgpack uint64: a wave_complete for this one has no next wave to send."""
 MAX_ENGINES: Final = 1 << 16

@@ -354,6 +354,8 @@ class Coordinator:
 def _bind(socket: AsyncSocket, address: str, *, allow_remote: bool, what: str) -> str:
     check_bind_address(address, allow_remote=allow_remote)
     try:
+        if address.startswith("tcp://["):
+            socket.setsockopt(zmq.IPV6, 1)  # an IPv6 host, as vLLM's make_zmq_socket does
         return socket.bind(address)
     except zmq.ZMQError as exc:
         raise CoordinatorError(f"cannot bind the {what} socket to {address!r}: {exc}") from exc

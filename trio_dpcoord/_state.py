@@ -11,10 +11,12 @@ import logging
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Final
 
 from .protocol import IDLE_LOAD, EngineLoad, StatsReport
 
 __all__ = [
+    "HEARTBEAT_INTERVAL",
     "FirstRequest",
     "LoadTable",
     "PublishSchedule",
@@ -25,6 +27,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL: Final = 5.0
+"""Front-ends get a publish at least this often, news or not (vLLM's heartbeat)."""
 
 @dataclass(frozen=True, slots=True)
 class WaveSnapshot:
@@ -333,7 +338,7 @@ class PublishSchedule:
 
     __slots__ = ("_last_publish", "heartbeat", "interval")
 
-    def __init__(self, interval: float = 0.1, heartbeat: float = 5.0) -> None:
+    def __init__(self, interval: float = 0.1, heartbeat: float = HEARTBEAT_INTERVAL) -> None:
         if interval <= 0 or heartbeat <= 0:
             raise ValueError("publish interval and heartbeat must be positive")
         self.interval = interval

@@ -158,6 +158,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "line) can connect, and traffic is encrypted",
     )
     serve.add_argument(
+        "--metrics-address",
+        metavar="HOST:PORT",
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (needs the metrics "
+        "extra: pip install 'trio-dpcoord[metrics]'); loopback unless --allow-remote; "
+        'port 0 picks a free port; the endpoints line then holds "metrics": URL',
+    )
+    serve.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="stop cleanly when standard input reaches end of file, so a launcher that "
@@ -202,12 +210,27 @@ async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> Non
         seen = view.current
 
 
+def _metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """``--metrics-address``, checked before anything binds (a bad one exits 2)."""
+    if args.metrics_address is None:
+        return None
+    try:
+        from .metrics import parse_metrics_address
+    except ImportError as exc:
+        raise CoordinatorError(
+            f"--metrics-address needs the metrics extra: pip install 'trio-dpcoord[metrics]' "
+            f"({exc})"
+        ) from None
+    return parse_metrics_address(args.metrics_address, allow_remote=args.allow_remote)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     # The signal receiver is installed before the endpoints line goes out and stays until
     # the counters line is written, so a launcher's signal never interrupts either.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         started = False
         try:
+            metrics_address = _metrics_address(args)
             async with open_coordinator(
                 args.engines,
                 engine_input_address=args.back_pub or None,
@@ -220,7 +243,6 @@ async def _serve(args: argparse.Namespace) -> int:
                 wake_confirm_timeout=args.wake_confirm_timeout,
                 curve_secret_key=args.curve_secret_key_file,
             ) as coordinator:
-                started = True
                 endpoints: dict[str, object] = {
                     "front": coordinator.front_address,
                     "back_pub": coordinator.engine_input_address,
@@ -228,8 +250,19 @@ async def _serve(args: argparse.Namespace) -> int:
                 }
                 if coordinator.curve_public_key is not None:
                     endpoints["curve_public_key"] = coordinator.curve_public_key.decode()
+                metrics = None
+                if metrics_address is not None:
+                    from .metrics import MetricsEndpoint, coordinator_registry
+
+                    metrics = await MetricsEndpoint.bind(
+                        coordinator_registry(coordinator), *metrics_address
+                    )
+                    endpoints["metrics"] = metrics.url
                 _emit(endpoints)
+                started = True
                 async with trio.open_nursery() as nursery:
+                    if metrics is not None:
+                        await nursery.start(metrics.serve)
                     nursery.start_soon(_log_gate_progress, coordinator, args.engines)
                     if args.exit_on_stdin_eof:
                         nursery.start_soon(cancel_at_stdin_eof, nursery.cancel_scope, logger)

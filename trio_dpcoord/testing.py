@@ -7,7 +7,8 @@ waves in lock-step, see :mod:`trio_dpcoord.sim`.
 
 :func:`open_serve` runs ``python -m trio_dpcoord serve`` for the duration of a block and
 yields its endpoints; blocking callers build the same command with :func:`serve_command`
-and read its first line with :func:`parse_endpoints`.
+and read its first line with :func:`parse_endpoints`. :func:`open_child` does the same
+for any program (the examples).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "EnginePeer",
     "ServeProcess",
     "connect_engines",
+    "open_child",
     "open_serve",
     "parse_endpoints",
     "rank_identity",
@@ -182,8 +184,9 @@ async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
 
 
 class ServeProcess:
-    """A running ``serve`` child (see :func:`open_serve`): its endpoints, the lines of its
-    stdout and its stderr, read as they come."""
+    """A running ``serve`` child (see :func:`open_serve`), or any program run with
+    :func:`open_child`: its endpoints, the lines of its stdout and its stderr, read as
+    they come."""
 
     def __init__(self, process: trio.Process, stderr_line: Callable[[str], None] | None) -> None:
         self.process = process
@@ -250,7 +253,7 @@ class ServeProcess:
             if self._open_streams == 0:
                 status = await self.process.wait()
                 raise RuntimeError(
-                    f"trio-dpcoord serve exited (status {status}) before {what}; "
+                    f"{self.process.args!r} exited (status {status}) before {what}; "
                     f"stderr:\n{self.stderr[-4000:]}"
                 )
             await self._changed.park()
@@ -269,6 +272,51 @@ class ServeProcess:
 
 
 @asynccontextmanager
+async def open_child(
+    command: Sequence[str],
+    *,
+    stderr_line: Callable[[str], None] | None = None,
+    env: Mapping[str, str] | None = None,
+    stop_grace: float = 5.0,
+) -> AsyncIterator[ServeProcess]:
+    """Run ``command`` for the duration of the block, its output read as it comes.
+
+    For ``serve`` (see :func:`open_serve`) and any program that announces itself on
+    stdout (the examples). Its stderr goes line by line to ``stderr_line`` if given, else
+    into :attr:`ServeProcess.stderr`. It runs in its own session (a terminal's Ctrl-C
+    reaches only the caller) with its stdin a pipe held by the caller. On exit, if still
+    running, it gets SIGTERM and ``stop_grace`` s to finish its output and exit, then
+    SIGKILL; it is always reaped, cancellation included.
+    """
+    process = await trio.lowlevel.open_process(
+        list(command),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
+    child = ServeProcess(process, stderr_line)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(child._pump, process.stdout, child._stdout)
+            nursery.start_soon(child._pump, process.stderr, child._stderr)
+            try:
+                yield child
+            finally:
+                with trio.CancelScope(shield=True):
+                    await child._terminate(stop_grace)
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:  # the pumps failed: never orphan it
+                process.kill()
+            await process.wait()
+            if process.stdin is not None:
+                await process.stdin.aclose()
+
+
+@asynccontextmanager
 async def open_serve(
     *options: str,
     ready_timeout: float | None = None,
@@ -279,39 +327,14 @@ async def open_serve(
     """``python -m trio_dpcoord serve`` with ``options``, for the duration of the block.
 
     Yields once the endpoints line is read (``trio.TooSlowError`` after
-    ``ready_timeout`` s; RuntimeError if it exits first). Its stderr goes line by line to
-    ``stderr_line`` if given, else into :attr:`ServeProcess.stderr`. It runs in its own
-    session (a terminal's Ctrl-C reaches only the caller) with its stdin a pipe held by
-    the caller, so with ``--exit-on-stdin-eof`` it also stops if the caller dies. On
-    exit, if still running, it gets SIGTERM and ``stop_grace`` s to write its counters
-    line (:attr:`ServeProcess.final_counters`) and exit, then SIGKILL; it is always
-    reaped, cancellation included.
+    ``ready_timeout`` s; RuntimeError if it exits first). With ``--exit-on-stdin-eof``
+    it also stops if the caller dies. On exit, if still running, it gets SIGTERM and
+    ``stop_grace`` s to write its counters line (:attr:`ServeProcess.final_counters`)
+    and exit, then SIGKILL (see :func:`open_child`).
     """
-    process = await trio.lowlevel.open_process(
-        serve_command(*options),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        env=env,
-    )
-    serve = ServeProcess(process, stderr_line)
-    try:
-        assert process.stdout is not None and process.stderr is not None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve._pump, process.stdout, serve._stdout)
-            nursery.start_soon(serve._pump, process.stderr, serve._stderr)
-            try:
-                with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
-                    serve.endpoints = parse_endpoints(await serve.line(0))
-                yield serve
-            finally:
-                with trio.CancelScope(shield=True):
-                    await serve._terminate(stop_grace)
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:  # the pumps failed: never orphan it
-                process.kill()
-            await process.wait()
-            if process.stdin is not None:
-                await process.stdin.aclose()
+    async with open_child(
+        serve_command(*options), stderr_line=stderr_line, env=env, stop_grace=stop_grace
+    ) as serve:
+        with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
+            serve.endpoints = parse_endpoints(await serve.line(0))
+        yield serve

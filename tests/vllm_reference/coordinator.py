@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ class VllmCoordinator:
 
     process: subprocess.Popen[str]
     addresses: VllmCoordinatorAddresses
+    log: IO[bytes] | None = None
+    """vLLM's stderr (its logs), when ``start_vllm_coordinator`` was not given one."""
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGINT (vLLM's own clean exit: KeyboardInterrupt), then SIGKILL if it lingers."""
@@ -72,7 +75,18 @@ class VllmCoordinator:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        if self.log is not None:
+            self.log.close()
         return self.process.returncode
+
+    def logs(self) -> str:
+        """What vLLM's coordinator logged so far (empty when its stderr went elsewhere)."""
+        if self.log is None or self.log.closed:
+            return ""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def __enter__(self) -> VllmCoordinator:
         return self
@@ -102,7 +116,8 @@ def start_vllm_coordinator(
 ) -> VllmCoordinator:
     """Start vLLM's coordinator in a subprocess; block until it reports its addresses.
 
-    For synchronous callers (benchmarks). Raises ``RuntimeError`` with its stderr if it
+    For synchronous callers (benchmarks). vLLM's logs go to ``stderr`` if given, else to
+    a temporary file (``VllmCoordinator.logs()``). Raises ``RuntimeError`` with them if it
     exits before binding. ``root`` is an import root from ``prepare_import_root``.
     """
     command = coordinator_command(
@@ -113,23 +128,25 @@ def start_vllm_coordinator(
         enable_wave_coordination=enable_wave_coordination,
         min_stats_update_interval_ms=min_stats_update_interval_ms,
     )
+    log = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 (closed by stop)
     process = subprocess.Popen(
         command,
         env=vllm_env(root),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE if stderr is None else stderr,
+        stderr=log if stderr is None else stderr,
         text=True,
     )
+    coordinator = VllmCoordinator(process, VllmCoordinatorAddresses("", "", ""), log)
     assert process.stdout is not None
     addresses = _read_addresses(process.stdout)
     if addresses is None:
-        process.kill()
-        _, err = process.communicate()
-        raise RuntimeError(f"vLLM's coordinator exited before binding:\n{err}")
-    if stderr is None and process.stderr is not None:
-        process.stderr.close()  # nobody reads it; a full pipe must not block vLLM's logging
-    return VllmCoordinator(process, addresses)
+        process.wait()
+        logs = coordinator.logs()
+        coordinator.stop()
+        raise RuntimeError(f"vLLM's coordinator exited before binding:\n{logs}")
+    coordinator.addresses = addresses
+    return coordinator
 
 
 @asynccontextmanager

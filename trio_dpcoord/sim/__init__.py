@@ -6,17 +6,27 @@ Built only on the public API (:func:`trio_dpcoord.open_coordinator`,
 users get.
 
 * :mod:`.engine` — one DP rank (``python -m trio_dpcoord.sim engine --rank R ...``),
-  faithful to PROTOCOL.md §6, stepping in lock-step with its peers through a real
+  faithful to docs/protocol.md §6, stepping in lock-step with its peers through a real
   collective between processes (:mod:`.collective`);
 * :mod:`.frontend` — the front-end (wave stamp, engine choice, optional
   ``notify_first_request``), wake-latency measurement and the bursty load generator;
 * :mod:`.cluster` — :func:`run_cluster`: coordinator + front-end + N engine processes
-  + load, as ``examples/launch_cluster.py`` runs it.
+  + load, as ``examples/launch_cluster.py`` runs it; :func:`open_engine_fleet` for
+  other front-ends (``examples/http_frontend.py``);
+* :mod:`.timeline` — what the front-end saw over time, and :func:`plot_timeline`.
 """
 
 from __future__ import annotations
 
-from .cluster import ClusterConfig, ClusterReport, EmbeddedCoordinator, Mode, Progress, run_cluster
+from .cluster import (
+    ClusterConfig,
+    ClusterReport,
+    EmbeddedCoordinator,
+    Mode,
+    Progress,
+    open_engine_fleet,
+    run_cluster,
+)
 from .collective import AllReduceResult, CollectiveTimeoutError
 from .engine import (
     CoordinatorLostError,
@@ -26,7 +36,15 @@ from .engine import (
     run_engine,
     run_sim_engine,
 )
-from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
+from .frontend import (
+    LoadPlan,
+    SimFrontend,
+    TokenListener,
+    WakePath,
+    generate_load,
+    open_sim_frontend,
+)
+from .timeline import Timeline, plot_timeline
 
 __all__ = [
     "AllReduceResult",
@@ -42,9 +60,13 @@ __all__ = [
     "Progress",
     "SimEngine",
     "SimFrontend",
+    "Timeline",
+    "TokenListener",
     "WakePath",
     "generate_load",
+    "open_engine_fleet",
     "open_sim_frontend",
+    "plot_timeline",
     "run_cluster",
     "run_engine",
     "run_sim_engine",

@@ -42,6 +42,7 @@ from ..testing import ServeProcess, open_serve, read_lines
 from .engine import DIAGNOSED_EXIT_STATUSES
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
+from .timeline import Timeline
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -52,6 +53,7 @@ __all__ = [
     "EmbeddedCoordinator",
     "Mode",
     "Progress",
+    "open_engine_fleet",
     "run_cluster",
 ]
 
@@ -105,6 +107,8 @@ class ClusterConfig:
     restart_vanished: bool = False
     """Restart an engine process that exits unexpectedly (after reporting it) and resubmit
     its in-flight requests, instead of ending the run."""
+    record_timeline: bool = False
+    """Record engine states, wake-ups and requests in flight (:attr:`ClusterReport.timeline`)."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -140,6 +144,8 @@ class ClusterReport:
     engine_pids: list[int] = field(default_factory=list)
     coordinator_pid: int | None = None
     duration: float = 0.0
+    timeline: Timeline | None = None
+    """What the front-end saw over time, with ``ClusterConfig.record_timeline``."""
 
     @property
     def errors(self) -> int:
@@ -405,6 +411,46 @@ async def _engine_fleet(
 
 
 @asynccontextmanager
+async def open_engine_fleet(
+    config: ClusterConfig,
+    frontend: SimFrontend,
+    *,
+    coordinator_input: str,
+    coordinator_output: str,
+    on_failure: Callable[[str], None],
+    log_line: Callable[[str], None] = _default_log_line,
+    report: ClusterReport | None = None,
+) -> AsyncIterator[tuple[int, ...]]:
+    """``config.engines`` simulated engine processes serving ``frontend``; yields their pids.
+
+    What :func:`run_cluster` runs, and what other front-ends can run (the HTTP example).
+    An engine process that exits while the block runs is reported to ``on_failure``
+    (one line naming its rank, pid and wave): the DP group is then broken. ``report``
+    (if given) collects engine pids, failures, restarts and collective timeouts.
+    Leaving the block stops every engine (stdin EOF, then SIGTERM, then SIGKILL) and
+    reaps it.
+    """
+    if report is None:
+        report = ClusterReport(config.mode, config.engines, config.wake_path, 0, 0)
+    failures = report.engine_failures
+    workdir = PrivateIpcDirectory()
+    try:
+        async with _engine_fleet(
+            config,
+            coordinator_input=coordinator_input,
+            coordinator_output=coordinator_output,
+            frontend=frontend,
+            collective_address=workdir.address("collective"),
+            report=report,
+            log_line=log_line,
+        ) as fleet:
+            fleet.on_failure = lambda: on_failure(failures[-1])
+            yield tuple(report.engine_pids)
+    finally:
+        workdir.cleanup()
+
+
+@asynccontextmanager
 async def _serve_process(
     config: ClusterConfig, report: ClusterReport, log_line: Callable[[str], None]
 ) -> AsyncIterator[ServeProcess]:
@@ -494,7 +540,6 @@ async def run_cluster(
         planned=config.load.requests,
     )
     started = trio.current_time()
-    workdir = PrivateIpcDirectory()
     frontend: SimFrontend | None = None
     coordinator: EmbeddedCoordinator | None = None
     serve: ServeProcess | None = None
@@ -526,22 +571,25 @@ async def run_cluster(
                 frontend = await stack.enter_async_context(
                     open_sim_frontend(view, config.engines, wake_path=config.wake_path)
                 )
-                fleet = await stack.enter_async_context(
-                    _engine_fleet(
+                if config.record_timeline:
+                    report.timeline = frontend.timeline = Timeline(config.engines, started)
+                await stack.enter_async_context(
+                    open_engine_fleet(
                         config,
+                        frontend,
                         coordinator_input=engine_input,
                         coordinator_output=engine_output,
-                        frontend=frontend,
-                        collective_address=workdir.address("collective"),
-                        report=report,
+                        on_failure=lambda _: run_scope.cancel(),
                         log_line=log_line,
+                        report=report,
                     )
                 )
-                fleet.on_failure = run_scope.cancel
                 with trio.move_on_after(config.ready_timeout) as ready_scope:
                     if coordinator is not None:
                         await coordinator.wait_ready()
                     await frontend.wait_for(lambda f: all(f.engine_ready))
+                if report.timeline is not None:  # the picture starts with the load
+                    report.timeline.start = trio.current_time()
                 if ready_scope.cancelled_caught:
                     fail(
                         f"engines not ready after {config.ready_timeout:g} s: ready "
@@ -562,6 +610,11 @@ async def run_cluster(
                         nursery.start_soon(_monitor, frontend, config, report, progress, fail)
                         await generate_load(frontend, config.load, after_burst=hook)
                         nursery.cancel_scope.cancel()
+                    if report.timeline is not None:
+                        # End the picture with the last wave, not with the teardown.
+                        with trio.move_on_after(1.0):
+                            await frontend.wait_for(lambda f: not any(f.engine_running))
+                        report.timeline.finish(trio.current_time())
                 if progress is not None:
                     progress(_progress(frontend, report))
                 _collect(report, frontend, coordinator)
@@ -570,8 +623,6 @@ async def run_cluster(
             raise
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("cluster run failed")
-    finally:
-        workdir.cleanup()
     if frontend is not None:
         _collect(report, frontend, coordinator)
     if serve is not None:
@@ -581,6 +632,8 @@ async def run_cluster(
         else:
             report.coordinator_errors = int(final.get("errors", 0))
     report.duration = trio.current_time() - started
+    if report.timeline is not None and report.timeline.end is None:
+        report.timeline.finish(trio.current_time())
     return report
 
 

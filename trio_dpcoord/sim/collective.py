@@ -2,7 +2,7 @@
 
 MoE DP ranks run every forward pass as a collective (all-to-all plus a token-count
 all-reduce) and every ``dp_sync_interval`` steps an all-reduce of
-``[has_unfinished, pending_pause]`` (PROTOCOL.md §6.5). A rank that is asleep while its
+``[has_unfinished, pending_pause]`` (docs/protocol.md §6.5). A rank that is asleep while its
 peers step makes them block: exactly the failure a wave coordinator must prevent. To
 reproduce it, the simulation runs one rendezvous per step over ZeroMQ:
 
@@ -14,7 +14,7 @@ reproduce it, the simulation runs one rendezvous per step over ZeroMQ:
 * a round is keyed by the group position ``(wave, step)``, which every rank of a healthy
   group agrees on (waves start and end on the same collective step everywhere). So a rank
   restarted at a wave boundary, which adopts the group's wave from START_DP_WAVE or a
-  stamped request (PROTOCOL.md §6.3/§6.4), meets its peers in the same rounds;
+  stamped request (docs/protocol.md §6.3/§6.4), meets its peers in the same rounds;
 * once every rank contributed to ``(wave, step)`` the host answers each with the sums
   ``[wave, step, sum_unfinished, sum_pending_pause]`` (the SUM all-reduce; non-sync steps
   simply ignore it); a client accepts only the answer to its own ``(wave, step)``;

@@ -1,4 +1,4 @@
-"""A simulated MoE DP engine (one DP rank), faithful to PROTOCOL.md §6 (checklist §6.9).
+"""A simulated MoE DP engine (one DP rank), faithful to docs/protocol.md §6 (checklist §6.9).
 
 Sockets, as a vLLM ``DPEngineCoreProc`` has them:
 
@@ -87,7 +87,7 @@ DIAGNOSED_EXIT_STATUSES: Final = frozenset(
 
 
 class EngineProtocolError(Exception):
-    """The coordinator sent something a vLLM engine would die on (PROTOCOL.md §4.1)."""
+    """The coordinator sent something a vLLM engine would die on (docs/protocol.md §4.1)."""
 
 
 class CoordinatorLostError(Exception):

@@ -27,6 +27,7 @@ started without it would block its peers in the collective.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -45,10 +46,12 @@ from ..protocol import IDLE_LOAD, EngineLoad
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
+from .timeline import Timeline
 
 __all__ = [
     "LoadPlan",
     "SimFrontend",
+    "TokenListener",
     "WakePath",
     "generate_load",
     "open_sim_frontend",
@@ -59,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 WakePath = Literal["engine", "frontend", "both"]
 WAKE_PATHS: tuple[WakePath, ...] = ("engine", "frontend", "both")
+
+TokenListener = Callable[[tuple[int, ...], "int | None"], None]
+"""Called with each output of one request: its new token ids and its finish reason
+(``None`` while running; vLLM's codes otherwise: 1 length, 2 abort, ...)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -115,6 +122,9 @@ class SimFrontend:
         self._orphans: list[str] = []
         self._calls: dict[int, _Call] = {}
         self._wake: _WakeMeasurement | None = None
+        self._listeners: dict[str, TokenListener] = {}
+        self.timeline: Timeline | None = None
+        """Set it to record engine states, wake-ups and requests in flight over time."""
         self.engine_ready = [False] * engine_count
         self.engine_running = [False] * engine_count
         self.engine_wave = [0] * engine_count
@@ -177,11 +187,19 @@ class SimFrontend:
             return (IDLE_LOAD,) * self.engine_count
         return loads
 
-    async def submit(self, max_tokens: int | None = None, *, engine: int | None = None) -> str:
+    async def submit(
+        self,
+        max_tokens: int | None = None,
+        *,
+        engine: int | None = None,
+        on_output: TokenListener | None = None,
+    ) -> str:
         """Stamp, route and send one request; returns its id.
 
         ``engine`` pins the request to one engine (vLLM's explicit ``data_parallel_rank``
         bypass, §7.2); by default the shared engine-choice score picks it.
+        ``on_output`` receives the request's tokens as the engine's outputs arrive, up to
+        and including the one that finishes it.
         """
         if engine is not None and not 0 <= engine < self.engine_count:
             raise ValueError(f"engine {engine} out of range for {self.engine_count} engines")
@@ -190,8 +208,21 @@ class SimFrontend:
         self._next_request += 1
         self.sent += 1
         self._max_tokens[request_id] = max_tokens
+        if on_output is not None:
+            self._listeners[request_id] = on_output
         await self._send_request(request_id, engine)
         return request_id
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the engine holding ``request_id`` to drop it (vLLM's ABORT); the engine then
+        finishes it with reason 2 (abort). No-op for a request that is not in flight."""
+        engine = self._pending.get(request_id)
+        if engine is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # its engine is gone: nothing to abort
+            await self._router.send_multipart(
+                [rank_identity(engine), *messages.encode_abort([request_id])]
+            )
 
     async def _send_request(self, request_id: str, engine: int | None) -> None:
         """Stamp with the coordinator's wave, choose the engine unless given, send ADD."""
@@ -209,6 +240,7 @@ class SimFrontend:
             max_tokens=self._max_tokens[request_id],
         )
         self._pending[request_id] = engine
+        self._record_in_flight()
         try:
             await self._router.send_multipart(
                 [rank_identity(engine), *protocol.encode_add_request(request)]
@@ -230,7 +262,13 @@ class SimFrontend:
             return
         if self.wake_path != "engine" and not snapshot.engines_running:
             self.notifications += 1
+            if self.timeline is not None:
+                self.timeline.notifications.append(trio.current_time())
             self.view.notify_first_request(engine)
+
+    def _record_in_flight(self) -> None:
+        if self.timeline is not None:
+            self.timeline.in_flight.append((trio.current_time(), self.pending))
 
     async def _wait_engines_back(self) -> None:
         if self._lost:
@@ -355,6 +393,13 @@ class SimFrontend:
             self._apply_status(status)
             return
         self.tokens += sum(len(o.new_token_ids) for o in out.outputs)
+        if self._listeners:
+            for output in out.outputs:
+                listener = self._listeners.get(output.request_id)
+                if listener is not None:
+                    if output.finish_reason is not None:
+                        del self._listeners[output.request_id]
+                    listener(output.new_token_ids, output.finish_reason)
         for request_id in out.finished_requests or ():
             engine = self._pending.pop(request_id, None)
             if engine is None and request_id in self._orphans:
@@ -371,9 +416,15 @@ class SimFrontend:
             self.chooser.finished(engine)
             self._max_tokens.pop(request_id, None)
             self.completed += 1
+        if out.finished_requests:
+            self._record_in_flight()
 
     def _apply_status(self, status: messages.EngineStatus) -> None:
         rank = status.engine_index
+        if self.timeline is not None:
+            self.timeline.engine_events.append(
+                (trio.current_time(), rank, status.event, status.wave)
+            )
         if status.wave < self.engine_wave[rank]:
             self.wave_regressions += 1
             logger.error(
@@ -391,6 +442,8 @@ class SimFrontend:
                 wake.waiting_for.discard(rank)
                 if not wake.waiting_for:
                     self.wake_latencies.append(trio.current_time() - wake.started)
+                    if self.timeline is not None:
+                        self.timeline.wakes.append((wake.started, trio.current_time()))
                     self._wake = None
         elif status.event == messages.EVENT_IDLE:
             self.engine_running[rank] = False

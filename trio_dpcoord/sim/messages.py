@@ -7,7 +7,7 @@ small additions of this simulation ride on the same sockets:
 
 * **Commands** (front-end → engine, request socket): ``03 | msgpack [client_index, call_id,
   method, args]``, shaped like vLLM's UTILITY calls. Methods: ``"pause_scheduler"``
-  (two-phase pause, PROTOCOL.md §6.8) and ``"resume_scheduler"``; ``args`` is ``[]``.
+  (two-phase pause, docs/protocol.md §6.8) and ``"resume_scheduler"``; ``args`` is ``[]``.
 * **Status events** (engine → front-end, completion socket): an ``EngineCoreOutputs`` whose
   ``utility_output`` is vLLM's ``UtilityOutput`` shape ``[call_id, None, result]`` with
   ``result`` a map ``{"event": EVENT, "wave": W}``. ``call_id`` is 0 for unsolicited
@@ -41,6 +41,7 @@ __all__ = [
     "UtilityCall",
     "decode_hello",
     "decode_utility_call",
+    "encode_abort",
     "encode_hello",
     "encode_utility_call",
     "parse_status",
@@ -120,6 +121,11 @@ def parse_status(out: protocol.EngineCoreOutputs) -> EngineStatus | None:
     if type(call_id) is not int or type(event) is not str or type(wave) is not int:
         return None
     return EngineStatus(out.engine_index, call_id, event, wave)
+
+
+def encode_abort(request_ids: Sequence[str]) -> list[bytes]:
+    """vLLM's ``ABORT`` request: ``01 | msgpack [request_id, ...]``."""
+    return [protocol.RequestType.ABORT.frame, msgpack.packb(list(request_ids))]
 
 
 def encode_hello(rank: int) -> bytes:

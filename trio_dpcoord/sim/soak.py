@@ -1,4 +1,4 @@
-"""A long run of the simulated cluster against the standalone coordinator (issue 7, soak).
+"""A long run of the simulated cluster against the standalone coordinator (soak).
 
 ``python -m trio_dpcoord.sim soak --waves 10000 --messages 1000000`` starts
 ``trio-dpcoord serve``, a simulated engine fleet and a front-end that sends tiny bursts

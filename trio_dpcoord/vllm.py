@@ -1,0 +1,264 @@
+"""Run trio_dpcoord in place of vLLM's own DP coordinator: ``TRIO_DPCOORD_VLLM=1``.
+
+vLLM 0.33 builds its ``DPCoordinator`` inside ``launch_core_engines`` and offers no
+option to choose another. This module is a ``vllm.general_plugins`` entry point (see
+pyproject.toml): vLLM calls :func:`register` in every one of its processes. Unless the
+user opts in with ``TRIO_DPCOORD_VLLM=1``, it does nothing at all.
+
+When opted in, it replaces one function, ``DPCoordinatorProc.run_coordinator``: the
+target of the child process that ``DPCoordinator.__init__`` starts (it looks the target
+up at call time). Everything else stays vLLM's: the addresses it chooses, the pipe
+through which the child reports the bound ones, the startup watch on the child's
+sentinel, ``wait_for_completion_or_failure`` and ``shutdown()``. Only the service inside
+that process is ours: :func:`run_coordinator` runs :func:`~trio_dpcoord.open_coordinator`
+with the front socket, as ``trio-dpcoord serve`` does.
+
+Nothing here imports vLLM at module level; vLLM is imported only inside :func:`register`
+and :func:`run_coordinator`, which only vLLM's own processes call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import multiprocessing
+import os
+import re
+import signal
+from multiprocessing.connection import Connection
+
+import trio
+
+from . import CoordinatorError, open_coordinator
+
+__all__ = ["ENABLE_VARIABLE", "register", "run_coordinator", "verified_vllm_version"]
+
+logger = logging.getLogger(__name__)
+
+ENABLE_VARIABLE = "TRIO_DPCOORD_VLLM"
+"""Set to ``1`` to opt in; unset, empty or ``0`` leaves vLLM's coordinator in place."""
+
+# 0.33.0 is the release we read and test against. Patch releases of one minor series keep
+# the coordinator's process interface; the parameter check in register() guards that too.
+# Local builds (0.33.0+cu128) count; pre-releases and dev builds of any kind do not.
+_VERIFIED_VERSION = re.compile(r"0\.33\.\d+(\+[0-9A-Za-z.]+)?")
+
+# What vLLM 0.33's DPCoordinator passes to the process target (and run_coordinator's
+# own defaulted parameter, min_stats_update_interval_ms, which DPCoordinator leaves at 100).
+_TARGET_PARAMETERS = (
+    "engine_count",
+    "front_publish_address",
+    "back_output_address",
+    "back_publish_address",
+    "zmq_addr_pipe",
+    "min_stats_update_interval_ms",
+    "enable_wave_coordination",
+    "logging_config",
+)
+
+
+def verified_vllm_version(version: str) -> bool:
+    """Whether this vLLM version is one the switch was verified against (0.33.x)."""
+    return _VERIFIED_VERSION.fullmatch(version) is not None
+
+
+class _ThroughVllmLogging(logging.Handler):
+    """Hands each of our records to the handlers vLLM's "vllm" logger has at that moment.
+
+    vLLM configures only its "vllm" logger, so our records would otherwise reach no
+    handler. The ``vllm`` CLI loads plugins while it builds its argument parser, before
+    it configures logging: until then our records go to stderr in a plain layout.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._before_vllm = logging.StreamHandler()
+        self._before_vllm.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+        )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_handlers = logging.getLogger("vllm").handlers
+        if not vllm_handlers:
+            self._before_vllm.handle(record)
+        for handler in vllm_handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _log_through_vllm(level: int | str) -> None:
+    """Route the "trio_dpcoord" loggers through vLLM's logging at ``level``, unless a
+    logging set-up already gave them handlers of their own."""
+    ours = logging.getLogger("trio_dpcoord")
+    if not ours.handlers:
+        ours.addHandler(_ThroughVllmLogging())
+        ours.propagate = False
+    if all(isinstance(handler, _ThroughVllmLogging) for handler in ours.handlers):
+        ours.setLevel(level)
+
+
+def _vllm_log_level() -> str:
+    """The level vLLM's logging gets by default (``VLLM_LOGGING_LEVEL``, INFO unset)."""
+    import vllm.envs
+
+    level: str = vllm.envs.VLLM_LOGGING_LEVEL
+    return level
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: switch the coordinator if opted in.
+
+    Called by vLLM's ``load_general_plugins()`` in every vLLM process (``EngineArgs``
+    runs it before any coordinator exists). Without ``TRIO_DPCOORD_VLLM=1`` it returns
+    at once. With it, on a vLLM version other than 0.33.x, or one whose coordinator
+    target does not take the parameters we know, it logs a WARNING and changes nothing.
+    Otherwise it installs :func:`run_coordinator` as ``DPCoordinatorProc.run_coordinator``
+    and logs it, at INFO in the main process and at DEBUG in vLLM's child processes
+    (engine cores and workers call it too), so a deployment says it once. Idempotent.
+    """
+    setting = os.environ.get(ENABLE_VARIABLE, "")
+    if setting != "1":
+        if setting not in ("", "0"):
+            _log_through_vllm(_vllm_log_level())
+            logger.warning(
+                "%s=%r is ignored: set it to 1 to use trio_dpcoord's DP coordinator",
+                ENABLE_VARIABLE,
+                setting,
+            )
+        return
+    _log_through_vllm(_vllm_log_level())
+    from vllm.version import __version__ as vllm_version
+
+    if not verified_vllm_version(vllm_version):
+        logger.warning(
+            "%s=1 has no effect on vLLM %s: trio_dpcoord's switch is verified with vLLM "
+            "0.33.x only; vLLM's own DP coordinator stays in use",
+            ENABLE_VARIABLE,
+            vllm_version,
+        )
+        return
+    from vllm.v1.engine.coordinator import DPCoordinatorProc
+
+    current = DPCoordinatorProc.run_coordinator
+    if current is run_coordinator:
+        return
+    parameters = tuple(inspect.signature(current).parameters)
+    if parameters != _TARGET_PARAMETERS:
+        logger.warning(
+            "%s=1 has no effect: vLLM %s's DPCoordinatorProc.run_coordinator takes %s, "
+            "not the parameters trio_dpcoord knows; vLLM's own DP coordinator stays in use",
+            ENABLE_VARIABLE,
+            vllm_version,
+            ", ".join(parameters),
+        )
+        return
+    DPCoordinatorProc.run_coordinator = staticmethod(run_coordinator)
+    log = logger.info if multiprocessing.parent_process() is None else logger.debug
+    log(
+        "%s=1: vLLM %s will run trio_dpcoord's DP coordinator instead of its own",
+        ENABLE_VARIABLE,
+        vllm_version,
+    )
+
+
+def run_coordinator(
+    engine_count: int,
+    front_publish_address: str,
+    back_output_address: str,
+    back_publish_address: str,
+    zmq_addr_pipe: Connection | None = None,
+    min_stats_update_interval_ms: int = 100,
+    enable_wave_coordination: bool = True,
+    logging_config: object | None = None,
+) -> None:
+    """Body of vLLM's coordinator process: trio_dpcoord bound where vLLM asked.
+
+    Same parameters as vLLM 0.33's ``DPCoordinatorProc.run_coordinator``, and importable
+    by name, so vLLM's ``spawn`` start method pickles it as it is. Binds the front XPUB to
+    ``front_publish_address``, the engine PULL to ``back_output_address`` and the engine
+    XPUB to ``back_publish_address`` (tcp port 0 resolved, ipc paths as given), then sends
+    the bound ``(front, back_output, back_publish)`` through ``zmq_addr_pipe``, in vLLM's
+    order, and closes it. Returns (exit status 0) on SIGTERM or SIGINT. If a socket cannot
+    be bound, or the service fails later, it logs the reason at ERROR and exits with
+    status 1 without writing to the pipe, so vLLM's startup watch (or its process
+    monitor, later) reports the failure.
+    """
+    try:
+        if logging_config is not None:
+            from vllm.logger import configure_logging
+
+            configure_logging(logging_config)
+        _log_through_vllm(logging.getLogger("vllm").getEffectiveLevel())
+        from vllm.utils.system_utils import set_process_title
+
+        set_process_title("DPCoordinator")
+        # Under fork this process inherits the parent's signal set-up: its event loop's
+        # wakeup fd (which trio would otherwise warn about) and maybe its handlers.
+        signal.set_wakeup_fd(-1)
+        # Until trio's signal receiver is installed, SIGTERM stops it quietly like SIGINT.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        status = trio.run(
+            _serve,
+            engine_count,
+            front_publish_address,
+            back_output_address,
+            back_publish_address,
+            zmq_addr_pipe,
+            min_stats_update_interval_ms / 1000.0,
+            enable_wave_coordination,
+        )
+    except KeyboardInterrupt:
+        logger.info("DP coordinator stopped before it was serving")
+        status = 0
+    finally:
+        if zmq_addr_pipe is not None:
+            zmq_addr_pipe.close()
+    if status != 0:
+        raise SystemExit(status)
+
+
+async def _serve(
+    engine_count: int,
+    front_publish_address: str,
+    back_output_address: str,
+    back_publish_address: str,
+    zmq_addr_pipe: Connection | None,
+    stats_interval: float,
+    wave_coordination: bool,
+) -> int:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            async with open_coordinator(
+                engine_count,
+                engine_input_address=back_publish_address,
+                engine_output_address=back_output_address,
+                front_address=front_publish_address,
+                ready_timeout=None,  # vLLM's coordinator waits for every engine, too
+                wave_coordination=wave_coordination,
+                stats_interval=stats_interval,
+                # vLLM chose these addresses (tcp beyond loopback when engines are remote)
+                allow_remote=True,
+            ) as coordinator:
+                if zmq_addr_pipe is not None:
+                    zmq_addr_pipe.send(
+                        (
+                            coordinator.front_address,
+                            coordinator.engine_output_address,
+                            coordinator.engine_input_address,
+                        )
+                    )
+                    zmq_addr_pipe.close()
+                logger.info(
+                    "trio_dpcoord DP coordinator serving %d engines (wave coordination %s)",
+                    engine_count,
+                    "on" if wave_coordination else "off",
+                )
+                async for signum in signals:
+                    logger.info("%s received: stopping", signal.Signals(signum).name)
+                    break
+        except CoordinatorError as exc:
+            logger.error("trio_dpcoord DP coordinator failed: %s", exc)
+            return 1
+    logger.info("trio_dpcoord DP coordinator stopped")
+    return 0
