@@ -34,39 +34,25 @@ HERE = Path(__file__).resolve().parent
 CLUSTER_INERT = (
     # third-party packages vLLM imports but these code paths never use
     "cbor2",
-    "cloudpickle",
-    "cpuinfo",
     "huggingface_hub",
-    "numpy",
     "prometheus_client",
     "pybase64",
-    "requests",
     "transformers",
-    "uvloop",
     # vLLM modules that need torch or a GPU; engine_side.py stands in for what runs
-    "vllm.compilation",
-    "vllm.config",
-    "vllm.distributed",
     "vllm.logging_utils.dump_input",
     "vllm.lora",
-    "vllm.model_executor",
-    "vllm.multimodal",
-    "vllm.platforms",
     "vllm.tracing",
     "vllm.transformers_utils",
-    "vllm.utils.torch_utils",
-    "vllm.v1.attention",
     "vllm.v1.core.kv_cache_planning",
     "vllm.v1.core.kv_cache_utils",
     "vllm.v1.core.single_type_kv_cache_manager",
     "vllm.v1.engine.tensor_ipc",
     "vllm.v1.executor",
     "vllm.v1.kv_cache_interface",
-    "vllm.v1.outputs",
-    "vllm.v1.spec_decode",
     "vllm.v1.structured_output",
 )
-"""Dotted names the engine and front-end processes' import root makes inert."""
+"""Dotted names the engine and front-end processes' import root makes inert, beyond the
+loader's ``DEFAULT_INERT`` (``vllm.config``, ``vllm.distributed``, numpy, ...)."""
 
 CLUSTER_REAL = ("vllm.outputs",)
 """Modules the loader makes inert by default that these processes use for real: a paused
@@ -129,6 +115,8 @@ class ClusterResult:
     engines: list[dict[str, Any]]
     collective_failure: str | None
     collective_rounds: int
+    open_rounds: dict[tuple[int, int], tuple[int, ...]]
+    """Collective rounds some rank entered and not every rank finished: a stall."""
     logs: dict[str, str]
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -145,6 +133,8 @@ def failures(result: ClusterResult, scenario: Scenario) -> list[str]:
         found.append(f"handshake: {str(fe.get('handshake')).strip()[-300:]}")
     if result.collective_failure:
         found.append(f"collective: {result.collective_failure}")
+    elif result.open_rounds:
+        found.append(f"collective rounds left open (channel, round) -> ranks: {result.open_rounds}")
     for engine in result.engines:
         if engine.get("exception"):
             last = engine["exception"].strip().splitlines()[-1]
@@ -277,6 +267,7 @@ async def run_cluster(
         engines=engines,
         collective_failure=str(host.failure) if host.failure else None,
         collective_rounds=host.completed_rounds,
+        open_rounds=host.open_rounds(),
         logs={name: b"".join(chunks).decode(errors="replace") for name, chunks in logs.items()},
     )
 

@@ -1,7 +1,7 @@
 """vLLM 0.33.0's DP engine core, run for real in a torch-free process (one per DP rank).
 
 Run as ``python engine_side.py SPEC_JSON`` with a vLLM import root first on
-``PYTHONPATH`` (see :data:`ENGINE_INERT` for the modules that root makes inert). The
+``PYTHONPATH`` (``dp_cluster.prepare_cluster_root``: the modules it makes inert). The
 process calls vLLM's own entry point ``EngineCoreProc.run_engine_core`` exactly as vLLM's
 ``CoreEngineProcManager`` does, so everything from the startup handshake to the
 SIGTERM shutdown is vLLM's code: ``DPEngineCoreProc``'s busy loop, its input/output
@@ -60,43 +60,6 @@ from vllm.v1.engine import (
     FinishReason,
 )
 from vllm.v1.request import RequestStatus
-
-ENGINE_INERT = (
-    # third-party packages vLLM imports but these code paths never use
-    "cbor2",
-    "cloudpickle",
-    "cpuinfo",
-    "huggingface_hub",
-    "numpy",
-    "prometheus_client",
-    "requests",
-    "transformers",
-    "urllib3",
-    "uvloop",
-    # vLLM modules that need torch or a GPU, replaced by the stand-ins of this file
-    "vllm.compilation",
-    "vllm.config",
-    "vllm.distributed",
-    "vllm.logging_utils.dump_input",
-    "vllm.lora",
-    "vllm.model_executor",
-    "vllm.multimodal",
-    "vllm.platforms",
-    "vllm.tracing",
-    "vllm.transformers_utils",
-    "vllm.utils.torch_utils",
-    "vllm.v1.attention",
-    "vllm.v1.core.kv_cache_planning",
-    "vllm.v1.core.kv_cache_utils",
-    "vllm.v1.core.single_type_kv_cache_manager",
-    "vllm.v1.engine.tensor_ipc",
-    "vllm.v1.executor",
-    "vllm.v1.kv_cache_interface",
-    "vllm.v1.outputs",
-    "vllm.v1.spec_decode",
-    "vllm.v1.structured_output",
-)
-"""Dotted names the engine processes' import root makes inert (placeholder modules)."""
 
 FORWARD_CHANNEL = 0
 """Collective channel of forward passes (the MoE all-to-all of every step)."""
