@@ -25,7 +25,14 @@ the contract the engine core relies on:
   ``ParallelConfig.sync_dp_state`` and ``has_unfinished_dp`` are vLLM's own function
   bodies (compiled from ``vllm/config/parallel.py``) with a tiny tensor type and that
   all-reduce in place of torch's;
-* ``VllmConfig`` and its parts -> plain objects carrying the fields the engine reads.
+* ``VllmConfig`` and its parts -> plain objects carrying the fields the engine reads;
+* ``vllm.sampling_params`` -> a msgspec struct with the fields a request's are read for
+  (``cluster_standins/``).
+
+Two names in ``vllm.v1.engine.core`` are rebound before the engine starts, because vLLM
+looks them up there: ``DPEngineCoreProc`` (which ``run_engine_core`` instantiates) to
+:class:`StandInDPEngineCoreProc`, and ``ParallelConfig`` (whose ``has_unfinished_dp``
+``resume_scheduler`` calls; ``vllm.config`` is inert) to :class:`StandInParallelConfig`.
 
 A profiler records every vLLM function that ran; the process writes a JSON report
 (functions called, final wave, any exception) when it exits.
@@ -35,7 +42,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import secrets
 import sys
 import textwrap
@@ -675,10 +681,10 @@ def main() -> int:
             "dp_group": collective.rounds[DP_GROUP_CHANNEL],
         }
         report["called"] = tracer.called()
+        collective.close()
         Path(spec["report_path"]).write_text(json.dumps(report, indent=1))
     return 0 if report["exception"] is None else 1
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     sys.exit(main())
