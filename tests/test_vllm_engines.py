@@ -210,8 +210,8 @@ async def run(
         return await run_cluster(root, vllm_env(root), tmp_path, coordinator, scenario)
 
 
-def assert_healthy(result: ClusterResult, scenario: Scenario) -> None:
-    found = failures(result, scenario)
+def assert_healthy(result: ClusterResult) -> None:
+    found = failures(result)
     assert not found, "\n".join(found) + "\n" + result.log_tail()
     assert result.collective_rounds > 0
     for engine in result.engines:
@@ -239,7 +239,7 @@ async def test_bursty_load_with_our_coordinator(
     scenario = Scenario(dp_size=dp_size, bursts=bursts(6, 2 * dp_size))
     ours = Ours()
     result = await run(cluster_root, tmp_path, ours, scenario)
-    assert_healthy(result, scenario)
+    assert_healthy(result)
     assert all(e["forward_passes"] > 0 for e in result.engines)
     assert_clean_counters(ours)
 
@@ -247,7 +247,7 @@ async def test_bursty_load_with_our_coordinator(
 async def test_bursty_load_with_vllm_coordinator(cluster_root: Path, tmp_path: Path) -> None:
     scenario = Scenario(dp_size=3, bursts=bursts(6, 6))
     result = await run(cluster_root, tmp_path, vllms(cluster_root), scenario)
-    assert_healthy(result, scenario)
+    assert_healthy(result)
 
 
 @pytest.mark.parametrize("coordinator", ["ours", "vllm"])
@@ -266,7 +266,7 @@ async def test_pause_and_resume(
         ],
     )
     result = await run(cluster_root, tmp_path, chosen(coordinator, cluster_root), scenario)
-    assert_healthy(result, scenario)
+    assert_healthy(result)
     for engine in result.engines:
         missing = [m for m in PAUSE_METHODS if m not in engine["called"]]
         assert not missing, f"engine {engine['rank']} never ran {missing}"
@@ -300,7 +300,7 @@ async def test_coordinator_started_after_the_engines(
             yield
 
     result = await run(cluster_root, tmp_path, late, scenario)
-    assert_healthy(result, scenario)
+    assert_healthy(result)
     if isinstance(inner, Ours):
         assert_clean_counters(inner)
     assert result.frontend["handshake_done_at"] > started[0]
@@ -314,7 +314,7 @@ async def test_stress_sync_every_step_and_requests_at_wave_ends(
         dp_size=3, bursts=bursts(8, 3, (1, 4)), dp_sync_interval=1, requests_at_wave_end=6
     )
     result = await run(cluster_root, tmp_path, chosen(coordinator, cluster_root), scenario)
-    assert_healthy(result, scenario)
+    assert_healthy(result)
     assert result.frontend["extra_sent"] == 6
 
 
@@ -333,7 +333,7 @@ async def test_stress_long_run(cluster_root: Path, tmp_path: Path, coordinator: 
     result = await run(
         cluster_root, tmp_path, chosen(coordinator, cluster_root), scenario, guard=900.0
     )
-    assert_healthy(result, scenario)
+    assert_healthy(result)
     assert result.frontend["extra_sent"] == 100
 
 
@@ -348,13 +348,56 @@ async def test_one_request_at_a_time_needs_the_wake(
     ours = Ours()
     result = await run(cluster_root, tmp_path, ours if kind == "ours" else broken(kind), scenario)
     if kind == "ours":
-        assert_healthy(result, scenario)
+        assert_healthy(result)
         assert_clean_counters(ours)
         # every wave started on one engine: our START_DP_WAVE woke the other
         assert ours.counters is not None
         assert ours.counters["wave_starts"] >= len(scenario.bursts)
         return
-    found = failures(result, scenario)
+    found = failures(result)
     assert any(f.startswith("collective: collective timeout") for f in found), found
     assert any(f.endswith("never finished") for f in found), found
     assert any(" exception: " in f for f in found), found
+
+
+def test_the_checks_are_not_vacuous() -> None:
+    """Each pass criterion of :func:`failures` flags a report that breaks it."""
+
+    def result(**frontend: Any) -> ClusterResult:
+        engine = {"rank": 0, "exception": None, "current_wave": 2, "engines_running": False}
+        return ClusterResult(
+            frontend={
+                "exception": None,
+                "handshake": "all engines READY",
+                "sent": {"req-1": 3},
+                "finished": {"req-1": "LENGTH"},
+                "tokens": {"req-1": 3},
+                "rejected": [],
+                "wave_history": [0, 1, 2],
+                **frontend,
+            },
+            engines=[engine, {**engine, "rank": 1}],
+            collective_failure=None,
+            collective_rounds=10,
+            open_rounds={},
+            logs={},
+        )
+
+    assert failures(result()) == []
+    assert failures(result(wave_history=[0, 2, 1])) == [
+        "the front-end saw the wave go backwards: [0, 2, 1]"
+    ]
+    assert failures(result(tokens={"req-1": 2})) == ["req-1: 2 of 3 tokens"]
+    assert failures(result(finished={})) == ["req-1 never finished"]
+    assert failures(result(finished={"req-1": "ERROR"})) == ["req-1 finished with ERROR"]
+    stalled = result()
+    stalled.open_rounds = {(0, 7): (1,)}
+    assert failures(stalled) == [
+        "collective rounds left open (channel, round) -> ranks: {(0, 7): (1,)}"
+    ]
+    apart = result()
+    apart.engines[1]["current_wave"] = 3
+    assert failures(apart) == ["engines ended on different waves: ['2', '3']"]
+    running = result()
+    running.engines[0]["engines_running"] = True
+    assert failures(running) == ["an engine ended still running"]

@@ -123,7 +123,7 @@ class ClusterResult:
         return "\n".join(f"--- {name}\n{text[-chars:]}" for name, text in self.logs.items())
 
 
-def failures(result: ClusterResult, scenario: Scenario) -> list[str]:
+def failures(result: ClusterResult) -> list[str]:
     """The pass criteria: an empty list when the run was healthy."""
     found: list[str] = []
     fe = result.frontend
