@@ -397,7 +397,7 @@ class Runner:
             self.rows.append(
                 Row(
                     "3 wake+load",
-                    f"N=8 standalone start_wave {stat} vs vLLM",
+                    f"N=8 standalone start_wave {stat} under load vs vLLM",
                     ours[stat],
                     "us",
                     base[stat],
