@@ -11,8 +11,8 @@ effect to the one task that owns where it goes:
 effect                       owner
 ===========================  =======================================================
 :class:`Broadcast`           the broadcaster, the only sender on the engine XPUB
-:class:`Publish`             the front publisher, the only sender on the front XPUB
-:class:`RescheduleTimedPublish`  the front publisher (its next deadline moved earlier)
+:class:`Publish`             the broadcaster too, the only sender on the front XPUB
+:class:`RescheduleTimedPublish`  the broadcaster (its next timed publish moved earlier)
 :class:`ArmWakeDeadline`     the wake watchdog (call :meth:`CoordinatorCore.wake_deadline_passed`)
 :class:`Reject`              the log (the core has already counted it)
 :class:`FirstRequest`, :class:`ScaleRequest`  the command receiver (call
