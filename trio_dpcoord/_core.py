@@ -604,7 +604,7 @@ class CoordinatorCore:
         self._wake_latency.observe(max(0.0, now - broadcast.decided_at))
 
     def publish_sent(self) -> None:
-        """The front publisher sent one publish."""
+        """The broadcaster sent one publish on the front socket."""
         self._front_publishes += 1
 
     # --- the rules ------------------------------------------------------------------------
