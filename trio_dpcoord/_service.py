@@ -2,8 +2,8 @@
 
 One nursery runs, per the design card::
 
-    handle.notify_first_request ─┐ (claim under the lock)
-    front receiver (FIRST_REQ, SCALE) ┴─► [command channel] ─► command receiver ─┐
+    handle.notify_first_request (claim and apply, in the caller's task) ────────────┐
+    front receiver (FIRST_REQ, SCALE) ─► [command channel] ─► command receiver ─────┤
     engine PUSH ─► PULL ─► engine-output listener (batch receive) ──────────────────┤
     back XPUB subscriptions ─► subscription watcher ────────────────────────────────┤
     wake deadlines ─► wake watchdog ────────────────────────────────────────────────┤
@@ -346,12 +346,14 @@ class Coordinator:
     def notify_first_request(self, engine_index: int) -> None:
         """A request is being routed to ``engine_index``: wake the engines if they sleep.
 
-        Synchronous and non-blocking. If the snapshot says paused, it flips to running
-        at once and a first-request notice is queued for the command receiver, which
-        broadcasts START_DP_WAVE with vLLM PR #46833's rule; if the engines already run
-        (or a wake-up is already queued) nothing happens, so concurrent callers
-        coalesce behind one broadcast. ``TypeError`` for a non-int, ``ValueError`` for
-        an index outside the table, :class:`CoordinatorClosedError` once stopped.
+        Synchronous and non-blocking; call it from a trio task. If the snapshot says
+        paused, it flips to running at once and the first-request notice is applied in
+        the same critical section (vLLM PR #46833's rule), its START_DP_WAVE handed to the
+        broadcaster's channel: one scheduler pass less than through the command receiver,
+        which still takes the front-ends' FIRST_REQ and SCALE. If the engines already run
+        (or a wake-up is already claimed) nothing happens, so concurrent callers coalesce
+        behind one broadcast. ``TypeError`` for a non-int, ``ValueError`` for an index
+        outside the table, :class:`CoordinatorClosedError` once stopped.
         """
         if type(engine_index) is not int:
             raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
@@ -360,7 +362,7 @@ class Coordinator:
                 raise CoordinatorClosedError("the coordinator has stopped")
             claim = self._core.claim_first_request(engine_index)
             if claim is not None:
-                self._pumps.commands.send_nowait(claim)
+                self._pumps.dispatch(self._core.receive_command(claim, trio.current_time()))
         if claim is not None:
             self._pumps.changed()
 
