@@ -159,10 +159,13 @@ async def open_vllm_coordinator(
     enable_wave_coordination: bool = True,
     min_stats_update_interval_ms: int = 100,
     root: Path | None = None,
+    log_lines: list[str] | None = None,
 ) -> AsyncIterator[VllmCoordinatorAddresses]:
     """Trio: vLLM's coordinator for the duration of the block; SIGINT and reap on exit.
 
-    vLLM's logs (stderr) are drained and dropped; stdout is read for the addresses line.
+    vLLM's logs (stderr) are appended line by line to ``log_lines`` if given (else only
+    kept for the error raised when it dies before binding); stdout is read for the
+    addresses line.
     """
     command = coordinator_command(
         engine_count,
@@ -182,22 +185,22 @@ async def open_vllm_coordinator(
             stderr=subprocess.PIPE,
         )
         assert process.stdout is not None and process.stderr is not None
-        stderr_tail: list[bytes] = []
+        lines: list[str] = [] if log_lines is None else log_lines
 
         async def drain_stderr(stream: trio.abc.ReceiveStream) -> None:
+            pending = b""
             async for chunk in stream:
-                stderr_tail.append(bytes(chunk))
-                del stderr_tail[:-20]
+                *complete, pending = (pending + chunk).split(b"\n")
+                lines.extend(line.decode(errors="replace") for line in complete)
+                if log_lines is None:
+                    del lines[:-50]
 
         nursery.start_soon(drain_stderr, process.stderr)
         try:
             addresses = await _receive_addresses(process.stdout)
             if addresses is None:
                 await process.wait()
-                raise RuntimeError(
-                    "vLLM's coordinator exited before binding:\n"
-                    + b"".join(stderr_tail).decode(errors="replace")
-                )
+                raise RuntimeError("vLLM's coordinator exited before binding:\n" + "\n".join(lines))
             nursery.start_soon(_drain, process.stdout)
             yield addresses
         finally:
