@@ -3,12 +3,18 @@
 Each test runs one script twice at the same time: against vLLM's real coordinator process
 (``DPCoordinatorProc.run_coordinator``, see ``tests/vllm_reference``) and against our
 standalone coordinator (``python -m trio_dpcoord serve``), each with its own scripted
-peers: engines as vLLM's are (an XSUB with the rank as identity, a PUSH;
-:func:`trio_dpcoord.testing.connect_engines`) and front-ends as vLLM's DP clients are
-(an XSUB sending ``0x01``). Every broadcast an engine receives and every publish a
-front-end receives is recorded with its bytes and a timing class, and the two recordings
-must be equal, peer by peer, in order. Where we deliberately differ from vLLM, the test
-says so in its name and docstring, asserts our behaviour and shows vLLM's.
+peers: engines as vLLM's are (an XSUB with the rank as identity and a PUSH,
+:func:`trio_dpcoord.testing.connect_engines`; their outputs all go through one PUSH so
+that they arrive in the script's order) and front-ends as vLLM's DP clients are (an XSUB
+sending ``0x01``). On vLLM's side everything from ``run_coordinator`` down is vLLM's code
+(its loop, ``make_zmq_socket``, ``MsgpackDecoder(EngineCoreOutputs)``, ``msgspec``); the
+stand-ins are torch and the modules listed in ``tests/vllm_reference/README.md``, and the
+``zmq_addr_pipe`` through which it reports its addresses.
+
+Every broadcast an engine receives and every publish a front-end receives is recorded with
+its bytes and a timing class, and the two recordings must be equal, peer by peer, in
+order. Where we deliberately differ from vLLM, the test says so in its name (``differs``)
+and docstring, asserts our behaviour and shows vLLM's.
 
 Timing classes, measured from the script's last action or the peer's previous message,
 whichever is later: ``now`` (well under the stats interval), ``interval`` (about one

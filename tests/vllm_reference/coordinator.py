@@ -38,7 +38,7 @@ def coordinator_command(
     min_stats_update_interval_ms: int = 100,
 ) -> list[str]:
     """The command line of the coordinator runner; ``None`` addresses are picked by vLLM
-    (fresh IPC paths); ``tcp://127.0.0.1:*`` binds an ephemeral port."""
+    (fresh IPC paths); ``tcp://127.0.0.1:0`` binds an ephemeral port (vLLM rejects ``:*``)."""
     kwargs: dict[str, Any] = {
         "engine_count": engine_count,
         "front_publish_address": front_publish_address,
