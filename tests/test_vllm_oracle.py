@@ -614,6 +614,57 @@ async def test_differs_only_in_logging_a_slower_engines_stats_as_out_of_order(
     assert [line for line in ours.log if "out-of-order" in line] == []
 
 
+async def test_differs_wave_reports_need_a_known_engine(vllm_root: Path) -> None:
+    """A start_wave from an engine index beyond the table (2 engines, index 5): vLLM starts
+    the wave and excludes the nonexistent engine, so every real engine wakes; ours rejects
+    the report, and the wave starts when a real engine reports."""
+
+    async def script(side: Side) -> None:
+        await open_gate(side)
+        await side.start_wave(5, 0)
+        await side.start_wave(1, 0)
+        await side.wait_for("engine0", 2)
+        await side.wait_for("front", 2)
+
+    vllm, ours = await side_by_side(vllm_root, script)
+    assert vllm.seen("engine0")[1:] == [("START_DP_WAVE(0, exclude=5)", "now")]
+    assert ours.seen("engine0")[1:] == [("START_DP_WAVE(0, exclude=1)", "now")]
+    assert ours.seen("front")[1:] == vllm.seen("front")[1:] == [(publish(None, 0, True), "now")]
+
+
+async def test_differs_a_report_before_the_gate_is_published_after_the_first_counts(
+    vllm_root: Path,
+) -> None:
+    """Engine 1 starts a wave while engine 0 has not subscribed yet. Engines see the same:
+    READY, then START_DP_WAVE (vLLM reads engine outputs only once its gate is open; ours
+    applies the report at once and queues the broadcast behind READY). Front-ends see the
+    same final state in another order: ours publishes the first counts as of the gate
+    (paused), then the wave start; vLLM handles the queued report before its first timed
+    publish, so its counts already say running."""
+
+    async def script(side: Side) -> None:
+        await side.front_subscribes()
+        await side.subscribe(1)
+        await side.start_wave(1, 0)
+        await trio.sleep(0.3)
+        await side.subscribe(0)
+        await side.wait_for("engine0", 2)
+        await side.wait_for("front", 2)
+
+    vllm, ours = await side_by_side(vllm_root, script)
+    for side in (vllm, ours):
+        assert side.seen("engine0") == side.seen("engine1")
+        assert side.seen("engine0") == [("READY", "now"), ("START_DP_WAVE(0, exclude=1)", "now")]
+    assert ours.seen("front") == [
+        (publish(zeros(2), 0, False), "now"),
+        (publish(None, 0, True), "now"),
+    ]
+    assert vllm.seen("front") == [
+        (publish(None, 0, True), "now"),
+        (publish(zeros(2), 0, True), "now"),
+    ]
+
+
 async def test_differs_bad_engine_output_kills_vllms_coordinator_not_ours(
     vllm_root: Path, vectors: dict[str, dict[str, Any]]
 ) -> None:
