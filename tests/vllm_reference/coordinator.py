@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -15,6 +16,7 @@ from typing import IO, Any
 import trio
 
 from ._process import runner_command, vllm_env
+from ._root import prepare_import_root
 
 ADDRESSES_MARKER = "VLLM_REFERENCE_ADDRESSES "  # same as runners/coordinator.py
 
@@ -65,6 +67,8 @@ class VllmCoordinator:
     addresses: VllmCoordinatorAddresses
     log: IO[bytes] | None = None
     """vLLM's stderr (its logs), when ``start_vllm_coordinator`` was not given one."""
+    socket_dir: Path | None = None
+    """Where vLLM made its IPC socket files; removed by :meth:`stop`."""
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGINT (vLLM's own clean exit: KeyboardInterrupt), then SIGKILL if it lingers."""
@@ -79,6 +83,8 @@ class VllmCoordinator:
             self.process.stdout.close()
         if self.log is not None:
             self.log.close()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         return self.process.returncode
 
     def logs(self) -> str:
@@ -129,24 +135,35 @@ def start_vllm_coordinator(
         min_stats_update_interval_ms=min_stats_update_interval_ms,
     )
     log = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 (closed by stop)
+    socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
     process = subprocess.Popen(
         command,
-        env=vllm_env(root),
+        env=vllm_env(root, _socket_dir_env(socket_dir)),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=log if stderr is None else stderr,
         text=True,
     )
-    coordinator = VllmCoordinator(process, VllmCoordinatorAddresses("", "", ""), log)
     assert process.stdout is not None
     addresses = _read_addresses(process.stdout)
     if addresses is None:
         process.wait()
-        logs = coordinator.logs()
-        coordinator.stop()
+        process.stdout.close()
+        logs = ""
+        if log is not None:
+            log.seek(0)
+            logs = log.read().decode(errors="replace")
+            log.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
         raise RuntimeError(f"vLLM's coordinator exited before binding:\n{logs}")
-    coordinator.addresses = addresses
-    return coordinator
+    return VllmCoordinator(process, addresses, log, socket_dir)
+
+
+def _socket_dir_env(socket_dir: Path) -> dict[str, str]:
+    """vLLM names its IPC paths ``$VLLM_RPC_BASE_PATH/<uuid>`` and, killed by a signal,
+    leaves the socket files behind: a private directory, removed afterwards, keeps
+    ``/tmp`` clean."""
+    return {"VLLM_RPC_BASE_PATH": str(socket_dir)}
 
 
 @asynccontextmanager
@@ -175,43 +192,51 @@ async def open_vllm_coordinator(
         enable_wave_coordination=enable_wave_coordination,
         min_stats_update_interval_ms=min_stats_update_interval_ms,
     )
-    env = vllm_env(root) if root is not None else await trio.to_thread.run_sync(vllm_env)
-    async with trio.open_nursery() as nursery:
-        process = await trio.lowlevel.open_process(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert process.stdout is not None and process.stderr is not None
-        lines: list[str] = [] if log_lines is None else log_lines
+    if root is None:
+        root = await trio.to_thread.run_sync(prepare_import_root)
+    socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
+    env = vllm_env(root, _socket_dir_env(socket_dir))
+    try:
+        async with trio.open_nursery() as nursery:
+            process = await trio.lowlevel.open_process(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert process.stdout is not None and process.stderr is not None
+            lines: list[str] = [] if log_lines is None else log_lines
 
-        async def drain_stderr(stream: trio.abc.ReceiveStream) -> None:
-            pending = b""
-            async for chunk in stream:
-                *complete, pending = (pending + chunk).split(b"\n")
-                lines.extend(line.decode(errors="replace") for line in complete)
-                if log_lines is None:
-                    del lines[:-50]
+            async def drain_stderr(stream: trio.abc.ReceiveStream) -> None:
+                pending = b""
+                async for chunk in stream:
+                    *complete, pending = (pending + chunk).split(b"\n")
+                    lines.extend(line.decode(errors="replace") for line in complete)
+                    if log_lines is None:
+                        del lines[:-50]
 
-        nursery.start_soon(drain_stderr, process.stderr)
-        try:
-            addresses = await _receive_addresses(process.stdout)
-            if addresses is None:
-                await process.wait()
-                raise RuntimeError("vLLM's coordinator exited before binding:\n" + "\n".join(lines))
-            nursery.start_soon(_drain, process.stdout)
-            yield addresses
-        finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGINT)
-                    with trio.move_on_after(10):
-                        await process.wait()
+            nursery.start_soon(drain_stderr, process.stderr)
+            try:
+                addresses = await _receive_addresses(process.stdout)
+                if addresses is None:
+                    await process.wait()
+                    raise RuntimeError(
+                        "vLLM's coordinator exited before binding:\n" + "\n".join(lines)
+                    )
+                nursery.start_soon(_drain, process.stdout)
+                yield addresses
+            finally:
+                with trio.CancelScope(shield=True):
                     if process.returncode is None:
-                        process.kill()
-                        await process.wait()
+                        process.send_signal(signal.SIGINT)
+                        with trio.move_on_after(10):
+                            await process.wait()
+                        if process.returncode is None:
+                            process.kill()
+                            await process.wait()
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 async def _receive_addresses(stdout: trio.abc.ReceiveStream) -> VllmCoordinatorAddresses | None:
