@@ -2,7 +2,8 @@
 
 Each test runs one script twice at the same time: against vLLM's real coordinator process
 (``DPCoordinatorProc.run_coordinator``, see ``tests/vllm_reference``) and against our
-standalone coordinator (``python -m trio_dpcoord serve``), each with its own scripted
+standalone coordinator (``python -m trio_dpcoord serve`` via
+:func:`trio_dpcoord.testing.open_serve`), each with its own scripted
 peers: engines as vLLM's are (an XSUB with the rank as identity and a PUSH,
 :func:`trio_dpcoord.testing.connect_engines`; their outputs all go through one PUSH so
 that they arrive in the script's order) and front-ends as vLLM's DP clients are (an XSUB
@@ -39,10 +40,9 @@ import pytest
 import trio
 import zmq
 
-from tests.test_cli import run_cli
 from tests.vllm_reference import open_vllm_coordinator
 from trio_dpcoord import protocol
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import EnginePeer, connect_engines, open_serve
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 pytestmark = pytest.mark.vllm
@@ -256,9 +256,8 @@ async def our_side(
     if not wave_coordination:
         args.append("--no-wave-coordination")
     log: list[str] = []
-    async with run_cli(*args, *extra) as cli:
-        yield cli.endpoints, log
-        log.extend(cli.stderr.splitlines())
+    async with open_serve(*args, *extra, stderr_line=log.append) as serve:
+        yield serve.endpoints, log
 
 
 async def run_side(

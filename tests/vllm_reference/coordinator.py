@@ -15,6 +15,8 @@ from typing import IO, Any
 
 import trio
 
+from trio_dpcoord.testing import open_child
+
 from ._process import runner_command, vllm_env
 from ._root import prepare_import_root
 
@@ -178,11 +180,12 @@ async def open_vllm_coordinator(
     root: Path | None = None,
     log_lines: list[str] | None = None,
 ) -> AsyncIterator[VllmCoordinatorAddresses]:
-    """Trio: vLLM's coordinator for the duration of the block; SIGINT and reap on exit.
+    """Trio: vLLM's coordinator for the duration of the block (run by
+    :func:`trio_dpcoord.testing.open_child`: stopped with SIGTERM, as vLLM's own
+    ``shutdown`` does, and always reaped).
 
-    vLLM's logs (stderr) are appended line by line to ``log_lines`` if given (else only
-    kept for the error raised when it dies before binding); stdout is read for the
-    addresses line.
+    vLLM's logs (stderr) are appended line by line to ``log_lines`` if given; a
+    ``RuntimeError`` with them says so if it exits before binding.
     """
     command = coordinator_command(
         engine_count,
@@ -195,62 +198,13 @@ async def open_vllm_coordinator(
     if root is None:
         root = await trio.to_thread.run_sync(prepare_import_root)
     socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
-    env = vllm_env(root, _socket_dir_env(socket_dir))
     try:
-        async with trio.open_nursery() as nursery:
-            process = await trio.lowlevel.open_process(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            assert process.stdout is not None and process.stderr is not None
-            lines: list[str] = [] if log_lines is None else log_lines
-
-            async def drain_stderr(stream: trio.abc.ReceiveStream) -> None:
-                pending = b""
-                async for chunk in stream:
-                    *complete, pending = (pending + chunk).split(b"\n")
-                    lines.extend(line.decode(errors="replace") for line in complete)
-                    if log_lines is None:
-                        del lines[:-50]
-
-            nursery.start_soon(drain_stderr, process.stderr)
-            try:
-                addresses = await _receive_addresses(process.stdout)
-                if addresses is None:
-                    await process.wait()
-                    raise RuntimeError(
-                        "vLLM's coordinator exited before binding:\n" + "\n".join(lines)
-                    )
-                nursery.start_soon(_drain, process.stdout)
-                yield addresses
-            finally:
-                with trio.CancelScope(shield=True):
-                    if process.returncode is None:
-                        process.send_signal(signal.SIGINT)
-                        with trio.move_on_after(10):
-                            await process.wait()
-                        if process.returncode is None:
-                            process.kill()
-                            await process.wait()
+        env = vllm_env(root, _socket_dir_env(socket_dir))
+        log = None if log_lines is None else log_lines.append
+        async with open_child(command, env=env, stderr_line=log, stop_grace=10.0) as child:
+            addresses = parse_addresses_line(await child.line(0))
+            if addresses is None:
+                raise RuntimeError(f"not an addresses line: {child.stdout_lines[0]!r}")
+            yield addresses
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
-
-
-async def _receive_addresses(stdout: trio.abc.ReceiveStream) -> VllmCoordinatorAddresses | None:
-    buffer = b""
-    async for chunk in stdout:
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            addresses = parse_addresses_line(line.decode())
-            if addresses is not None:
-                return addresses
-    return None
-
-
-async def _drain(stream: trio.abc.ReceiveStream) -> None:
-    async for _ in stream:
-        pass

@@ -7,7 +7,8 @@ vLLM's own ``get_engine_client_zmq_addr(local_only=True, ...)`` (a fresh IPC pat
 
 The ``zmq_addr_pipe`` vLLM normally hands it is a ``multiprocessing`` pipe end; here it is
 a stand-in whose ``send`` prints the bound addresses as one JSON line on stdout, prefixed
-with ``ADDRESSES_MARKER``. SIGINT stops it the way vLLM expects (KeyboardInterrupt).
+with ``ADDRESSES_MARKER``. SIGINT stops it cleanly (vLLM catches KeyboardInterrupt);
+SIGTERM ends it as vLLM's own ``shutdown`` does.
 """
 
 import json
