@@ -2,15 +2,16 @@
 
 Each test runs one script twice at the same time: against vLLM's real coordinator process
 (``DPCoordinatorProc.run_coordinator``, see ``tests/vllm_reference``) and against our
-standalone coordinator (``python -m trio_dpcoord serve`` via
-:func:`trio_dpcoord.testing.open_serve`), each with its own scripted
-peers: engines as vLLM's are (an XSUB with the rank as identity and a PUSH,
-:func:`trio_dpcoord.testing.connect_engines`; their outputs all go through one PUSH so
-that they arrive in the script's order) and front-ends as vLLM's DP clients are (an XSUB
-sending ``0x01``). On vLLM's side everything from ``run_coordinator`` down is vLLM's code
-(its loop, ``make_zmq_socket``, ``MsgpackDecoder(EngineCoreOutputs)``, ``msgspec``); the
-stand-ins are torch and the modules listed in ``tests/vllm_reference/README.md``, and the
-``zmq_addr_pipe`` through which it reports its addresses.
+standalone coordinator (``python -m trio_dpcoord serve``, started by
+:func:`trio_dpcoord.testing.open_serve`), each with its own scripted peers. Engines are
+as vLLM's (an XSUB with the rank as identity, from
+:func:`trio_dpcoord.testing.connect_engines`), except that their outputs all go through
+one PUSH so that they arrive in the script's order (see ``Side.outputs``); front-ends are
+as vLLM's DP clients (an XSUB sending ``0x01``). On vLLM's side everything from
+``run_coordinator`` down is vLLM's code (its loop, ``make_zmq_socket``,
+``MsgpackDecoder(EngineCoreOutputs)``, ``msgspec``); the stand-ins are torch, the modules
+listed in ``tests/vllm_reference/README.md``, and the ``zmq_addr_pipe`` through which it
+reports its addresses.
 
 Every broadcast an engine receives and every publish a front-end receives is recorded with
 its bytes and a timing class, and the two recordings must be equal, peer by peer, in
@@ -94,11 +95,14 @@ class Side:
     addresses: dict[str, str]
     stack: AsyncExitStack
     nursery: trio.Nursery
+    outputs: AsyncSocket
+    """The one PUSH every engine's outputs go through, so that the coordinator gets them
+    in the script's order (a PULL fair-queues between connections, which could reorder
+    messages of different engines); it tells engines apart by ``engine_index``."""
     engines: dict[int, EnginePeer] = field(default_factory=dict)
     fronts: dict[str, AsyncSocket] = field(default_factory=dict)
     received: dict[str, list[Received]] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
-    _outputs: AsyncSocket | None = None
     _last_action: float = -math.inf
     _last_receipt: dict[str, float] = field(default_factory=dict)
     _changed: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
@@ -129,7 +133,7 @@ class Side:
                     subscribe=False,
                 )
             )
-            self.engines[index] = peer
+            self.engines[index] = EnginePeer(index, peer.sub, self.outputs)
             self.received[f"engine{index}"] = []
             self.nursery.start_soon(self._receive, f"engine{index}", peer.sub)
 
@@ -159,18 +163,6 @@ class Side:
         self._acted()
         await self.fronts[name].send(frame)
 
-    async def _output(self, frames: list[bytes]) -> None:
-        """Every engine output goes through one PUSH, so that the coordinator gets them in
-        the script's order (a PULL fair-queues between connections, which could reorder
-        messages of different engines); it tells engines apart by ``engine_index``."""
-        if self._outputs is None:
-            context = await self.stack.enter_async_context(open_context())
-            self._outputs = await self.stack.enter_async_context(
-                open_socket(context, zmq.PUSH, connect=self.addresses["back_out"])
-            )
-        self._acted()
-        await self._outputs.send_multipart(frames)
-
     async def stats(
         self,
         index: int,
@@ -181,27 +173,20 @@ class Side:
         step: int = 0,
         wave: int = 0,
     ) -> None:
-        stats = protocol.SchedulerStats(
-            num_running_reqs=running,
-            num_waiting_reqs=waiting,
-            step_counter=step,
-            current_wave=wave,
-            kv_cache_usage=usage,
-        )
-        await self._engine_output(index, scheduler_stats=stats)
+        self._acted()
+        await self.engines[index].stats(waiting, running, usage, step=step, wave=wave)
 
     async def start_wave(self, index: int, wave: int) -> None:
-        await self._engine_output(index, start_wave=wave)
+        self._acted()
+        await self.engines[index].start_wave(wave)
 
     async def wave_complete(self, index: int, wave: int) -> None:
-        await self._engine_output(index, wave_complete=wave)
-
-    async def _engine_output(self, index: int, **fields: Any) -> None:
-        output = protocol.EngineCoreOutputs(engine_index=index, **fields)
-        await self._output([protocol.encode_engine_core_outputs(output)])
+        self._acted()
+        await self.engines[index].wave_complete(wave)
 
     async def engine_sends_raw(self, frames: list[bytes]) -> None:
-        await self._output(frames)
+        self._acted()
+        await self.outputs.send_multipart(frames)
 
     async def wait_for(self, peer: str, count: int) -> None:
         """Until ``peer`` has received ``count`` messages in all."""
@@ -268,8 +253,12 @@ async def run_side(
     results: dict[str, Side],
 ) -> None:
     async with coordinator as (addresses, log), AsyncExitStack() as stack:
+        context = await stack.enter_async_context(open_context())
+        outputs = await stack.enter_async_context(
+            open_socket(context, zmq.PUSH, connect=addresses["back_out"])
+        )
         async with trio.open_nursery() as nursery:
-            side = Side(name, addresses, stack, nursery, log=log)
+            side = Side(name, addresses, stack, nursery, outputs, log=log)
             await side.connect_engines(*range(engines))
             await script(side)
             await side.quiet()
@@ -620,6 +609,7 @@ async def test_differs_wave_reports_need_a_known_engine(vllm_root: Path) -> None
 
     async def script(side: Side) -> None:
         await open_gate(side)
+        await side.connect_engines(5)  # never subscribes: the gate counts 2
         await side.start_wave(5, 0)
         await side.start_wave(1, 0)
         await side.wait_for("engine0", 2)
