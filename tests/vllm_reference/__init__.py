@@ -20,6 +20,7 @@ from ._root import (
     wheel_path,
 )
 from .coordinator import (
+    CoordinatorOptions,
     VllmCoordinator,
     VllmCoordinatorAddresses,
     coordinator_command,
@@ -29,6 +30,7 @@ from .coordinator import (
 
 __all__ = [
     "CACHE_ENV",
+    "CoordinatorOptions",
     "DEFAULT_INERT",
     "OFFLINE_ENV",
     "RUNNERS_DIR",

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, TypedDict
 
 import trio
 
@@ -19,6 +19,9 @@ from trio_dpcoord.testing import open_child
 
 from ._process import runner_command, vllm_env
 from ._root import prepare_import_root
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 ADDRESSES_MARKER = "VLLM_REFERENCE_ADDRESSES "  # same as runners/coordinator.py
 
@@ -32,26 +35,24 @@ class VllmCoordinatorAddresses:
     back_publish_address: str  # XPUB to engines (READY, START_DP_WAVE)
 
 
-def coordinator_command(
-    engine_count: int,
-    *,
-    front_publish_address: str | None = None,
-    back_output_address: str | None = None,
-    back_publish_address: str | None = None,
-    enable_wave_coordination: bool = True,
-    min_stats_update_interval_ms: int = 100,
-) -> list[str]:
-    """The command line of the coordinator runner; ``None`` addresses are picked by vLLM
-    (fresh IPC paths); ``tcp://127.0.0.1:0`` binds an ephemeral port (vLLM rejects ``:*``)."""
-    kwargs: dict[str, Any] = {
-        "engine_count": engine_count,
-        "front_publish_address": front_publish_address,
-        "back_output_address": back_output_address,
-        "back_publish_address": back_publish_address,
-        "enable_wave_coordination": enable_wave_coordination,
-        "min_stats_update_interval_ms": min_stats_update_interval_ms,
-    }
-    return runner_command("coordinator", json.dumps(kwargs))
+class CoordinatorOptions(TypedDict, total=False):
+    """Keyword arguments of vLLM's ``DPCoordinatorProc.run_coordinator``, with its names.
+
+    Absent (or None) addresses are picked by vLLM (fresh IPC paths);
+    ``tcp://127.0.0.1:0`` binds an ephemeral port (vLLM's parser rejects ``:*``). The
+    others default to vLLM's defaults (wave coordination on, 100 ms).
+    """
+
+    front_publish_address: str | None
+    back_output_address: str | None
+    back_publish_address: str | None
+    enable_wave_coordination: bool
+    min_stats_update_interval_ms: int
+
+
+def coordinator_command(engine_count: int, **options: Unpack[CoordinatorOptions]) -> list[str]:
+    """The command line of the coordinator runner (``runners/coordinator.py``)."""
+    return runner_command("coordinator", json.dumps({"engine_count": engine_count, **options}))
 
 
 def parse_addresses_line(line: str) -> VllmCoordinatorAddresses | None:
@@ -114,13 +115,9 @@ def _read_addresses(stdout: IO[str]) -> VllmCoordinatorAddresses | None:
 def start_vllm_coordinator(
     engine_count: int,
     *,
-    front_publish_address: str | None = None,
-    back_output_address: str | None = None,
-    back_publish_address: str | None = None,
-    enable_wave_coordination: bool = True,
-    min_stats_update_interval_ms: int = 100,
     root: Path | None = None,
     stderr: int | IO[Any] | None = None,
+    **options: Unpack[CoordinatorOptions],
 ) -> VllmCoordinator:
     """Start vLLM's coordinator in a subprocess; block until it reports its addresses.
 
@@ -128,14 +125,7 @@ def start_vllm_coordinator(
     a temporary file (``VllmCoordinator.logs()``). Raises ``RuntimeError`` with them if it
     exits before binding. ``root`` is an import root from ``prepare_import_root``.
     """
-    command = coordinator_command(
-        engine_count,
-        front_publish_address=front_publish_address,
-        back_output_address=back_output_address,
-        back_publish_address=back_publish_address,
-        enable_wave_coordination=enable_wave_coordination,
-        min_stats_update_interval_ms=min_stats_update_interval_ms,
-    )
+    command = coordinator_command(engine_count, **options)
     log = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 (closed by stop)
     socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
     process = subprocess.Popen(
@@ -172,13 +162,9 @@ def _socket_dir_env(socket_dir: Path) -> dict[str, str]:
 async def open_vllm_coordinator(
     engine_count: int,
     *,
-    front_publish_address: str | None = None,
-    back_output_address: str | None = None,
-    back_publish_address: str | None = None,
-    enable_wave_coordination: bool = True,
-    min_stats_update_interval_ms: int = 100,
     root: Path | None = None,
     log_lines: list[str] | None = None,
+    **options: Unpack[CoordinatorOptions],
 ) -> AsyncIterator[VllmCoordinatorAddresses]:
     """Trio: vLLM's coordinator for the duration of the block (run by
     :func:`trio_dpcoord.testing.open_child`: stopped with SIGTERM, as vLLM's own
@@ -187,14 +173,7 @@ async def open_vllm_coordinator(
     vLLM's logs (stderr) are appended line by line to ``log_lines`` if given; a
     ``RuntimeError`` with them says so if it exits before binding.
     """
-    command = coordinator_command(
-        engine_count,
-        front_publish_address=front_publish_address,
-        back_output_address=back_output_address,
-        back_publish_address=back_publish_address,
-        enable_wave_coordination=enable_wave_coordination,
-        min_stats_update_interval_ms=min_stats_update_interval_ms,
-    )
+    command = coordinator_command(engine_count, **options)
     if root is None:
         root = await trio.to_thread.run_sync(prepare_import_root)
     socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
