@@ -30,12 +30,12 @@ from .coordinator import (
 
 __all__ = [
     "CACHE_ENV",
-    "CoordinatorOptions",
     "DEFAULT_INERT",
     "OFFLINE_ENV",
     "RUNNERS_DIR",
     "STANDINS_DIR",
     "VLLM_VERSION",
+    "CoordinatorOptions",
     "VllmCoordinator",
     "VllmCoordinatorAddresses",
     "VllmUnavailable",
