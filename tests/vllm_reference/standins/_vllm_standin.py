@@ -19,7 +19,7 @@ from typing import Any
 
 class _PlaceholderMeta(type):
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("_"):  # e.g. msgspec probes _fields, __struct_fields__: absent
+        if name.startswith("__") and name.endswith("__"):  # protocols (msgspec's probes...)
             raise AttributeError(name)
         return placeholder(f"{cls.__qualname__}.{name}", cls.__module__)
 
@@ -42,7 +42,7 @@ class Placeholder(metaclass=_PlaceholderMeta):
         return self
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
+        if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return placeholder(name, type(self).__module__)()
 
