@@ -54,12 +54,21 @@ async def stop_cleanly(coordinator: ServeProcess) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def connect_frontend(address: str) -> AsyncIterator[AsyncSocket]:
-    """A front-end as vLLM's DP client is: an XSUB that connects and sends 0x01."""
+async def connect_frontend(coordinator: ServeProcess) -> AsyncIterator[AsyncSocket]:
+    """A front-end as vLLM's DP client is: an XSUB that connects and sends 0x01.
+
+    Yields once the coordinator has read the subscription (it logs each one), so no
+    publish the test then causes can leave before this front-end is subscribed.
+    """
+    seen = coordinator.stderr.count(_FRONT_SUBSCRIBED)
     async with open_context() as context:
-        async with open_socket(context, zmq.XSUB, connect=address) as sub:
+        async with open_socket(context, zmq.XSUB, connect=coordinator.endpoints["front"]) as sub:
             await sub.send(protocol.SUBSCRIBE)
+            await coordinator.logged(_FRONT_SUBSCRIBED, times=seen + 1)
             yield sub
+
+
+_FRONT_SUBSCRIBED = "front-end subscribed"
 
 
 @asynccontextmanager
@@ -132,7 +141,7 @@ async def test_endpoints_line_gate_and_ready_rebroadcast(transport: str, tmp_pat
                 }
                 for name in ("front", "back-pub", "back-out"):
                     assert (tmp_path / name).stat().st_mode & 0o077 == 0  # private
-            async with connect_frontend(endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 1) as first:
                     await coordinator.logged("1 of 2 engines subscribed")
                     with trio.move_on_after(0.3):
@@ -155,7 +164,7 @@ async def test_every_wave_rule_with_exact_bytes(
 ) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3", *tcp_or_ipc(transport, tmp_path)) as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
                     # an idle engine got a request: everyone else is woken, at once published
@@ -198,7 +207,7 @@ async def test_every_wave_rule_with_exact_bytes(
 async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str, Any]]) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3") as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
                     await engines[2].start_wave(5)
@@ -218,7 +227,7 @@ async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str,
 async def test_scale_down_drops_stats_from_removed_engines() -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3") as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
                     await front.send(b"\x92\xb0SCALE_ELASTIC_EP\x02")
@@ -256,7 +265,7 @@ async def test_scale_down_drops_stats_from_removed_engines() -> None:
 async def test_legacy_first_request_both_ways(vectors: dict[str, dict[str, Any]]) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3") as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 3) as engines:
                     await expect_broadcast(engines, READY)
                     await engines[0].wave_complete(4)
@@ -300,7 +309,7 @@ async def test_a_bad_front_payload_is_survived() -> None:
     """vLLM's coordinator dies on a front payload that is not msgpack (§5.9)."""
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2") as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 2) as engines:
                     await expect_broadcast(engines, READY)
                     await front.send(b"\xc1\xc1 not msgpack")
@@ -353,7 +362,7 @@ async def test_a_bad_engine_output_is_survived(
 async def test_without_wave_coordination_wave_fields_are_ignored() -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2", "--no-wave-coordination") as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 2) as engines:
                     await expect_broadcast(engines, READY)
                     await engines[0].start_wave(1)
@@ -426,7 +435,7 @@ async def test_sigterm_under_engine_traffic_still_exits_cleanly() -> None:
     cancelled must not turn a clean stop into a task failure."""
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2") as coordinator:
-            async with connect_frontend(coordinator.endpoints["front"]) as front:
+            async with connect_frontend(coordinator) as front:
                 async with engines_of(coordinator, 2) as engines:
                     await expect_broadcast(engines, READY)
 

@@ -289,6 +289,26 @@ def test_a_new_front_end_gets_the_counts_at_once() -> None:
     assert core.subscriptions().front_ends == 0
 
 
+def test_a_front_end_before_the_gate_sees_no_state_older_than_the_gate() -> None:
+    """Its counts wait for the first timed publish, so they never say paused after the
+    wave change that a report before the gate caused (the order vLLM's publishes have)."""
+    core = CoordinatorCore(2, publish_to_front_ends=True)
+    assert core.receive_front_frame(SUB, 0.1) == ()
+    core.receive_engine_subscription(SUB, 0.2)
+    core.receive_engine_output(output(1, start_wave=0), 0.3)
+    effects = core.receive_engine_subscription(SUB, 0.4)
+    assert [(p.counts, p.current_wave, p.engines_running) for p in publishes(effects)] == [
+        (None, 0, True)
+    ]
+    assert core.next_publish_due() <= 0.4
+    timed = protocol.decode_front_publish(core.timed_publish(0.4))
+    assert (timed.counts, timed.current_wave, timed.engines_running) == (
+        (EngineLoad(0, 0, 0.0),) * 2,
+        0,
+        True,
+    )
+
+
 def test_without_a_front_socket_nothing_is_published() -> None:
     core, _ = open_core(2)
     effects = core.receive_engine_output(output(1, start_wave=0), 1.0)

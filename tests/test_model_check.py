@@ -225,8 +225,7 @@ def _coordinator_step(
                     and start.wave == before.current_wave == world.last_broadcast_wave
                 ):
                     violation = (
-                        f"START_DP_WAVE for wave {start.wave}, which was already broadcast "
-                        "and runs"
+                        f"START_DP_WAVE for wave {start.wave}, which was already broadcast and runs"
                     )
                 entry = (start.wave, start.exclude if isinstance(start.exclude, int) else None)
                 new = replace(new, last_broadcast_wave=start.wave)

@@ -54,11 +54,13 @@ def test_a_consumer_adds_its_own_standins(vllm_root: Path) -> None:
     root = prepare_import_root(
         modules={"vllm.v1.engine.coordinator": "WHO = 'consumer stand-in'\n"},
         inert=["vllm.v1.engine.core"],
+        real=["vllm.utils.torch_utils"],
     )
     assert root != vllm_root
     probe = (
         "import vllm.v1.engine.coordinator as c, vllm.v1.engine.core as core;"
-        "print(c.WHO, core.EngineCoreProc.__name__)"
+        "import vllm.utils.torch_utils as t;"
+        "print(c.WHO, core.EngineCoreProc.__name__, t.__file__)"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
@@ -68,7 +70,14 @@ def test_a_consumer_adds_its_own_standins(vllm_root: Path) -> None:
         check=True,
         timeout=120,
     )
-    assert result.stdout.split() == ["consumer", "stand-in", "EngineCoreProc"]
+    assert result.stdout.split() == [
+        "consumer",
+        "stand-in",
+        "EngineCoreProc",
+        str(root / "vllm" / "utils" / "torch_utils.py"),  # vLLM's own, no longer inert
+    ]
+    with pytest.raises(ValueError, match="cannot be made real"):
+        prepare_import_root(real=["vllm.v1.engine"])
 
 
 async def test_vllms_coordinator_runs_and_gates_on_subscriptions(vllm_root: Path) -> None:

@@ -546,10 +546,11 @@ class CoordinatorCore:
                 "subscribed" if sub.subscribe else "unsubscribed",
                 self._front_ends,
             )
-            if not sub.subscribe:
+            if not sub.subscribe or not self._gate_open:
+                # before the gate, the first timed publish (due as it opens) serves it
                 return _NOTHING
             # a newcomer gets the current counts now, not at the next heartbeat
-            return self._emit([Publish(self._timed_payload(now))])
+            return (Publish(self._timed_payload(now)),)
         try:
             message = protocol.decode_front_message(frame)
         except protocol.ProtocolError as exc:

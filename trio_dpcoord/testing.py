@@ -219,9 +219,9 @@ class ServeProcess:
         await self._wait(lambda: len(self.stdout_lines) > index, f"stdout line {index}")
         return self.stdout_lines[index]
 
-    async def logged(self, text: str) -> None:
-        """Return once ``text`` appeared on stderr (not with ``stderr_line``)."""
-        await self._wait(lambda: text in self.stderr, f"logging {text!r}")
+    async def logged(self, text: str, times: int = 1) -> None:
+        """Return once ``text`` appeared on stderr ``times`` times (not with ``stderr_line``)."""
+        await self._wait(lambda: self.stderr.count(text) >= times, f"logging {text!r} x{times}")
 
     async def stop(self, signum: int = signal.SIGTERM) -> int:
         """Send ``signum``; return the exit status once all its output has been read."""

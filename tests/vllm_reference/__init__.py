@@ -20,6 +20,7 @@ from ._root import (
     wheel_path,
 )
 from .coordinator import (
+    CoordinatorOptions,
     VllmCoordinator,
     VllmCoordinatorAddresses,
     coordinator_command,
@@ -34,6 +35,7 @@ __all__ = [
     "RUNNERS_DIR",
     "STANDINS_DIR",
     "VLLM_VERSION",
+    "CoordinatorOptions",
     "VllmCoordinator",
     "VllmCoordinatorAddresses",
     "VllmUnavailable",

@@ -105,11 +105,14 @@ def wheel_path(*, fetch: bool = True) -> Path:
 
 
 def _standin_files(
-    layers: Sequence[Path], modules: Mapping[str, str], inert: Iterable[str]
+    layers: Sequence[Path], modules: Mapping[str, str], inert: Iterable[str], real: Iterable[str]
 ) -> dict[str, bytes]:
     """Relative path -> content of every stand-in file, later layers winning."""
     files: dict[str, bytes] = {}
-    for name in sorted({*DEFAULT_INERT, *inert}):
+    unknown = set(real) - set(DEFAULT_INERT)
+    if unknown:
+        raise ValueError(f"not stand-ins by default, so cannot be made real: {sorted(unknown)}")
+    for name in sorted({*DEFAULT_INERT, *inert} - set(real)):
         files[_module_file(name)] = _INERT_SOURCE.encode()
     for layer in (STANDINS_DIR, *layers):
         for path in sorted(layer.rglob("*.py")):
@@ -132,6 +135,7 @@ def prepare_import_root(
     layers: Sequence[Path] = (),
     modules: Mapping[str, str] | None = None,
     inert: Iterable[str] = (),
+    real: Iterable[str] = (),
 ) -> Path:
     """A directory to put first on ``PYTHONPATH``: vLLM's Python source plus stand-ins.
 
@@ -140,10 +144,11 @@ def prepare_import_root(
     ``inert`` dotted names (each becomes an inert module, see ``_vllm_standin.py``),
     ``layers`` (directories mirroring module paths, e.g. ``vllm/v1/foo.py``) and
     ``modules`` (dotted name -> source text). A stand-in for a module that exists in
-    vLLM replaces it whole. Roots are cached by content, so building one is paid once.
+    vLLM replaces it whole. ``real`` names entries of ``DEFAULT_INERT`` to leave as they
+    are (vLLM's own module, or the installed package). Roots are cached by content, so
+    building one is paid once.
     """
-    files = _standin_files(layers, modules or {}, inert)
-    # A stand-in written as a package must not leave vLLM's module file beside it.
+    files = _standin_files(layers, modules or {}, inert, real)
     digest = hashlib.sha256(WHEEL_NAME.encode())
     for relative, content in sorted(files.items()):
         digest.update(relative.encode() + b"\0" + content + b"\0")

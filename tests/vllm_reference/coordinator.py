@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -10,11 +11,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, TypedDict
 
 import trio
 
+from trio_dpcoord.testing import open_child
+
 from ._process import runner_command, vllm_env
+from ._root import prepare_import_root
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 ADDRESSES_MARKER = "VLLM_REFERENCE_ADDRESSES "  # same as runners/coordinator.py
 
@@ -28,26 +35,24 @@ class VllmCoordinatorAddresses:
     back_publish_address: str  # XPUB to engines (READY, START_DP_WAVE)
 
 
-def coordinator_command(
-    engine_count: int,
-    *,
-    front_publish_address: str | None = None,
-    back_output_address: str | None = None,
-    back_publish_address: str | None = None,
-    enable_wave_coordination: bool = True,
-    min_stats_update_interval_ms: int = 100,
-) -> list[str]:
-    """The command line of the coordinator runner; ``None`` addresses are picked by vLLM
-    (fresh IPC paths); ``tcp://127.0.0.1:*`` binds an ephemeral port."""
-    kwargs: dict[str, Any] = {
-        "engine_count": engine_count,
-        "front_publish_address": front_publish_address,
-        "back_output_address": back_output_address,
-        "back_publish_address": back_publish_address,
-        "enable_wave_coordination": enable_wave_coordination,
-        "min_stats_update_interval_ms": min_stats_update_interval_ms,
-    }
-    return runner_command("coordinator", json.dumps(kwargs))
+class CoordinatorOptions(TypedDict, total=False):
+    """Keyword arguments of vLLM's ``DPCoordinatorProc.run_coordinator``, with its names.
+
+    Absent (or None) addresses are picked by vLLM (fresh IPC paths);
+    ``tcp://127.0.0.1:0`` binds an ephemeral port (vLLM's parser rejects ``:*``). The
+    others default to vLLM's defaults (wave coordination on, 100 ms).
+    """
+
+    front_publish_address: str | None
+    back_output_address: str | None
+    back_publish_address: str | None
+    enable_wave_coordination: bool
+    min_stats_update_interval_ms: int
+
+
+def coordinator_command(engine_count: int, **options: Unpack[CoordinatorOptions]) -> list[str]:
+    """The command line of the coordinator runner (``runners/coordinator.py``)."""
+    return runner_command("coordinator", json.dumps({"engine_count": engine_count, **options}))
 
 
 def parse_addresses_line(line: str) -> VllmCoordinatorAddresses | None:
@@ -65,6 +70,8 @@ class VllmCoordinator:
     addresses: VllmCoordinatorAddresses
     log: IO[bytes] | None = None
     """vLLM's stderr (its logs), when ``start_vllm_coordinator`` was not given one."""
+    socket_dir: Path | None = None
+    """Where vLLM made its IPC socket files; removed by :meth:`stop`."""
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGINT (vLLM's own clean exit: KeyboardInterrupt), then SIGKILL if it lingers."""
@@ -79,6 +86,8 @@ class VllmCoordinator:
             self.process.stdout.close()
         if self.log is not None:
             self.log.close()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         return self.process.returncode
 
     def logs(self) -> str:
@@ -106,13 +115,9 @@ def _read_addresses(stdout: IO[str]) -> VllmCoordinatorAddresses | None:
 def start_vllm_coordinator(
     engine_count: int,
     *,
-    front_publish_address: str | None = None,
-    back_output_address: str | None = None,
-    back_publish_address: str | None = None,
-    enable_wave_coordination: bool = True,
-    min_stats_update_interval_ms: int = 100,
     root: Path | None = None,
     stderr: int | IO[Any] | None = None,
+    **options: Unpack[CoordinatorOptions],
 ) -> VllmCoordinator:
     """Start vLLM's coordinator in a subprocess; block until it reports its addresses.
 
@@ -120,109 +125,65 @@ def start_vllm_coordinator(
     a temporary file (``VllmCoordinator.logs()``). Raises ``RuntimeError`` with them if it
     exits before binding. ``root`` is an import root from ``prepare_import_root``.
     """
-    command = coordinator_command(
-        engine_count,
-        front_publish_address=front_publish_address,
-        back_output_address=back_output_address,
-        back_publish_address=back_publish_address,
-        enable_wave_coordination=enable_wave_coordination,
-        min_stats_update_interval_ms=min_stats_update_interval_ms,
-    )
+    command = coordinator_command(engine_count, **options)
     log = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 (closed by stop)
+    socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
     process = subprocess.Popen(
         command,
-        env=vllm_env(root),
+        env=vllm_env(root, _socket_dir_env(socket_dir)),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=log if stderr is None else stderr,
         text=True,
     )
-    coordinator = VllmCoordinator(process, VllmCoordinatorAddresses("", "", ""), log)
     assert process.stdout is not None
     addresses = _read_addresses(process.stdout)
     if addresses is None:
         process.wait()
-        logs = coordinator.logs()
-        coordinator.stop()
+        process.stdout.close()
+        logs = ""
+        if log is not None:
+            log.seek(0)
+            logs = log.read().decode(errors="replace")
+            log.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
         raise RuntimeError(f"vLLM's coordinator exited before binding:\n{logs}")
-    coordinator.addresses = addresses
-    return coordinator
+    return VllmCoordinator(process, addresses, log, socket_dir)
+
+
+def _socket_dir_env(socket_dir: Path) -> dict[str, str]:
+    """vLLM names its IPC paths ``$VLLM_RPC_BASE_PATH/<uuid>`` and, killed by a signal,
+    leaves the socket files behind: a private directory, removed afterwards, keeps
+    ``/tmp`` clean."""
+    return {"VLLM_RPC_BASE_PATH": str(socket_dir)}
 
 
 @asynccontextmanager
 async def open_vllm_coordinator(
     engine_count: int,
     *,
-    front_publish_address: str | None = None,
-    back_output_address: str | None = None,
-    back_publish_address: str | None = None,
-    enable_wave_coordination: bool = True,
-    min_stats_update_interval_ms: int = 100,
     root: Path | None = None,
+    log_lines: list[str] | None = None,
+    **options: Unpack[CoordinatorOptions],
 ) -> AsyncIterator[VllmCoordinatorAddresses]:
-    """Trio: vLLM's coordinator for the duration of the block; SIGINT and reap on exit.
+    """Trio: vLLM's coordinator for the duration of the block (run by
+    :func:`trio_dpcoord.testing.open_child`: stopped with SIGTERM, as vLLM's own
+    ``shutdown`` does, and always reaped).
 
-    vLLM's logs (stderr) are drained and dropped; stdout is read for the addresses line.
+    vLLM's logs (stderr) are appended line by line to ``log_lines`` if given; a
+    ``RuntimeError`` with them says so if it exits before binding.
     """
-    command = coordinator_command(
-        engine_count,
-        front_publish_address=front_publish_address,
-        back_output_address=back_output_address,
-        back_publish_address=back_publish_address,
-        enable_wave_coordination=enable_wave_coordination,
-        min_stats_update_interval_ms=min_stats_update_interval_ms,
-    )
-    env = vllm_env(root) if root is not None else await trio.to_thread.run_sync(vllm_env)
-    async with trio.open_nursery() as nursery:
-        process = await trio.lowlevel.open_process(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert process.stdout is not None and process.stderr is not None
-        stderr_tail: list[bytes] = []
-
-        async def drain_stderr(stream: trio.abc.ReceiveStream) -> None:
-            async for chunk in stream:
-                stderr_tail.append(bytes(chunk))
-                del stderr_tail[:-20]
-
-        nursery.start_soon(drain_stderr, process.stderr)
-        try:
-            addresses = await _receive_addresses(process.stdout)
+    command = coordinator_command(engine_count, **options)
+    if root is None:
+        root = await trio.to_thread.run_sync(prepare_import_root)
+    socket_dir = Path(tempfile.mkdtemp(prefix="vllm-coordinator-"))
+    try:
+        env = vllm_env(root, _socket_dir_env(socket_dir))
+        log = None if log_lines is None else log_lines.append
+        async with open_child(command, env=env, stderr_line=log, stop_grace=10.0) as child:
+            addresses = parse_addresses_line(await child.line(0))
             if addresses is None:
-                await process.wait()
-                raise RuntimeError(
-                    "vLLM's coordinator exited before binding:\n"
-                    + b"".join(stderr_tail).decode(errors="replace")
-                )
-            nursery.start_soon(_drain, process.stdout)
+                raise RuntimeError(f"not an addresses line: {child.stdout_lines[0]!r}")
             yield addresses
-        finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGINT)
-                    with trio.move_on_after(10):
-                        await process.wait()
-                    if process.returncode is None:
-                        process.kill()
-                        await process.wait()
-
-
-async def _receive_addresses(stdout: trio.abc.ReceiveStream) -> VllmCoordinatorAddresses | None:
-    buffer = b""
-    async for chunk in stdout:
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            addresses = parse_addresses_line(line.decode())
-            if addresses is not None:
-                return addresses
-    return None
-
-
-async def _drain(stream: trio.abc.ReceiveStream) -> None:
-    async for _ in stream:
-        pass
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)

@@ -2,12 +2,14 @@
 
 Executed by :func:`tests.vllm_reference.start_vllm_coordinator` with an import root on
 ``PYTHONPATH`` (vLLM's source plus stand-ins); argv[1] is a JSON object of
-``run_coordinator``'s keyword arguments, where an address given as null is chosen by
-vLLM's own ``get_engine_client_zmq_addr(local_only=True, ...)`` (a fresh IPC path).
+``run_coordinator``'s keyword arguments, where an address absent or null is chosen by
+vLLM's own ``get_engine_client_zmq_addr(local_only=True, ...)`` (a fresh IPC path) and
+other absent arguments take vLLM's defaults.
 
 The ``zmq_addr_pipe`` vLLM normally hands it is a ``multiprocessing`` pipe end; here it is
 a stand-in whose ``send`` prints the bound addresses as one JSON line on stdout, prefixed
-with ``ADDRESSES_MARKER``. SIGINT stops it the way vLLM expects (KeyboardInterrupt).
+with ``ADDRESSES_MARKER``. SIGINT stops it cleanly (vLLM catches KeyboardInterrupt);
+SIGTERM ends it as vLLM's own ``shutdown`` does.
 """
 
 import json

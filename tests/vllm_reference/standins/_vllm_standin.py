@@ -19,7 +19,7 @@ from typing import Any
 
 class _PlaceholderMeta(type):
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
+        if name.startswith("__") and name.endswith("__"):  # protocols (msgspec's probes...)
             raise AttributeError(name)
         return placeholder(f"{cls.__qualname__}.{name}", cls.__module__)
 
