@@ -34,7 +34,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, final
 
 from . import protocol
@@ -194,6 +194,9 @@ class CoordinatorCounters:
     """Rejected inputs by reason, e.g. ``{"undecodable_engine_output": 2}``."""
     wake_latency: HistogramSnapshot
     """Seconds from a START_DP_WAVE decision until it was handed to ZeroMQ."""
+    connections_lost: dict[str, int] = field(default_factory=dict)
+    """Peer connections lost, by socket (``engine_broadcast``, ``engine_output``,
+    ``front``): closed by the peer, or silent past the heartbeat timeout."""
 
     @property
     def errors(self) -> int:
@@ -218,6 +221,13 @@ class SubscriptionView:
     gate_open: bool
     front_ends: int = 0
     """Front-ends subscribed to the front socket (standalone mode)."""
+    connections: int = 0
+    """Peer connections open on the engine broadcast socket now."""
+    connections_lost: int = 0
+    """Connections the engine broadcast socket lost: a peer that dies or stays silent
+    past the heartbeat timeout shows here, and as an unsubscription."""
+    last_connection_lost_at: float | None = None
+    """The clock reading (``now``) of the latest such loss."""
 
 
 class _LatencyHistogram:
@@ -246,6 +256,7 @@ _NOT_FOR_COORDINATOR: Final = {
     if kind not in (_STATS, _WAVE_COMPLETE, _START_WAVE)
 }
 _READY_FRAMES: Final = [protocol.READY]
+_BROADCAST_SOCKET: Final = "engine_broadcast"
 
 
 @final
@@ -272,6 +283,8 @@ class CoordinatorCore:
 
     __slots__ = (
         "_commands",
+        "_connections",
+        "_connections_lost",
         "_counters_rejected",
         "_deferred",
         "_deferred_commands",
@@ -281,6 +294,7 @@ class CoordinatorCore:
         "_front_publishes",
         "_gate_open",
         "_heard_from",
+        "_last_connection_lost_at",
         "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
@@ -336,6 +350,9 @@ class CoordinatorCore:
         self._unsubscribed = 0
         self._late_subscriptions = 0
         self._front_ends = 0
+        self._connections: Counter[str] = Counter()
+        self._connections_lost: Counter[str] = Counter()
+        self._last_connection_lost_at: dict[str, float] = {}
         self._engine_messages = 0
         self._stats_applied = 0
         self._waves_completed = 0
@@ -402,6 +419,9 @@ class CoordinatorCore:
             late_subscriptions=self._late_subscriptions,
             gate_open=self._gate_open,
             front_ends=self._front_ends,
+            connections=self._connections[_BROADCAST_SOCKET],
+            connections_lost=self._connections_lost[_BROADCAST_SOCKET],
+            last_connection_lost_at=self._last_connection_lost_at.get(_BROADCAST_SOCKET),
         )
 
     def counters(self) -> CoordinatorCounters:
@@ -417,6 +437,7 @@ class CoordinatorCore:
             unconfirmed_expiries=self._unconfirmed_expiries,
             rejected=dict(self._counters_rejected),
             wake_latency=self._wake_latency.snapshot(),
+            connections_lost=dict(self._connections_lost),
         )
 
     # --- inputs: the embedded handle --------------------------------------------------------
@@ -531,6 +552,23 @@ class CoordinatorCore:
             return _NOTHING
         logger.info("all %d engines subscribed: opening the gate", current)
         return self._open_gate(now)
+
+    # --- inputs: the sockets' connections ---------------------------------------------------
+
+    def connection_opened(self, socket: str, now: float) -> Sequence[Effect]:
+        """A peer connected to ``socket`` (``engine_broadcast``, ``engine_output``,
+        ``front``): counted only; its subscription, if any, comes as its own input."""
+        self._connections[socket] += 1
+        return _NOTHING
+
+    def connection_lost(self, socket: str, now: float) -> Sequence[Effect]:
+        """A peer's connection to ``socket`` dropped: it closed it, died, or stayed silent
+        past the heartbeat timeout. Counted; on the broadcast socket the XPUB also
+        reports the unsubscription, which is the input that matters to the gate."""
+        self._connections[socket] = max(0, self._connections[socket] - 1)
+        self._connections_lost[socket] += 1
+        self._last_connection_lost_at[socket] = now
+        return _NOTHING
 
     # --- inputs: the front socket -----------------------------------------------------------
 
