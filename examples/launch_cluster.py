@@ -122,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
         "--restart-vanished",
         action="store_true",
         help="restart an engine process that exits unexpectedly and resubmit its "
-        "in-flight requests, instead of ending the run (a death mid-wave still fails: "
-        "its peers' collective times out)",
+        "in-flight requests, the whole DP group when its collective timed out, and a "
+        "standalone coordinator on the same addresses, instead of ending the run",
     )
     parser.add_argument(
         "--json", action="store_true", help="make the last stdout line the summary as JSON"

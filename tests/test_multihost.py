@@ -129,6 +129,10 @@ def _tail(run: Run, n: int = 30) -> list[str]:
     return [line for _, line in run.lines[-n:]]
 
 
+def _why(report: ClusterReport, run: Run) -> tuple[object, ...]:
+    return (report.failures, report.engine_failures, report.to_json(), _tail(run))
+
+
 async def test_a_long_partition_is_reported_and_heals_with_ready_again(lab: NetworkLab) -> None:
     """Node 2 cut off for twice the heartbeat timeout, mid-load: the coordinator drops
     both its engines within the timeout (their address in the log), nothing else; on
@@ -152,7 +156,7 @@ async def test_a_long_partition_is_reported_and_heals_with_ready_again(lab: Netw
 
     run = Run(lab)
     report = await _run(run, _config(lab, requests=400), faults)
-    assert report.ok, (report.to_json(), _tail(run))
+    assert report.ok, _why(report, run)
     assert report.requests == report.completed == 400
     assert figures["completed_at_heal"] < 300  # the load went on after the heal
     assert report.wave_regressions == report.wave_resets == 0
@@ -202,7 +206,7 @@ async def test_a_partition_longer_than_the_collective_timeout(
     if not restart:
         assert not report.ok and report.completed < requests
         return
-    assert report.ok, (report.to_json(), _tail(run))
+    assert report.ok, _why(report, run)
     assert report.requests == report.completed == requests
     assert report.wave_regressions == 0 and report.collective_timeouts == []
     print(
@@ -225,7 +229,7 @@ async def test_a_short_partition_reports_nothing_and_loses_nothing(lab: NetworkL
 
     run = Run(lab)
     report = await _run(run, _config(lab, requests=160), faults)
-    assert report.ok, (report.to_json(), _tail(run))
+    assert report.ok, _why(report, run)
     assert report.requests == report.completed == 160
     assert run.matching(r"lost peer|unsubscribed|lost the", before=run.load_done_at) == []
     print(
@@ -294,7 +298,7 @@ async def test_the_head_coordinator_killed_and_restarted(lab: NetworkLab) -> Non
         report.coordinator_restarts[0],
     )
     assert report.requests == report.completed == 300, (report.to_json(), _tail(run))
-    assert report.ok, (report.to_json(), _tail(run))
+    assert report.ok, _why(report, run)
     assert figures["completed"] < 200  # the load went on after the restart
     reconnected = run.matching(
         r"rank (\d): reconnected to the coordinator", after=figures["killed"]
