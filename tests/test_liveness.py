@@ -19,7 +19,7 @@ import pytest
 import trio
 import zmq
 
-from trio_dpcoord import Coordinator, Liveness, open_coordinator
+from trio_dpcoord import Coordinator, CoordinatorCore, Liveness, open_coordinator
 
 GUARD = 60.0
 
@@ -93,6 +93,9 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
             async with _engine_process(coordinator) as engine:
                 await coordinator.wait_ready()
                 assert await _broadcasts(engine, 1) == ["READY"]
+                # Harmless to a peer with no heartbeat settings of its own (as vLLM's
+                # engines): libzmq answers the PINGs, nothing drops over 3 timeouts.
+                await trio.sleep(3 * FAST.heartbeat_timeout)
                 view = coordinator.subscriptions()
                 assert (view.current, view.connections, view.connections_lost) == (1, 1, 0)
 
@@ -168,3 +171,18 @@ def test_liveness_settings_become_socket_options() -> None:
         Liveness(heartbeat_interval=5.0, heartbeat_timeout=1.0)
     with pytest.raises(ValueError, match="keepalive"):
         Liveness(tcp_keepalive_idle=0)
+
+
+def test_the_core_counts_connections_per_socket() -> None:
+    """Connection changes are inputs of the sans-IO core: they cause no effect, and show
+    in subscriptions() (the broadcast socket) and counters (every socket)."""
+    core = CoordinatorCore(2)
+    assert core.connection_opened("engine_broadcast", 1.0) == ()
+    assert core.connection_opened("engine_broadcast", 1.0) == ()
+    assert core.connection_opened("engine_output", 1.0) == ()
+    assert core.connection_lost("engine_broadcast", 5.0) == ()
+    assert core.connection_lost("engine_output", 6.0) == ()
+    view = core.subscriptions()
+    assert (view.connections, view.connections_lost, view.last_connection_lost_at) == (1, 1, 5.0)
+    assert core.counters().connections_lost == {"engine_broadcast": 1, "engine_output": 1}
+    assert core.counters().errors == 0
