@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket as _socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,7 +26,7 @@ import trio
 import zmq
 
 from ._endpoints import DEFAULT_LIVENESS, Liveness
-from .trio_zmq import AsyncSocket, open_monitor, parse_monitor_event
+from .trio_zmq import AsyncSocket, accepted_peer_address, open_monitor, parse_monitor_event
 
 __all__ = [
     "HEARTBEAT_OPTIONS",
@@ -122,21 +120,6 @@ async def open_connection_monitor(
         yield ConnectionMonitor(name, pair)
 
 
-def _peer_address(fd: int) -> str:
-    """The remote address of a just-accepted connection, best effort: the descriptor
-    belongs to libzmq's I/O thread, so it is read through a duplicate, and a connection
-    already gone by now is named by its descriptor only."""
-    try:
-        with _socket.socket(fileno=os.dup(fd)) as dup:
-            peer = dup.getpeername()
-    except OSError:
-        return f"fd {fd}"
-    if isinstance(peer, tuple):
-        host, port = peer[0], peer[1]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return "a local peer" if not peer else str(peer)
-
-
 class PeerMonitor:
     """The peers connected to one bound socket, from its monitor's events.
 
@@ -182,7 +165,7 @@ class PeerMonitor:
             if event.event == zmq.EVENT_MONITOR_STOPPED:
                 return
             if event.event == zmq.EVENT_ACCEPTED:
-                self._connected[event.value] = (_peer_address(event.value), time.time())
+                self._connected[event.value] = (accepted_peer_address(event.value), time.time())
                 yield True
             elif event.event == zmq.EVENT_DISCONNECTED:
                 self._lost(event.value)

@@ -29,6 +29,8 @@ import contextlib
 import itertools
 import logging
 import math
+import os
+import socket as _socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from zmq.utils.monitor import parse_monitor_message
 __all__ = [
     "AsyncSocket",
     "MonitorEvent",
+    "accepted_peer_address",
     "curve_client_options",
     "open_context",
     "open_monitor",
@@ -480,6 +483,22 @@ def parse_monitor_event(frames: Sequence[bytes]) -> MonitorEvent:
 
 
 _monitor_ids = itertools.count()
+
+
+def accepted_peer_address(fd: int) -> str:
+    """The remote address (``host:port``) of a connection a monitor reported as
+    ``ACCEPTED`` with descriptor ``fd``, best effort: the descriptor belongs to libzmq's
+    I/O thread, so it is read through a duplicate at once, and a connection already gone
+    is named by its descriptor only."""
+    try:
+        with _socket.socket(fileno=os.dup(fd)) as dup:
+            peer = dup.getpeername()
+    except OSError:
+        return f"fd {fd}"
+    if isinstance(peer, tuple):
+        host, port = peer[0], peer[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return "a local peer" if not peer else str(peer)
 
 
 @asynccontextmanager
