@@ -66,6 +66,23 @@ async def _engine_process(coordinator: Coordinator) -> AsyncIterator[trio.Proces
             await process.stdout.aclose()
 
 
+def _metrics(coordinator: Coordinator) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What Prometheus would scrape, parsed (needs the metrics extra, as CI installs)."""
+    prometheus = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trio_dpcoord.metrics import CoordinatorCollector
+
+    registry = prometheus.CollectorRegistry()
+    registry.register(CoordinatorCollector(coordinator))
+    text = prometheus.generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 async def _broadcasts(process: trio.Process, count: int) -> list[str]:
     assert process.stdout is not None
     text = ""
@@ -108,6 +125,11 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
                 )
                 view = coordinator.subscriptions()
                 assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
+                metrics = _metrics(coordinator)
+                assert metrics[("trio_dpcoord_engine_connections", ())] == 0
+                for socket in ("engine_broadcast", "engine_output"):
+                    key = ("trio_dpcoord_connections_lost_total", (("socket", socket),))
+                    assert metrics[key] == 1
                 assert view.last_connection_lost_at is not None
                 # Silent for the timeout before it is dropped: not a closed connection.
                 assert noticed_after >= FAST.heartbeat_timeout * 0.9

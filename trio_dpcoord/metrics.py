@@ -122,6 +122,11 @@ class CoordinatorCollector(Collector):
                 int(view.gate_open),
             ),
             ("frontends_subscribed", "Front-ends subscribed to the front socket.", view.front_ends),
+            (
+                "engine_connections",
+                "Peer connections open on the engine broadcast socket.",
+                view.connections,
+            ),
         )
         for suffix, documentation, value in gauges:
             yield GaugeMetricFamily(name(suffix), documentation, value=value)
@@ -174,6 +179,14 @@ class CoordinatorCollector(Collector):
                 labels=["reason"],
             ),
             sorted(counters.rejected.items()),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                name("connections_lost"),
+                "Peer connections lost (closed, or silent past the heartbeat timeout), by socket.",
+                labels=["socket"],
+            ),
+            sorted(counters.connections_lost.items()),
         )
         latency = counters.wake_latency
         yield HistogramMetricFamily(
