@@ -201,7 +201,9 @@ def _summary(report: ClusterReport) -> str:
     lines += [f"  collective timeout: {line}" for line in report.collective_timeouts]
     lines += [f"  engine failure: {line}" for line in report.engine_failures]
     lines += [f"  engine restarted: {line}" for line in report.engine_restarts]
-    if report.engine_restarts:
+    lines += [f"  DP group restarted after: {line}" for line in report.group_restarts]
+    lines += [f"  coordinator restarted: {line}" for line in report.coordinator_restarts]
+    if report.engine_restarts or report.group_restarts:
         lines.append(f"  requests resubmitted: {report.resubmitted}")
     lines += [f"  failure: {line}" for line in report.failures]
     lines.append(f"  duration: {report.duration:.1f} s   result: {'OK' if report.ok else 'FAILED'}")
