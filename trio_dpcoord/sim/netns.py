@@ -55,10 +55,15 @@ def unavailable_reason() -> str | None:
         return "iproute2's `ip` command is not installed"
     probe = f"tdp{os.getpid()}x0-probe"
     try:
+        # everything a lab does: a namespace, a bridge and a veth pair in it, a process
         _ip("netns", "add", probe)
+        _ip("-n", probe, "link", "add", "br0", "type", "bridge")
+        _ip("-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        _ip("netns", "exec", probe, "true")
     except RuntimeError as exc:
-        return f"`ip netns` does not work here: {exc}"
-    _ip("netns", "del", probe, check=False)
+        return f"network namespaces do not work here: {exc}"
+    finally:
+        _ip("netns", "del", probe, check=False)
     return None
 
 
