@@ -448,8 +448,8 @@ async def open_coordinator(
         wake_confirm_timeout=wake_confirm_timeout,
         publish_to_front_ends=front_address is not None,
     )
-    curve_public_key, security = _curve_server(curve_secret_key)
-    security.update(liveness.socket_options())
+    curve_public_key, curve_options = _curve_server(curve_secret_key)
+    security = {**curve_options, **liveness.socket_options()}
     xpub_options = {**_XPUB_OPTIONS, **security}
     private_dir = PrivateIpcDirectory()
     pumps = _Pumps(core)
