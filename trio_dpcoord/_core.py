@@ -89,6 +89,8 @@ class WaveStartCause:
     """The embedded handle's :meth:`~Coordinator.notify_first_request`."""
     LEGACY_FIRST_REQUEST: Final = "legacy_first_request"
     """A pre-0.33 front-end's FIRST_REQ on the front socket."""
+    LATE_SUBSCRIPTION: Final = "late_subscription"
+    """An engine (re)subscribed while a wave runs: it missed that wave's START_DP_WAVE."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -546,7 +548,19 @@ class CoordinatorCore:
         if self._gate_open:
             self._late_subscriptions += 1
             logger.info("late engine subscription (%d subscribed): READY again", current)
-            return (Broadcast(_READY_FRAMES, None, now),)
+            ready = Broadcast(_READY_FRAMES, None, now)
+            snap = self._wave.snapshot
+            if not (self._wave_coordination and snap.engines_running):
+                return (ready,)
+            # It missed this wave's START_DP_WAVE (a restart, a healed partition) and its
+            # peers wait for it in the collective: the current wave again, nobody excluded.
+            # Engines already running it ignore it (docs/protocol.md §6.4).
+            logger.info(
+                "wave %d runs: START_DP_WAVE again for the late subscriber", snap.current_wave
+            )
+            start = WaveStart(snap.current_wave, None)
+            frames = protocol.encode_start_dp_wave(start.wave, None)
+            return (ready, Broadcast(frames, start, now, WaveStartCause.LATE_SUBSCRIPTION))
         if current < self._expected_engines:
             logger.debug("engine subscribed (%d of %d)", current, self._expected_engines)
             return _NOTHING

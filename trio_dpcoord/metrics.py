@@ -56,6 +56,7 @@ _WAVE_START_CAUSES: Final = (
     WaveStartCause.ENGINE_START_WAVE,
     WaveStartCause.FIRST_REQUEST,
     WaveStartCause.LEGACY_FIRST_REQUEST,
+    WaveStartCause.LATE_SUBSCRIPTION,
 )
 _MAX_REQUEST_BYTES: Final = 16 * 1024
 _CONNECTION_TIMEOUT: Final = 30.0
