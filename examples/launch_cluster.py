@@ -122,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
         "--restart-vanished",
         action="store_true",
         help="restart an engine process that exits unexpectedly and resubmit its "
-        "in-flight requests, instead of ending the run (a death mid-wave still fails: "
-        "its peers' collective times out)",
+        "in-flight requests, the whole DP group when its collective timed out, and a "
+        "standalone coordinator on the same addresses, instead of ending the run",
     )
     parser.add_argument(
         "--json", action="store_true", help="make the last stdout line the summary as JSON"
@@ -201,7 +201,9 @@ def _summary(report: ClusterReport) -> str:
     lines += [f"  collective timeout: {line}" for line in report.collective_timeouts]
     lines += [f"  engine failure: {line}" for line in report.engine_failures]
     lines += [f"  engine restarted: {line}" for line in report.engine_restarts]
-    if report.engine_restarts:
+    lines += [f"  DP group restarted after: {line}" for line in report.group_restarts]
+    lines += [f"  coordinator restarted: {line}" for line in report.coordinator_restarts]
+    if report.engine_restarts or report.group_restarts:
         lines.append(f"  requests resubmitted: {report.resubmitted}")
     lines += [f"  failure: {line}" for line in report.failures]
     lines.append(f"  duration: {report.duration:.1f} s   result: {'OK' if report.ok else 'FAILED'}")

@@ -426,6 +426,7 @@ async def test_signals_stop_it_cleanly(signum: int) -> None:
                 "unconfirmed_expiries": 0,
                 "rejected": {},
                 "wake_latency": counters["wake_latency"],
+                "connections_lost": {},
                 "errors": 0,
             }
 

@@ -109,6 +109,23 @@ def test_late_subscriptions_get_ready_again_and_unsubscriptions_count() -> None:
     )
 
 
+def test_a_late_subscriber_gets_the_running_wave_after_ready() -> None:
+    """A restarted engine, or one back from a partition, missed the START_DP_WAVE of the
+    wave its peers run; they wait for it in the collective, so it goes out again."""
+    core, _ = open_core(2)
+    core.receive_engine_output(output(0, start_wave=3), 1.0)
+    core.receive_engine_subscription(UNSUB, 2.0)
+    effects = core.receive_engine_subscription(SUB, 3.0)
+    assert isinstance(effects[0], Broadcast) and effects[0].frames == [protocol.READY]
+    assert starts(effects) == [(3, None)]
+    assert effects[-1] == Broadcast(
+        protocol.encode_start_dp_wave(3, None), WaveStart(3, None), 3.0, "late_subscription"
+    )
+    core.receive_engine_output(output(0, wave_complete=3), 4.0)
+    paused = core.receive_engine_subscription(SUB, 5.0)  # paused: READY only
+    assert starts(paused) == [] and len(paused) == 1
+
+
 def test_ready_sent_counts_and_silent_engines() -> None:
     core, effects = open_core(3)
     for effect in effects:
@@ -397,6 +414,9 @@ class CoreRules(RuleBasedStateMachine):
         expected: list[WaveStart] = []
         if subscribe:
             self.subscribed += 1
+            if self.gate_open and self.oracle.snapshot.engines_running:
+                # a late subscriber missed the running wave's start: it goes out again
+                expected = [WaveStart(self.oracle.snapshot.current_wave, None)]
             if not self.gate_open and self.subscribed >= ENGINES:
                 self.gate_open = True
                 assert isinstance(effects[0], Broadcast) and effects[0].frames == [protocol.READY]

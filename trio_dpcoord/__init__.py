@@ -14,6 +14,7 @@ from ._core import CoordinatorCounters as CoordinatorCounters
 from ._core import HistogramSnapshot as HistogramSnapshot
 from ._core import SubscriptionView as SubscriptionView
 from ._core import WaveStartCause as WaveStartCause
+from ._endpoints import Liveness as Liveness
 from ._errors import CoordinatorClosedError as CoordinatorClosedError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import ReadyTimeoutError as ReadyTimeoutError
@@ -40,6 +41,7 @@ __all__ = [
     "EngineLoad",
     "Frontend",
     "HistogramSnapshot",
+    "Liveness",
     "ProtocolError",
     "ReadyTimeoutError",
     "SubscriptionView",

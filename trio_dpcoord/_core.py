@@ -34,7 +34,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, final
 
 from . import protocol
@@ -89,6 +89,8 @@ class WaveStartCause:
     """The embedded handle's :meth:`~Coordinator.notify_first_request`."""
     LEGACY_FIRST_REQUEST: Final = "legacy_first_request"
     """A pre-0.33 front-end's FIRST_REQ on the front socket."""
+    LATE_SUBSCRIPTION: Final = "late_subscription"
+    """An engine (re)subscribed while a wave runs: it missed that wave's START_DP_WAVE."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,9 @@ class CoordinatorCounters:
     """Rejected inputs by reason, e.g. ``{"undecodable_engine_output": 2}``."""
     wake_latency: HistogramSnapshot
     """Seconds from a START_DP_WAVE decision until it was handed to ZeroMQ."""
+    connections_lost: dict[str, int] = field(default_factory=dict)
+    """Peer connections lost, by socket (``engine_broadcast``, ``engine_output``,
+    ``front``): closed by the peer, or silent past the heartbeat timeout."""
 
     @property
     def errors(self) -> int:
@@ -218,6 +223,13 @@ class SubscriptionView:
     gate_open: bool
     front_ends: int = 0
     """Front-ends subscribed to the front socket (standalone mode)."""
+    connections: int = 0
+    """Peer connections open on the engine broadcast socket now."""
+    connections_lost: int = 0
+    """Connections the engine broadcast socket lost: a peer that dies or stays silent
+    past the heartbeat timeout shows here, and as an unsubscription."""
+    last_connection_lost_at: float | None = None
+    """The clock reading (``now``) of the latest such loss."""
 
 
 class _LatencyHistogram:
@@ -246,6 +258,7 @@ _NOT_FOR_COORDINATOR: Final = {
     if kind not in (_STATS, _WAVE_COMPLETE, _START_WAVE)
 }
 _READY_FRAMES: Final = [protocol.READY]
+_BROADCAST_SOCKET: Final = "engine_broadcast"
 
 
 @final
@@ -272,6 +285,8 @@ class CoordinatorCore:
 
     __slots__ = (
         "_commands",
+        "_connections",
+        "_connections_lost",
         "_counters_rejected",
         "_deferred",
         "_deferred_commands",
@@ -281,6 +296,7 @@ class CoordinatorCore:
         "_front_publishes",
         "_gate_open",
         "_heard_from",
+        "_last_connection_lost_at",
         "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
@@ -336,6 +352,9 @@ class CoordinatorCore:
         self._unsubscribed = 0
         self._late_subscriptions = 0
         self._front_ends = 0
+        self._connections: Counter[str] = Counter()
+        self._connections_lost: Counter[str] = Counter()
+        self._last_connection_lost_at: dict[str, float] = {}
         self._engine_messages = 0
         self._stats_applied = 0
         self._waves_completed = 0
@@ -402,6 +421,9 @@ class CoordinatorCore:
             late_subscriptions=self._late_subscriptions,
             gate_open=self._gate_open,
             front_ends=self._front_ends,
+            connections=self._connections[_BROADCAST_SOCKET],
+            connections_lost=self._connections_lost[_BROADCAST_SOCKET],
+            last_connection_lost_at=self._last_connection_lost_at.get(_BROADCAST_SOCKET),
         )
 
     def counters(self) -> CoordinatorCounters:
@@ -417,6 +439,7 @@ class CoordinatorCore:
             unconfirmed_expiries=self._unconfirmed_expiries,
             rejected=dict(self._counters_rejected),
             wake_latency=self._wake_latency.snapshot(),
+            connections_lost=dict(self._connections_lost),
         )
 
     # --- inputs: the embedded handle --------------------------------------------------------
@@ -525,12 +548,41 @@ class CoordinatorCore:
         if self._gate_open:
             self._late_subscriptions += 1
             logger.info("late engine subscription (%d subscribed): READY again", current)
-            return (Broadcast(_READY_FRAMES, None, now),)
+            ready = Broadcast(_READY_FRAMES, None, now)
+            snap = self._wave.snapshot
+            if not (self._wave_coordination and snap.engines_running):
+                return (ready,)
+            # It missed this wave's START_DP_WAVE (a restart, a healed partition) and its
+            # peers wait for it in the collective: the current wave again, nobody excluded.
+            # Engines already running it ignore it (docs/protocol.md §6.4).
+            logger.info(
+                "wave %d runs: START_DP_WAVE again for the late subscriber", snap.current_wave
+            )
+            start = WaveStart(snap.current_wave, None)
+            frames = protocol.encode_start_dp_wave(start.wave, None)
+            return (ready, Broadcast(frames, start, now, WaveStartCause.LATE_SUBSCRIPTION))
         if current < self._expected_engines:
             logger.debug("engine subscribed (%d of %d)", current, self._expected_engines)
             return _NOTHING
         logger.info("all %d engines subscribed: opening the gate", current)
         return self._open_gate(now)
+
+    # --- inputs: the sockets' connections ---------------------------------------------------
+
+    def connection_opened(self, socket: str, now: float) -> Sequence[Effect]:
+        """A peer connected to ``socket`` (``engine_broadcast``, ``engine_output``,
+        ``front``): counted only; its subscription, if any, comes as its own input."""
+        self._connections[socket] += 1
+        return _NOTHING
+
+    def connection_lost(self, socket: str, now: float) -> Sequence[Effect]:
+        """A peer's connection to ``socket`` dropped: it closed it, died, or stayed silent
+        past the heartbeat timeout. Counted; on the broadcast socket the XPUB also
+        reports the unsubscription, which is the input that matters to the gate."""
+        self._connections[socket] = max(0, self._connections[socket] - 1)
+        self._connections_lost[socket] += 1
+        self._last_connection_lost_at[socket] = now
+        return _NOTHING
 
     # --- inputs: the front socket -----------------------------------------------------------
 

@@ -1,8 +1,14 @@
-"""Endpoint policy: private ``ipc://`` defaults, loopback-only TCP unless opted in.
+"""Endpoint policy: private ``ipc://`` defaults, loopback-only TCP unless opted in, and
+how fast a silent peer is noticed.
 
 ZeroMQ traffic between the coordinator and vLLM engines is unauthenticated, so the
 safe default is an ``ipc://`` socket in a directory only this user can enter, and a
 TCP bind to anything but loopback needs an explicit ``allow_remote``.
+
+Over a network a peer can go silent without closing anything (a partition, a node that
+loses power): TCP notices nothing for many minutes. :class:`Liveness` holds the ZMTP
+heartbeat and TCP keepalive settings that make ZeroMQ drop such a connection within a
+few seconds.
 """
 
 from __future__ import annotations
@@ -12,11 +18,14 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import zmq
 
 from ._errors import CoordinatorError
 
-__all__ = ["PrivateIpcDirectory", "check_bind_address"]
+__all__ = ["DEFAULT_LIVENESS", "Liveness", "PrivateIpcDirectory", "check_bind_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +100,70 @@ class PrivateIpcDirectory:
         if self._path is not None:
             shutil.rmtree(self._path, ignore_errors=True)
             self._path = None
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """How a socket notices a peer that went silent without closing its connection.
+
+    ZMTP heartbeats (ZeroMQ >= 4.2, answered by libzmq itself whatever the peer's own
+    settings, so harmless for vLLM's engines): a PING every ``heartbeat_interval``
+    seconds; a connection that carries nothing, not even the PONG, for
+    ``heartbeat_timeout`` seconds is dropped, and the PING asks the peer to drop it
+    after the same time without news from us (``HEARTBEAT_TTL``), so both sides
+    reconnect. A silent peer is dropped within about ``heartbeat_interval +
+    heartbeat_timeout`` seconds (:attr:`notice_within`). ``heartbeat_interval=None``
+    turns heartbeats off.
+
+    TCP keepalive, the kernel's own probe of an idle connection, backs them up:
+    probes after ``tcp_keepalive_idle`` idle seconds, every ``tcp_keepalive_interval``
+    seconds, ``tcp_keepalive_count`` of them unanswered drop it;
+    ``tcp_keepalive_idle=None`` leaves the system's setting (usually off).
+    """
+
+    heartbeat_interval: float | None = 1.0
+    heartbeat_timeout: float = 3.0
+    tcp_keepalive_idle: int | None = 10
+    tcp_keepalive_interval: int = 2
+    tcp_keepalive_count: int = 3
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval is not None:
+            if not 0.001 <= self.heartbeat_interval <= self.heartbeat_timeout:
+                raise ValueError(
+                    "heartbeat_interval must be at least 1 ms and at most heartbeat_timeout, "
+                    f"got {self.heartbeat_interval!r} (timeout {self.heartbeat_timeout!r})"
+                )
+            if self.heartbeat_timeout > 6553.5:  # HEARTBEAT_TTL is 16 bits of 100 ms
+                raise ValueError(f"heartbeat_timeout too large: {self.heartbeat_timeout!r}")
+        if self.tcp_keepalive_idle is not None and min(
+            self.tcp_keepalive_idle, self.tcp_keepalive_interval, self.tcp_keepalive_count
+        ) < 1:
+            raise ValueError("TCP keepalive idle time, interval and count must be >= 1")
+
+    @property
+    def notice_within(self) -> float | None:
+        """Seconds after which a silent peer is dropped at the latest, by heartbeats
+        (None without them)."""
+        if self.heartbeat_interval is None:
+            return None
+        return self.heartbeat_interval + self.heartbeat_timeout
+
+    def socket_options(self) -> dict[int, int]:
+        """The ZeroMQ socket options that apply these settings."""
+        options: dict[int, int] = {}
+        if self.heartbeat_interval is not None:
+            timeout_ms = round(self.heartbeat_timeout * 1000)
+            options[zmq.HEARTBEAT_IVL] = round(self.heartbeat_interval * 1000)
+            options[zmq.HEARTBEAT_TIMEOUT] = timeout_ms
+            options[zmq.HEARTBEAT_TTL] = timeout_ms
+        if self.tcp_keepalive_idle is not None:
+            options[zmq.TCP_KEEPALIVE] = 1
+            options[zmq.TCP_KEEPALIVE_IDLE] = self.tcp_keepalive_idle
+            options[zmq.TCP_KEEPALIVE_INTVL] = self.tcp_keepalive_interval
+            options[zmq.TCP_KEEPALIVE_CNT] = self.tcp_keepalive_count
+        return options
+
+
+DEFAULT_LIVENESS = Liveness()
+"""What the coordinator's sockets and our own engines and front-ends use by default."""

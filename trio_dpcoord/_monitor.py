@@ -1,40 +1,47 @@
-"""Connection state of a connecting socket, from ZeroMQ's socket monitor.
+"""Connection state of ZeroMQ sockets, from libzmq's socket monitor (via the shim).
 
 A peer that only connects (an engine's XSUB and PUSH, a front-end's XSUB) never learns
 from ZeroMQ itself that the other side died: the library reconnects quietly and the
 sockets just stay silent. vLLM users reported exactly that as hangs (vLLM issue #32136).
 libzmq's monitor reports the connection's life cycle (``HANDSHAKE_SUCCEEDED`` when it is
 up, ``DISCONNECTED`` when it drops, at once when the peer process dies, or after the
-ZMTP heartbeat timeout when the peer is unreachable) on a PAIR socket; this module turns
+ZMTP heartbeat timeout when the peer is unreachable); :class:`ConnectionMonitor` turns
 those events into a small state a trio task can wait on.
+
+A bound socket (the coordinator's) has one connection per peer: :class:`PeerMonitor`
+counts them, names each peer by its address and logs every one that is lost, with
+the socket and since when it was connected.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Final
 
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from .trio_zmq import AsyncSocket, open_socket
+from ._endpoints import DEFAULT_LIVENESS, Liveness
+from .trio_zmq import AsyncSocket, accepted_peer_address, open_monitor, parse_monitor_event
 
-__all__ = ["HEARTBEAT_OPTIONS", "ConnectionMonitor", "open_connection_monitor"]
+__all__ = [
+    "HEARTBEAT_OPTIONS",
+    "ConnectionMonitor",
+    "PeerMonitor",
+    "open_connection_monitor",
+    "open_peer_monitor",
+]
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_OPTIONS: Final[dict[int, int]] = {
-    zmq.HEARTBEAT_IVL: 1000,
-    zmq.HEARTBEAT_TIMEOUT: 3000,
-    zmq.HEARTBEAT_TTL: 3000,
-}
-"""ZMTP heartbeats for a connecting socket: a peer that stops answering for 3 s (a
-partition, a frozen host) counts as disconnected even though no TCP reset arrives."""
+HEARTBEAT_OPTIONS: Final[dict[int, int]] = DEFAULT_LIVENESS.socket_options()
+"""ZMTP heartbeats and TCP keepalive for a connecting socket: a peer that stops
+answering for 3 s (a partition, a frozen host) counts as disconnected even though no
+TCP reset arrives."""
 
 _EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -42,7 +49,7 @@ _EVENTS: Final = (
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_MONITOR_STOPPED
 )
-_counter = itertools.count()
+_PEER_EVENTS: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 
 
 class ConnectionMonitor:
@@ -91,11 +98,10 @@ class ConnectionMonitor:
         """Apply the monitor's events until cancelled; start it in the caller's nursery."""
         task_status.started()
         while True:
-            frames = await self._pair.recv_multipart()
             try:
-                event = int(parse_monitor_message(frames)["event"])
-            except (ValueError, KeyError, TypeError) as exc:
-                logger.warning("%s: unreadable socket monitor event (%s)", self.name, exc)
+                event = parse_monitor_event(await self._pair.recv_multipart()).event
+            except ValueError as exc:
+                logger.warning("%s: %s", self.name, exc)
                 continue
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return
@@ -110,21 +116,74 @@ async def open_connection_monitor(
     :meth:`ConnectionMonitor.run` in a nursery inside it. Enter it before the socket has
     a chance to connect, so that the first handshake is seen. (No nursery of its own, so
     exceptions pass through the block unwrapped.)"""
-    address = f"inproc://trio-dpcoord-monitor-{id(socket):x}-{next(_counter)}"
-    socket.zmq_socket.monitor(address, _EVENTS)
-    try:
-        async with open_socket(context, zmq.PAIR, connect=address) as pair:
+    async with open_monitor(context, socket, _EVENTS) as pair:
+        yield ConnectionMonitor(name, pair)
+
+
+class PeerMonitor:
+    """The peers connected to one bound socket, from its monitor's events.
+
+    :meth:`changes` yields True for each accepted connection and False for each lost one
+    (the peer closed it, died, or stayed silent past the heartbeat timeout); the caller
+    counts them (the coordinator's core does). Every loss is logged at WARNING naming
+    the socket, the peer's address and since when it was connected. ``key`` names the
+    socket in counters (``engine_broadcast``); the logs say it with spaces.
+    """
+
+    def __init__(self, key: str, pair: AsyncSocket, liveness: Liveness) -> None:
+        self.key = key
+        self.address = ""
+        """The socket's endpoint, for the logs (set it once bound)."""
+        self._pair = pair
+        self._liveness = liveness
+        self._connected: dict[int, tuple[str, float]] = {}
+        """Open connections: descriptor -> (peer address, wall-clock time accepted)."""
+
+    def _lost(self, fd: int) -> None:
+        peer, since = self._connected.pop(fd, (f"fd {fd}", math.nan))
+        logger.warning(
+            "%s socket %s lost peer %s (connected since %s): it closed the connection, "
+            "died, or %s (%d peers left)",
+            self.key.replace("_", " "),
+            self.address,
+            peer,
+            _clock(since),
+            f"answered no heartbeat for {self._liveness.heartbeat_timeout:g} s"
+            if self._liveness.heartbeat_interval is not None
+            else "its connection broke",
+            len(self._connected),
+        )
+
+    async def changes(self) -> AsyncIterator[bool]:
+        """True per accepted connection, False per lost one, until the monitor stops."""
+        while True:
             try:
-                yield ConnectionMonitor(name, pair)
-            finally:
-                # Stop the monitor while its PAIR peer still exists: libzmq sends a last
-                # event on stopping, and that send would block forever with no peer.
-                _stop(socket)
-    finally:
-        _stop(socket)
+                event = parse_monitor_event(await self._pair.recv_multipart())
+            except ValueError as exc:
+                logger.warning("%s socket: %s", self.key.replace("_", " "), exc)
+                continue
+            if event.event == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if event.event == zmq.EVENT_ACCEPTED:
+                self._connected[event.value] = (accepted_peer_address(event.value), time.time())
+                yield True
+            elif event.event == zmq.EVENT_DISCONNECTED:
+                self._lost(event.value)
+                yield False
 
 
-def _stop(socket: AsyncSocket) -> None:
-    if not socket.closed:
-        with contextlib.suppress(zmq.ZMQError):  # already stopped, or the context is gone
-            socket.zmq_socket.disable_monitor()
+def _clock(stamp: float) -> str:
+    if math.isnan(stamp):  # accepted before the monitor started
+        return "before monitoring began"
+    return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int(stamp * 1000) % 1000:03d}"
+
+
+@asynccontextmanager
+async def open_peer_monitor(
+    context: zmq.Context[zmq.Socket[bytes]], socket: AsyncSocket, key: str, liveness: Liveness
+) -> AsyncIterator[PeerMonitor]:
+    """Watch the peers of bound ``socket`` for the duration of the block (read
+    :meth:`PeerMonitor.changes` in a task inside it). Enter it before binding, then set
+    :attr:`PeerMonitor.address` to the bound endpoint."""
+    async with open_monitor(context, socket, _PEER_EVENTS) as pair:
+        yield PeerMonitor(key, pair, liveness)

@@ -7,6 +7,7 @@ One nursery runs, per the design card::
     engine PUSH ─► PULL ─► engine-output listener (batch receive) ──────────────────┤
     back XPUB subscriptions ─► subscription watcher ────────────────────────────────┤
     wake deadlines ─► wake watchdog ────────────────────────────────────────────────┤
+    socket monitors (peers connected, lost) ─► peer watchers ───────────────────────┤
                  every pump: core.<input>(..., now) under the lock, effects dispatched
                                          in the same critical section
           [broadcast channel] ─► broadcaster ─┬► back XPUB ─► engines  (READY, START_DP_WAVE)
@@ -45,8 +46,9 @@ from ._core import (
     RescheduleTimedPublish,
     SubscriptionView,
 )
-from ._endpoints import PrivateIpcDirectory, check_bind_address
+from ._endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, check_bind_address
 from ._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
+from ._monitor import PeerMonitor, open_peer_monitor
 from ._state import WaveSnapshot
 from ._tasks import RejectLog, open_task_nursery
 from .protocol import EngineLoad
@@ -239,6 +241,20 @@ class _Pumps:
             await trio.sleep_until(deadline.deadline)
             with self.lock:
                 self.dispatch(self.core.wake_deadline_passed(deadline.wave, trio.current_time()))
+            self.changed()
+
+    async def peer_watcher(
+        self, peers: PeerMonitor, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Peers connecting to and lost by one bound socket (the monitor logs each loss)."""
+        task_status.started()
+        async for opened in peers.changes():
+            with self.lock:
+                now = trio.current_time()
+                if opened:
+                    self.dispatch(self.core.connection_opened(peers.key, now))
+                else:
+                    self.dispatch(self.core.connection_lost(peers.key, now))
             self.changed()
 
     async def front_receiver(
@@ -445,6 +461,7 @@ async def open_coordinator(
     allow_remote: bool = False,
     wake_confirm_timeout: float = 30.0,
     curve_secret_key: bytes | None = None,
+    liveness: Liveness = DEFAULT_LIVENESS,
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
@@ -471,6 +488,14 @@ async def open_coordinator(
     vLLM's engines cannot use it): every socket becomes a CURVE server, so only peers
     that know :attr:`Coordinator.curve_public_key` can connect, and the traffic is
     encrypted. For our own simulated engines and front-ends.
+
+    ``liveness``: ZMTP heartbeats and TCP keepalive on every socket, so that a peer that
+    goes silent without closing its connection (a partition, a node that lost power) is
+    dropped within about ``liveness.notice_within`` seconds (4 s by default) instead of
+    staying subscribed for good; vLLM's engines answer heartbeats without any setting of
+    their own. A dropped peer shows in :meth:`Coordinator.subscriptions` (an
+    unsubscription, a lost connection) and ``counters.connections_lost``, and is logged
+    with its socket and address; when it comes back it subscribes again and gets READY.
     """
     if stats_interval <= 0:
         raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
@@ -481,7 +506,8 @@ async def open_coordinator(
         wake_confirm_timeout=wake_confirm_timeout,
         publish_to_front_ends=front_address is not None,
     )
-    curve_public_key, security = _curve_server(curve_secret_key)
+    curve_public_key, curve_options = _curve_server(curve_secret_key)
+    security = {**curve_options, **liveness.socket_options()}
     xpub_options = {**_XPUB_OPTIONS, **security}
     private_dir = PrivateIpcDirectory()
     pumps = _Pumps(core)
@@ -494,13 +520,25 @@ async def open_coordinator(
             back_out = await sockets.enter_async_context(
                 open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, zmq.LINGER: 0, **security})
             )
-            bound_input = _bind(
+            monitors: list[PeerMonitor] = []
+
+            async def watch_peers(socket: AsyncSocket, key: str) -> PeerMonitor:
+                # entered before the bind, so that no connection goes unseen
+                monitor = await sockets.enter_async_context(
+                    open_peer_monitor(context, socket, key, liveness)
+                )
+                monitors.append(monitor)
+                return monitor
+
+            input_peers = await watch_peers(back_pub, "engine_broadcast")
+            output_peers = await watch_peers(back_out, "engine_output")
+            bound_input = input_peers.address = _bind(
                 back_pub,
                 engine_input_address or private_dir.address("engine-input"),
                 allow_remote=allow_remote,
                 what="engine broadcast",
             )
-            bound_output = _bind(
+            bound_output = output_peers.address = _bind(
                 back_out,
                 engine_output_address or private_dir.address("engine-output"),
                 allow_remote=allow_remote,
@@ -512,7 +550,8 @@ async def open_coordinator(
                 front = await sockets.enter_async_context(
                     open_socket(context, zmq.XPUB, options=xpub_options)
                 )
-                bound_front = _bind(
+                front_peers = await watch_peers(front, "front")
+                bound_front = front_peers.address = _bind(
                     front,
                     front_address or private_dir.address("front"),
                     allow_remote=allow_remote,
@@ -535,6 +574,8 @@ async def open_coordinator(
                 await nursery.start(pumps.command_receiver)
                 await nursery.start(pumps.wake_watchdog)
                 await nursery.start(pumps.engine_output_listener, back_out)
+                for monitor in monitors:
+                    await nursery.start(pumps.peer_watcher, monitor)
                 if front is not None:
                     await nursery.start(pumps.front_receiver, front)
                 logger.info(

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import trio
 
+from ._endpoints import DEFAULT_LIVENESS, Liveness
 from ._errors import CoordinatorError
 from ._service import Coordinator, open_coordinator
 from ._tasks import cancel_at_stdin_eof
@@ -57,6 +58,25 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def _seconds_or_off(text: str) -> float | None:
+    """A positive number of seconds, or 0 for "off"."""
+    if text.strip() in ("0", "0.0", "off"):
+        return None
+    return _positive_float(text)
+
+
+def _liveness(args: argparse.Namespace) -> Liveness:
+    keepalive = args.tcp_keepalive_idle
+    try:
+        return Liveness(
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            tcp_keepalive_idle=None if keepalive is None else max(1, round(keepalive)),
+        )
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _curve_secret_key(path: str) -> bytes:
@@ -146,6 +166,33 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a wave started by a legacy FIRST_REQ that no engine confirms within this "
         "time (paused engines drop START_DP_WAVE) is taken as paused again, instead of "
         "engines_running staying latched (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--heartbeat-interval",
+        type=_seconds_or_off,
+        default=DEFAULT_LIVENESS.heartbeat_interval,
+        metavar="SECONDS",
+        help="send a ZMTP heartbeat on every connection this often; 0 turns heartbeats "
+        "off (default: %(default)s). A peer that goes silent without closing (a "
+        "partition, a node that lost power) is dropped after --heartbeat-timeout, shows "
+        "as an unsubscription and is logged; vLLM engines answer heartbeats as they are",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=_positive_float,
+        default=DEFAULT_LIVENESS.heartbeat_timeout,
+        metavar="SECONDS",
+        help="drop a connection that carried nothing, not even a heartbeat answer, this "
+        "long; peers are asked to do the same (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--tcp-keepalive-idle",
+        type=_seconds_or_off,
+        default=DEFAULT_LIVENESS.tcp_keepalive_idle,
+        metavar="SECONDS",
+        help="TCP keepalive probes after this many idle seconds (every "
+        f"{DEFAULT_LIVENESS.tcp_keepalive_interval} s, {DEFAULT_LIVENESS.tcp_keepalive_count}"
+        " unanswered drop the connection); 0 leaves the system default (default: %(default)s)",
     )
     serve.add_argument(
         "--curve-secret-key-file",
@@ -242,6 +289,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 allow_remote=args.allow_remote,
                 wake_confirm_timeout=args.wake_confirm_timeout,
                 curve_secret_key=args.curve_secret_key_file,
+                liveness=args.liveness,
             ) as coordinator:
                 endpoints: dict[str, object] = {
                     "front": coordinator.front_address,
@@ -288,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.command == "serve":
+            try:
+                args.liveness = _liveness(args)
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"bad heartbeat settings: {exc}")
     except SystemExit as exc:  # --help (0) or a bad option (2), already reported
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(

@@ -56,6 +56,7 @@ _WAVE_START_CAUSES: Final = (
     WaveStartCause.ENGINE_START_WAVE,
     WaveStartCause.FIRST_REQUEST,
     WaveStartCause.LEGACY_FIRST_REQUEST,
+    WaveStartCause.LATE_SUBSCRIPTION,
 )
 _MAX_REQUEST_BYTES: Final = 16 * 1024
 _CONNECTION_TIMEOUT: Final = 30.0
@@ -122,6 +123,11 @@ class CoordinatorCollector(Collector):
                 int(view.gate_open),
             ),
             ("frontends_subscribed", "Front-ends subscribed to the front socket.", view.front_ends),
+            (
+                "engine_connections",
+                "Peer connections open on the engine broadcast socket.",
+                view.connections,
+            ),
         )
         for suffix, documentation, value in gauges:
             yield GaugeMetricFamily(name(suffix), documentation, value=value)
@@ -174,6 +180,14 @@ class CoordinatorCollector(Collector):
                 labels=["reason"],
             ),
             sorted(counters.rejected.items()),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                name("connections_lost"),
+                "Peer connections lost (closed, or silent past the heartbeat timeout), by socket.",
+                labels=["socket"],
+            ),
+            sorted(counters.connections_lost.items()),
         )
         latency = counters.wake_latency
         yield HistogramMetricFamily(

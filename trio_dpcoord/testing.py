@@ -323,6 +323,7 @@ async def open_serve(
     stderr_line: Callable[[str], None] | None = None,
     env: Mapping[str, str] | None = None,
     stop_grace: float = 5.0,
+    prefix: Sequence[str] = (),
 ) -> AsyncIterator[ServeProcess]:
     """``python -m trio_dpcoord serve`` with ``options``, for the duration of the block.
 
@@ -330,10 +331,11 @@ async def open_serve(
     ``ready_timeout`` s; RuntimeError if it exits first). With ``--exit-on-stdin-eof``
     it also stops if the caller dies. On exit, if still running, it gets SIGTERM and
     ``stop_grace`` s to write its counters line (:attr:`ServeProcess.final_counters`)
-    and exit, then SIGKILL (see :func:`open_child`).
+    and exit, then SIGKILL (see :func:`open_child`). ``prefix`` runs it through a command
+    such as ``ip netns exec NAME`` (which must exec it, so that signals reach it).
     """
     async with open_child(
-        serve_command(*options), stderr_line=stderr_line, env=env, stop_grace=stop_grace
+        [*prefix, *serve_command(*options)], stderr_line=stderr_line, env=env, stop_grace=stop_grace
     ) as serve:
         with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
             serve.endpoints = parse_endpoints(await serve.line(0))

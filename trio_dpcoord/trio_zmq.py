@@ -25,17 +25,32 @@ that had to wait has already passed a full checkpoint and returns without anothe
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
+import os
+import socket as _socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar, cast
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["AsyncSocket", "curve_client_options", "open_context", "open_socket"]
+__all__ = [
+    "AsyncSocket",
+    "MonitorEvent",
+    "accepted_peer_address",
+    "curve_client_options",
+    "open_context",
+    "open_monitor",
+    "open_socket",
+    "parse_monitor_event",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -472,3 +487,74 @@ def curve_client_options(server_key: bytes | None) -> dict[int, int | bytes]:
         zmq.CURVE_PUBLICKEY: public,
         zmq.CURVE_SECRETKEY: secret,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorEvent:
+    """One libzmq socket-monitor event: ``event`` is a ``zmq.EVENT_*`` flag; ``value`` is
+    the file descriptor for ``ACCEPTED``/``DISCONNECTED`` (else an errno or interval);
+    ``endpoint`` is the socket's own bound or connected endpoint."""
+
+    event: int
+    value: int
+    endpoint: str
+
+
+def parse_monitor_event(frames: Sequence[bytes]) -> MonitorEvent:
+    """Decode the frames of one monitor event; ``ValueError`` when they are not one."""
+    try:
+        parsed = parse_monitor_message(list(frames))
+        return MonitorEvent(
+            int(parsed["event"]), int(parsed["value"]), bytes(parsed["endpoint"]).decode()
+        )
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"unreadable socket monitor event: {exc}") from exc
+
+
+_monitor_ids = itertools.count()
+
+
+def accepted_peer_address(fd: int) -> str:
+    """The remote address (``host:port``) of a connection a monitor reported as
+    ``ACCEPTED`` with descriptor ``fd``, best effort: the descriptor belongs to libzmq's
+    I/O thread, so it is read through a duplicate at once, and a connection already gone
+    is named by its descriptor only."""
+    try:
+        with _socket.socket(fileno=os.dup(fd)) as dup:
+            peer = dup.getpeername()
+    except OSError:
+        return f"fd {fd}"
+    if isinstance(peer, tuple):
+        host, port = peer[0], peer[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return "a local peer" if not peer else str(peer)
+
+
+@asynccontextmanager
+async def open_monitor(
+    context: zmq.Context[zmq.Socket[bytes]], socket: AsyncSocket, events: int
+) -> AsyncIterator[AsyncSocket]:
+    """libzmq's monitor of ``socket`` for the duration of the block: a PAIR socket that
+    receives one multipart message per event in ``events`` (``zmq.EVENT_*`` flags; decode
+    with :func:`parse_monitor_event`). Enter it before ``socket`` binds or connects to see
+    every event. ``zmq.EVENT_MONITOR_STOPPED`` arrives when the monitor stops."""
+    address = f"inproc://trio-dpcoord-monitor-{id(socket):x}-{next(_monitor_ids)}"
+    socket._check_open()
+    socket._sock.monitor(address, events)
+    try:
+        async with open_socket(context, zmq.PAIR, connect=address) as pair:
+            try:
+                yield pair
+            finally:
+                # Stop the monitor while its PAIR peer still exists: libzmq sends a last
+                # event on stopping, and that send would block forever with no peer.
+                _stop_monitor(socket)
+    finally:
+        _stop_monitor(socket)
+
+
+def _stop_monitor(socket: AsyncSocket) -> None:
+    if not socket.closed:
+        with contextlib.suppress(zmq.ZMQError):  # already stopped, or the context is gone
+            socket._sock.disable_monitor()
+        socket._touched()

@@ -16,8 +16,19 @@ returns or raises, Ctrl-C and cancellation included.
 An engine process that exits unexpectedly is reported by rank, pid and wave and ends the
 run; with ``ClusterConfig.restart_vanished`` a new process is started for the rank
 instead, the requests stranded on it are resubmitted once it is back, and the run goes
-on. An engine that exits because its collective timed out (or for another failure it
-names) is never restarted: its DP group is broken.
+on. An engine that exits because its collective timed out ends the run too: its DP
+group is broken (a peer died mid-wave, or a partition outlasted the collective timeout);
+with ``restart_vanished`` the whole group is restarted instead, as a real DP deployment
+must, and every request in flight is resubmitted. An engine that exits for another
+failure it names (an invalid broadcast, a lost coordinator) is never restarted. Likewise
+a standalone coordinator process that vanishes ends the run, or with
+``restart_vanished`` is started again on the same addresses (the engines and the
+front-end reconnect on their own).
+
+Across hosts: ``ClusterConfig.host`` makes every socket TCP on that address (the
+coordinator with ``--allow-remote``), ``engine_prefix`` and ``coordinator_prefix`` start
+processes through a command prefix (``ip netns exec NODE``, ``ssh NODE``),
+``collective_address`` is where rank 0 hosts the collective.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import trio
 from .. import CoordinatorView, open_coordinator, open_frontend
 from .._endpoints import PrivateIpcDirectory
 from ..testing import ServeProcess, open_serve, read_lines
-from .engine import DIAGNOSED_EXIT_STATUSES
+from .engine import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
 from .timeline import Timeline
@@ -106,7 +117,20 @@ class ClusterConfig:
     engine_log_level: str = "WARNING"
     restart_vanished: bool = False
     """Restart an engine process that exits unexpectedly (after reporting it) and resubmit
-    its in-flight requests, instead of ending the run."""
+    its in-flight requests, the whole DP group when its collective timed out, and a
+    standalone coordinator on the same addresses, instead of ending the run."""
+    host: str | None = None
+    """Bind the front-end's sockets (and the coordinator's, with ``--allow-remote``) on
+    ``tcp://HOST`` instead of private ipc paths: engines may run on other hosts."""
+    engine_prefix: tuple[tuple[str, ...], ...] = ()
+    """Per rank, a command prefix for its engine process (e.g. ``("ip", "netns", "exec",
+    "node1")``); ranks beyond the tuple run directly."""
+    coordinator_prefix: tuple[str, ...] = ()
+    """A command prefix for the standalone coordinator's process."""
+    collective_address: str | None = None
+    """Where rank 0 hosts the collective (default: a private ipc path)."""
+    coordinator_args: tuple[str, ...] = ()
+    """Extra options for ``trio-dpcoord serve`` in standalone mode (they come last)."""
     record_timeline: bool = False
     """Record engine states, wake-ups and requests in flight (:attr:`ClusterReport.timeline`)."""
 
@@ -138,6 +162,13 @@ class ClusterReport:
     engine_failures: list[str] = field(default_factory=list)
     engine_restarts: list[str] = field(default_factory=list)
     """Vanished engines that were restarted (``restart_vanished``): reported, not errors."""
+    group_restarts: list[str] = field(default_factory=list)
+    """With ``restart_vanished``, the collective timeouts that made the whole DP group
+    restart (reported, not errors; without it they are in ``collective_timeouts``)."""
+    coordinator_restarts: list[str] = field(default_factory=list)
+    """A vanished standalone coordinator restarted (``restart_vanished``): not errors."""
+    wave_resets: int = 0
+    """The front-end saw a restarted coordinator start at a lower wave (not an error)."""
     resubmitted: int = 0
     failures: list[str] = field(default_factory=list)
     wake_latencies: list[float] = field(default_factory=list)
@@ -195,9 +226,12 @@ class ClusterReport:
             "collective_timeouts": list(self.collective_timeouts),
             "engine_failures": list(self.engine_failures),
             "engine_restarts": list(self.engine_restarts),
+            "group_restarts": list(self.group_restarts),
+            "coordinator_restarts": list(self.coordinator_restarts),
             "resubmitted": self.resubmitted,
             "failures": list(self.failures),
             "wave_regressions": self.wave_regressions,
+            "wave_resets": self.wave_resets,
             "frontend_notifications": self.notifications,
             "pauses": self.pauses,
             "wake_latency_ms": self.wake_latency_ms(),
@@ -218,6 +252,8 @@ class Progress:
     engine_running: tuple[bool, ...]
     engine_pids: tuple[int, ...] = ()
     """The engine processes by rank (for tools that inject faults)."""
+    coordinator_pid: int | None = None
+    """The standalone coordinator process."""
 
 
 def _child_environment() -> dict[str, str]:
@@ -257,6 +293,8 @@ class _Fleet:
         self._command = command
         self._restart_vanished = restart_vanished
         self._nursery: trio.Nursery | None = None
+        self._retiring: set[trio.Process] = set()
+        """Processes stopped on purpose by a group restart: their exit is no news."""
 
     async def spawn(self, rank: int, nursery: trio.Nursery | None = None) -> trio.Process:
         """Start the engine process of ``rank`` and watch it."""
@@ -294,6 +332,17 @@ class _Fleet:
 
     async def watch(self, rank: int, process: trio.Process) -> None:
         code = await process.wait()
+        if process in self._retiring:
+            self._retiring.discard(process)
+            return
+        if (
+            code == EXIT_COLLECTIVE_TIMEOUT
+            and self._restart_vanished
+            and not self.stopping
+            and self.frontend is not None
+        ):
+            await self._restart_group(rank, process.pid)
+            return
         if not self.stopping:
             # Which wave the rank was in, from its last status event at the front-end.
             where = "before its first wave"
@@ -323,13 +372,39 @@ class _Fleet:
             logger.error("%s", message)
             self.on_failure()
 
+    async def _restart_group(self, rank: int, pid: int) -> None:
+        """Rank ``rank``'s collective timed out: stop every other rank, start the whole
+        group again, resubmit every request in flight once all ranks are back."""
+        assert self.frontend is not None and self._nursery is not None
+        ranks = range(len(self.report.engine_pids))
+        logger.error(
+            "engine %d (pid %d) exited after its collective timed out: the DP group is "
+            "broken; restarting all %d ranks",
+            rank,
+            pid,
+            len(ranks),
+        )
+        pids = set(self.report.engine_pids)
+        others = [p for p in self.processes if p.returncode is None and p.pid in pids]
+        self._retiring.update(others)
+        await _reap(others, grace=0.0)
+        for other in ranks:
+            self.frontend.engine_lost(other)
+        for other in ranks:
+            await self.spawn(other)
+        logger.warning("DP group restarted: pids %s", self.report.engine_pids)
+        self._nursery.start_soon(self.frontend.resubmit_lost)
+
     async def forward_stderr(self, rank: int, stream: trio.abc.ReceiveStream) -> None:
         async for line in read_lines(stream):
             self._line(line.rstrip())
 
     def _line(self, line: str) -> None:
         if _COLLECTIVE_TIMEOUT_MARK in line and "trio_dpcoord.sim engine rank" in line:
-            self.report.collective_timeouts.append(line)
+            if self._restart_vanished and self.frontend is not None:
+                self.report.group_restarts.append(line)
+            else:
+                self.report.collective_timeouts.append(line)
         self._log_line(line)
 
     async def stop(self) -> None:
@@ -370,7 +445,9 @@ async def _engine_fleet(
     log_line: Callable[[str], None],
 ) -> AsyncIterator[_Fleet]:
     def command(rank: int) -> list[str]:
+        prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
         command = [
+            *prefix,
             sys.executable,
             "-m",
             "trio_dpcoord.sim",
@@ -410,6 +487,27 @@ async def _engine_fleet(
                 await fleet.stop()
 
 
+class _Coordinator:
+    """The standalone coordinator of a run: the current ``serve`` process (a new one after
+    a restart), its endpoints, its final counters."""
+
+    def __init__(self, serve: ServeProcess) -> None:
+        self.serve = serve
+        self.stopping = False
+
+    @property
+    def process(self) -> trio.Process:
+        return self.serve.process
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return self.serve.endpoints
+
+    @property
+    def final_counters(self) -> dict[str, Any] | None:
+        return self.serve.final_counters
+
+
 @asynccontextmanager
 async def open_engine_fleet(
     config: ClusterConfig,
@@ -440,7 +538,7 @@ async def open_engine_fleet(
             coordinator_input=coordinator_input,
             coordinator_output=coordinator_output,
             frontend=frontend,
-            collective_address=workdir.address("collective"),
+            collective_address=config.collective_address or workdir.address("collective"),
             report=report,
             log_line=log_line,
         ) as fleet:
@@ -452,20 +550,85 @@ async def open_engine_fleet(
 
 @asynccontextmanager
 async def _serve_process(
-    config: ClusterConfig, report: ClusterReport, log_line: Callable[[str], None]
-) -> AsyncIterator[ServeProcess]:
+    config: ClusterConfig,
+    report: ClusterReport,
+    log_line: Callable[[str], None],
+    fail: Callable[[str], None] | None = None,
+) -> AsyncIterator[_Coordinator]:
     """``python -m trio_dpcoord serve`` for the duration of the block; its stderr goes to
-    ``log_line``, its final counters to :attr:`ServeProcess.final_counters`."""
-    async with open_serve(
+    ``log_line``, its final counters to ``final_counters``.
+
+    If it exits before the block ends, ``fail`` is called with the reason (by default
+    the reason goes to ``report.failures``), or with ``config.restart_vanished`` it is
+    started again on the same (resolved) addresses.
+    """
+    options = [
         "--exit-on-stdin-eof",
         f"--engines={config.engines}",
         f"--log-level={config.engine_log_level}",
-        ready_timeout=config.ready_timeout,
-        stderr_line=log_line,
-        env=_child_environment(),
-    ) as serve:
-        report.coordinator_pid = serve.process.pid
-        yield serve
+    ]
+    if config.host is not None:
+        options += ["--allow-remote"] + [
+            f"--{name}=tcp://{config.host}:0" for name in ("front", "back-pub", "back-out")
+        ]
+    options += config.coordinator_args
+    holder: list[_Coordinator] = []
+    stop = trio.Event()
+
+    async def incarnation(
+        options: list[str], *, task_status: trio.TaskStatus[ServeProcess]
+    ) -> None:
+        async with open_serve(
+            *options,
+            prefix=config.coordinator_prefix,
+            ready_timeout=config.ready_timeout,
+            stderr_line=log_line,
+            env=_child_environment(),
+        ) as serve:
+            report.coordinator_pid = serve.process.pid
+            task_status.started(serve)
+            # Until it exits or the run ends; then leave the block without being
+            # cancelled, so that open_serve still reads its final counters.
+            async with trio.open_nursery() as waiting:
+
+                async def until(event: Callable[[], Awaitable[object]]) -> None:
+                    await event()
+                    waiting.cancel_scope.cancel()
+
+                waiting.start_soon(until, serve.process.wait)
+                waiting.start_soon(until, stop.wait)
+        code = serve.process.returncode
+        coordinator = holder[0]
+        if coordinator.stopping or code is None:
+            return
+        status = f"status {code}"
+        if code < 0:
+            status += f" ({signal.Signals(-code).name})"
+        message = f"the coordinator (pid {serve.process.pid}) vanished: exited with {status}"
+        if not config.restart_vanished:
+            logger.error("%s", message)
+            (fail or report.failures.append)(message)
+            return
+        report.coordinator_restarts.append(message)
+        logger.error("%s; restarting it on the same addresses", message)
+        same = [*options] + [
+            f"--{name}={serve.endpoints[key]}"
+            for name, key in (
+                ("front", "front"),
+                ("back-pub", "back_pub"),
+                ("back-out", "back_out"),
+            )
+        ]
+        coordinator.serve = await nursery.start(incarnation, same)
+        logger.warning("coordinator restarted as pid %d", coordinator.process.pid)
+
+    async with trio.open_nursery() as nursery:
+        holder.append(_Coordinator(await nursery.start(incarnation, options)))
+        try:
+            yield holder[0]
+        finally:
+            holder[0].stopping = True
+            stop.set()
 
 
 async def _monitor(
@@ -509,6 +672,7 @@ def _progress(frontend: SimFrontend, report: ClusterReport) -> Progress:
         engine_pending=frontend.per_engine_pending(),
         engine_running=tuple(frontend.engine_running),
         engine_pids=tuple(report.engine_pids),
+        coordinator_pid=report.coordinator_pid,
     )
 
 
@@ -542,7 +706,7 @@ async def run_cluster(
     started = trio.current_time()
     frontend: SimFrontend | None = None
     coordinator: EmbeddedCoordinator | None = None
-    serve: ServeProcess | None = None
+    serve: _Coordinator | None = None
     try:
         with trio.CancelScope() as run_scope:
 
@@ -552,6 +716,7 @@ async def run_cluster(
                 run_scope.cancel()
 
             async with AsyncExitStack() as stack:
+                tcp = None if config.host is None else f"tcp://{config.host}"
                 view: CoordinatorView
                 if config.mode == "inproc":
                     factory = coordinator_factory or _default_coordinator(config)
@@ -561,7 +726,7 @@ async def run_cluster(
                     engine_output = coordinator.engine_output_address
                 else:
                     serve = await stack.enter_async_context(
-                        _serve_process(config, report, log_line)
+                        _serve_process(config, report, log_line, fail)
                     )
                     view = await stack.enter_async_context(
                         open_frontend(serve.endpoints["front"], engine_count=config.engines)
@@ -569,7 +734,13 @@ async def run_cluster(
                     engine_input = serve.endpoints["back_pub"]
                     engine_output = serve.endpoints["back_out"]
                 frontend = await stack.enter_async_context(
-                    open_sim_frontend(view, config.engines, wake_path=config.wake_path)
+                    open_sim_frontend(
+                        view,
+                        config.engines,
+                        wake_path=config.wake_path,
+                        request_address=tcp and f"{tcp}:0",
+                        completion_address=tcp and f"{tcp}:0",
+                    )
                 )
                 if config.record_timeline:
                     report.timeline = frontend.timeline = Timeline(config.engines, started)
@@ -645,7 +816,15 @@ def _all_exceptions(group: BaseException) -> bool:
 
 def _default_coordinator(config: ClusterConfig) -> CoordinatorFactory:
     def factory(engine_count: int) -> AbstractAsyncContextManager[EmbeddedCoordinator]:
-        return open_coordinator(engine_count, ready_timeout=config.ready_timeout)
+        if config.host is None:
+            return open_coordinator(engine_count, ready_timeout=config.ready_timeout)
+        return open_coordinator(
+            engine_count,
+            ready_timeout=config.ready_timeout,
+            engine_input_address=f"tcp://{config.host}:0",
+            engine_output_address=f"tcp://{config.host}:0",
+            allow_remote=True,
+        )
 
     return factory
 
@@ -658,6 +837,7 @@ def _collect(
     report.waves = len(frontend.waves_completed)
     report.frontend_errors = frontend.bad_messages
     report.wave_regressions = frontend.wave_regressions
+    report.wave_resets = frontend.wave_resets
     report.notifications = frontend.notifications
     report.pauses = frontend.pauses
     report.wake_latencies = list(frontend.wake_latencies)

@@ -17,7 +17,9 @@ It also measures, honestly, what a user of the coordinator cares about:
   over-estimate, never an under-estimate of the engines' wake-up);
 * **wave monotonicity**: the wave in the coordinator's snapshot, and the wave in every
   engine's status events, must never decrease; a decrease is counted in
-  ``wave_regressions``.
+  ``wave_regressions``. A coordinator that was restarted has forgotten its wave and
+  starts again from the engines' reports: a lower wave first seen after the front-end
+  reconnected is counted in ``wave_resets`` instead.
 
 When an engine process vanishes and is restarted (:meth:`SimFrontend.engine_lost`), the
 requests that were in flight on it are resubmitted once it is back
@@ -135,6 +137,11 @@ class SimFrontend:
         self.notifications = 0
         self.pauses = 0
         self.wave_regressions = 0
+        self.wave_resets = 0
+        """The coordinator's wave lower after the front-end reconnected to it: a
+        restarted coordinator starts from what the engines report (not an error)."""
+        self._raised_in = 0
+        """The view's ``disconnects`` when the front-end's wave last went up."""
         self.bad_messages = 0
         self.resubmitted = 0
         """Requests sent again because the engine they were on vanished."""
@@ -168,6 +175,20 @@ class SimFrontend:
         self._observers.unpark_all()
 
     def _observe_front_wave(self, wave: int) -> None:
+        connection = getattr(self.view, "disconnects", 0)  # a remote coordinator's view
+        if wave < self.front_wave and connection != self._raised_in:
+            self.wave_resets += 1
+            logger.warning(
+                "front-end: the coordinator is at wave %d after a reconnection (was %d): "
+                "a restarted coordinator starts from the engines' reports",
+                wave,
+                self.front_wave,
+            )
+            self.front_wave = wave
+            self._raised_in = connection
+            return
+        if wave > self.front_wave:
+            self._raised_in = connection
         if wave < self.front_wave:
             self.wave_regressions += 1
             logger.error(

@@ -1,0 +1,210 @@
+"""Dead peers noticed from the coordinator's side (issue 14), without root: an engine
+process frozen with SIGSTOP goes silent exactly like a partitioned node (its kernel
+keeps the TCP connection open, nothing answers), so the coordinator's heartbeats are
+the only way to notice it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import zmq
+
+from trio_dpcoord import Coordinator, CoordinatorCore, Liveness, open_coordinator
+
+GUARD = 60.0
+
+FAST = Liveness(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+
+# One vLLM-style engine peer (XSUB + PUSH) in its own process, with no heartbeat
+# settings of its own, printing every broadcast it gets.
+_PEER = textwrap.dedent(
+    """
+    import sys, trio
+    from trio_dpcoord import protocol
+    from trio_dpcoord.testing import connect_engines
+
+    async def main() -> None:
+        async with connect_engines(sys.argv[1], sys.argv[2], 1) as (peer,):
+            while True:
+                frames = await peer.next_broadcast_frames()
+                print("READY" if frames == [protocol.READY] else "WAVE", flush=True)
+
+    trio.run(main)
+    """
+)
+
+
+@asynccontextmanager
+async def _engine_process(coordinator: Coordinator) -> AsyncIterator[trio.Process]:
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable,
+            "-c",
+            _PEER,
+            coordinator.engine_input_address,
+            coordinator.engine_output_address,
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        yield process
+    finally:
+        with trio.CancelScope(shield=True):
+            process.kill()
+            await process.wait()
+            assert process.stdout is not None
+            await process.stdout.aclose()
+
+
+def _metrics(coordinator: Coordinator) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What Prometheus would scrape, parsed (needs the metrics extra, as CI installs)."""
+    prometheus = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trio_dpcoord.metrics import CoordinatorCollector
+
+    registry = prometheus.CollectorRegistry()
+    registry.register(CoordinatorCollector(coordinator))
+    text = prometheus.generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def _broadcasts(process: trio.Process, count: int) -> list[str]:
+    assert process.stdout is not None
+    text = ""
+    while text.count("\n") < count:
+        chunk = await process.stdout.receive_some(4096)
+        assert chunk, "the engine process exited"
+        text += chunk.decode()
+    return text.split()
+
+
+async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGSTOP: within the heartbeat timeout the engine shows as gone (subscriptions,
+    counters, a WARNING naming the socket and the peer); SIGCONT: it reconnects,
+    subscribes again and gets READY again."""
+    caplog.set_level(logging.WARNING, logger="trio_dpcoord")
+    with trio.fail_after(GUARD):
+        async with open_coordinator(
+            1,
+            engine_input_address="tcp://127.0.0.1:0",
+            engine_output_address="tcp://127.0.0.1:0",
+            liveness=FAST,
+        ) as coordinator:
+            async with _engine_process(coordinator) as engine:
+                await coordinator.wait_ready()
+                assert await _broadcasts(engine, 1) == ["READY"]
+                # Harmless to a peer with no heartbeat settings of its own (as vLLM's
+                # engines): libzmq answers the PINGs, nothing drops over 3 timeouts.
+                await trio.sleep(3 * FAST.heartbeat_timeout)
+                view = coordinator.subscriptions()
+                assert (view.current, view.connections, view.connections_lost) == (1, 1, 0)
+
+                os.kill(engine.pid, signal.SIGSTOP)
+                stopped_at = trio.current_time()
+                await coordinator.wait_for(lambda c: c.subscriptions().current == 0)
+                noticed_after = trio.current_time() - stopped_at
+                await coordinator.wait_for(
+                    lambda c: c.counters.connections_lost.get("engine_output") == 1
+                )
+                view = coordinator.subscriptions()
+                assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
+                metrics = _metrics(coordinator)
+                assert metrics[("trio_dpcoord_engine_connections", ())] == 0
+                for socket in ("engine_broadcast", "engine_output"):
+                    key = ("trio_dpcoord_connections_lost_total", (("socket", socket),))
+                    assert metrics[key] == 1
+                assert view.last_connection_lost_at is not None
+                # Silent for the timeout before it is dropped: not a closed connection.
+                assert noticed_after >= FAST.heartbeat_timeout * 0.9
+                port = coordinator.engine_input_address.rsplit(":", 1)[1]
+                lost = [r.getMessage() for r in caplog.records if "lost peer" in r.getMessage()]
+                assert any(
+                    re.search(
+                        rf"engine broadcast socket tcp://127\.0\.0\.1:{port} lost peer "
+                        r"127\.0\.0\.1:\d+ \(connected since \d\d:\d\d:\d\d\.\d{3}\).*"
+                        r"answered no heartbeat for 1 s",
+                        message,
+                    )
+                    for message in lost
+                ), lost
+
+                os.kill(engine.pid, signal.SIGCONT)
+                await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
+                assert await _broadcasts(engine, 1) == ["READY"]
+                await coordinator.wait_for(lambda c: c.counters.ready_broadcasts == 2)
+                view = coordinator.subscriptions()
+                assert (view.current, view.connections) == (1, 1)
+                assert coordinator.counters.errors == 0
+
+
+async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
+    """A peer silent for less than the heartbeat timeout (a short partition) stays."""
+    liveness = Liveness(heartbeat_interval=0.2, heartbeat_timeout=3.0)
+    with trio.fail_after(GUARD):
+        async with open_coordinator(
+            1,
+            engine_input_address="tcp://127.0.0.1:0",
+            engine_output_address="tcp://127.0.0.1:0",
+            liveness=liveness,
+        ) as coordinator:
+            async with _engine_process(coordinator) as engine:
+                await coordinator.wait_ready()
+                for _ in range(3):
+                    os.kill(engine.pid, signal.SIGSTOP)
+                    await trio.sleep(0.5)
+                    os.kill(engine.pid, signal.SIGCONT)
+                    await trio.sleep(0.5)
+                view = coordinator.subscriptions()
+                assert (view.current, view.unsubscribed, view.connections_lost) == (1, 0, 0)
+                assert not any(coordinator.counters.connections_lost.values())
+
+
+def test_liveness_settings_become_socket_options() -> None:
+    assert Liveness().socket_options() == {
+        zmq.HEARTBEAT_IVL: 1000,
+        zmq.HEARTBEAT_TIMEOUT: 3000,
+        zmq.HEARTBEAT_TTL: 3000,
+        zmq.TCP_KEEPALIVE: 1,
+        zmq.TCP_KEEPALIVE_IDLE: 10,
+        zmq.TCP_KEEPALIVE_INTVL: 2,
+        zmq.TCP_KEEPALIVE_CNT: 3,
+    }
+    assert Liveness().notice_within == 4.0
+    off = Liveness(heartbeat_interval=None, tcp_keepalive_idle=None)
+    assert off.socket_options() == {} and off.notice_within is None
+    with pytest.raises(ValueError, match="at most heartbeat_timeout"):
+        Liveness(heartbeat_interval=5.0, heartbeat_timeout=1.0)
+    with pytest.raises(ValueError, match="keepalive"):
+        Liveness(tcp_keepalive_idle=0)
+
+
+def test_the_core_counts_connections_per_socket() -> None:
+    """Connection changes are inputs of the sans-IO core: they cause no effect, and show
+    in subscriptions() (the broadcast socket) and counters (every socket)."""
+    core = CoordinatorCore(2)
+    assert core.connection_opened("engine_broadcast", 1.0) == ()
+    assert core.connection_opened("engine_broadcast", 1.0) == ()
+    assert core.connection_opened("engine_output", 1.0) == ()
+    assert core.connection_lost("engine_broadcast", 5.0) == ()
+    assert core.connection_lost("engine_output", 6.0) == ()
+    view = core.subscriptions()
+    assert (view.connections, view.connections_lost, view.last_connection_lost_at) == (1, 1, 5.0)
+    assert core.counters().connections_lost == {"engine_broadcast": 1, "engine_output": 1}
+    assert core.counters().errors == 0
