@@ -1,4 +1,4 @@
-"""examples/http_frontend.py as a user runs it (issue 13): a real HTTP client against the
+"""examples/http_frontend.py as a user runs it: a real HTTP client against the
 trio web front-end that embeds the coordinator, its simulated engine processes behind it.
 """
 

@@ -1,4 +1,4 @@
-"""Dead peers noticed from the coordinator's side (issue 14), without root: an engine
+"""Dead peers noticed from the coordinator's side, without root: an engine
 process frozen with SIGSTOP goes silent exactly like a partitioned node (its kernel
 keeps the TCP connection open, nothing answers), so the coordinator's heartbeats are
 the only way to notice it."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 13): an embedded registry and a live ``serve`` scraped over
+"""Prometheus metrics: an embedded registry and a live ``serve`` scraped over
 HTTP, parsed with prometheus_client's own parser, checked against what the test did."""
 
 from __future__ import annotations

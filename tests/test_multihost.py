@@ -1,4 +1,4 @@
-"""Several hosts and a network that fails (issue 14): a cluster across network
+"""Several hosts and a network that fails: a cluster across network
 namespaces on one machine, faults injected under a bursty load.
 
 The head namespace runs ``trio-dpcoord serve`` (TCP, ``--allow-remote`` on the private

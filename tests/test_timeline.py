@@ -1,4 +1,4 @@
-"""A picture of the waves (issue 13): what the timeline records, and the drawn file."""
+"""A picture of the waves: what the timeline records, and the drawn file."""
 
 from __future__ import annotations
 

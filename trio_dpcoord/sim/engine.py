@@ -26,7 +26,7 @@ Deliberate deviations from vLLM's engines, each harmless to the coordinator prot
   coordinator learn every rank's load at once.
 * **Coordinator watch.** A ZeroMQ socket monitor (plus ZMTP heartbeats) on the
   broadcast XSUB: when the connection to the coordinator drops, the engine logs an ERROR
-  naming the address and its wave at once (vLLM engines wait silently, issue #32136),
+  naming the address and its wave at once (vLLM engines wait silently, vLLM issue #32136),
   keeps running (ZeroMQ reconnects; the XSUB re-sends its subscription, so a restarted
   coordinator sees it and answers READY), and with ``coordinator_timeout`` exits with
   :class:`CoordinatorLostError` if it stays gone that long.
