@@ -22,7 +22,8 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
-from trio_dpcoord._core import Broadcast
+from trio_dpcoord._core import Broadcast, CoordinatorCore
+from trio_dpcoord._service import _Pumps
 from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -436,6 +437,52 @@ async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish()
                     publish = protocol.decode_front_publish(await sub.recv())
                     assert publish == protocol.FrontPublish((protocol.IDLE_LOAD,) * 2, 0, False)
             await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 0)
+
+
+async def test_a_due_timed_publish_waits_for_the_publishes_decided_before_it(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Publishes leave in the order they were decided, timed ones included.
+
+    Regression (a flaky ``test_pause_and_resume[keep-ours]``): when the timed publish fell
+    due while wave publishes were still queued (the publisher was busy sending), it was
+    built from the state *after* them and sent *before* them, so the front-end saw the
+    wave go back (``3, 2, 3``) or a stale "paused" during a running wave. The pump is
+    driven directly so that the race is deterministic: the decisions are queued while the
+    sender is not waiting, with the timed publish already due (the clock is frozen).
+    """
+    core = CoordinatorCore(2, publish_to_front_ends=True)
+    pumps = _Pumps(core)
+    now = trio.current_time()
+    with pumps.lock:
+        for _ in range(2):
+            pumps.dispatch(core.receive_engine_subscription(protocol.SUBSCRIBE, now))
+        for out in (
+            protocol.EngineCoreOutputs(engine_index=0, wave_complete=0),
+            protocol.EngineCoreOutputs(engine_index=1, start_wave=1),
+            protocol.EngineCoreOutputs(engine_index=0, wave_complete=1),
+        ):
+            frames = [protocol.encode_engine_core_outputs(out)]
+            pumps.dispatch(core.receive_engine_output(frames, now))
+        assert core.next_publish_due() <= now  # the first timed publish is due at once
+    with trio.fail_after(GUARD):
+        async with (
+            open_context() as context,
+            open_socket(context, zmq.XPUB, bind="inproc://engines") as engines,
+            open_socket(context, zmq.PAIR, bind="inproc://front") as front,
+            open_socket(context, zmq.PAIR, connect="inproc://front") as front_end,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(pumps.broadcaster, engines, front)
+            received = [protocol.decode_front_publish(await front_end.recv()) for _ in range(4)]
+            nursery.cancel_scope.cancel()
+    assert [(p.current_wave, p.engines_running) for p in received] == [
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, False),
+    ]
+    assert received[-1].counts is not None  # the timed one, last
 
 
 async def test_a_first_request_start_nobody_confirms_is_not_latched() -> None:

@@ -132,29 +132,7 @@ class _Pumps:
                 async for item in self._broadcast_queue:
                     schedule_moved = False
                     while True:
-                        if isinstance(item, Broadcast):
-                            if not xpub.send_nowait(item.frames):
-                                timer.deadline = math.inf  # a decided send is not cut short
-                                schedule_moved = True
-                                await xpub.send_multipart(item.frames)
-                            with self.lock:
-                                self.core.broadcast_sent(item, trio.current_time())
-                            if item.wave_start is None and not self.ready.is_set():
-                                logger.info(
-                                    "READY sent to %d engines",
-                                    self.core.subscriptions().current,
-                                )
-                                self.ready.set()
-                            self.changed()
-                        else:
-                            schedule_moved = True  # a publish or a reschedule
-                            if isinstance(item, Publish):
-                                assert front is not None, "publishes need a front socket"
-                                if not front.send_nowait((item.payload,)):
-                                    timer.deadline = math.inf
-                                    await front.send(item.payload)
-                                with self.lock:
-                                    self.core.publish_sent()
+                        schedule_moved |= await self._send(item, xpub, front, timer)
                         # What is already queued (a wave's publish behind its broadcast)
                         # goes in this task step: a second receive would cost a scheduler
                         # pass of its own.
@@ -169,13 +147,57 @@ class _Pumps:
                         if due != timer.deadline:
                             # (trio re-registers a scope's deadline on every assignment)
                             timer.deadline = due
-            # the deadline passed: the timed publish (only ever due with a front socket)
+            # The deadline passed: the timed publish (only ever due with a front socket).
+            # It carries the state as of when it is built, so what was decided before it
+            # and is still queued goes out first (a receive past its deadline does not
+            # look at the queue): otherwise a queued wave publish would follow it with an
+            # older wave, and front-ends would see the wave go back or a stale "paused".
+            while True:
+                try:
+                    item = self._broadcast_queue.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                await self._send(item, xpub, front, None)
             assert front is not None
             with self.lock:
                 payload = self.core.timed_publish(trio.current_time())
             await front.send(payload)
             with self.lock:
                 self.core.publish_sent()
+
+    async def _send(
+        self,
+        item: Broadcast | Publish | RescheduleTimedPublish,
+        xpub: AsyncSocket,
+        front: AsyncSocket | None,
+        timer: trio.CancelScope | None,
+    ) -> bool:
+        """Send one decided item, first synchronously; a send that must wait is not cut
+        short by ``timer`` (the timed publish's scope). True if the timed publish's
+        schedule may have moved (a publish, a reschedule, or a send that waited)."""
+        if isinstance(item, Broadcast):
+            schedule_moved = False
+            if not xpub.send_nowait(item.frames):
+                if timer is not None:
+                    timer.deadline = math.inf  # a decided send is not cut short
+                schedule_moved = True
+                await xpub.send_multipart(item.frames)
+            with self.lock:
+                self.core.broadcast_sent(item, trio.current_time())
+            if item.wave_start is None and not self.ready.is_set():
+                logger.info("READY sent to %d engines", self.core.subscriptions().current)
+                self.ready.set()
+            self.changed()
+            return schedule_moved
+        if isinstance(item, Publish):
+            assert front is not None, "publishes need a front socket"
+            if not front.send_nowait((item.payload,)):
+                if timer is not None:
+                    timer.deadline = math.inf
+                await front.send(item.payload)
+            with self.lock:
+                self.core.publish_sent()
+        return True  # a publish or a reschedule
 
     async def subscription_watcher(
         self, xpub: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
