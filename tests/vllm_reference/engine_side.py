@@ -492,10 +492,17 @@ class StandInScheduler(SchedulerInterface):  # type: ignore[misc]
         pass
 
 
+DP_WAVE_STATE_RPC = "dp_wave_state"
+"""The harness's probe (not a vLLM method): the front-end's ``collective_rpc`` of this
+name, through vLLM's utility path, answers ``[[current_wave, engines_running]]`` as the
+engine's busy loop sees them between two steps."""
+
+
 class StandInExecutor:
     """The model executor: each forward pass with tokens, and each dummy batch, is one
     round of the forward-pass collective (a step with nothing scheduled runs no forward,
-    as vLLM's model runner returns early on it)."""
+    as vLLM's model runner returns early on it). Its ``collective_rpc`` also answers the
+    harness's :data:`DP_WAVE_STATE_RPC` probe."""
 
     is_sleeping = False
 
@@ -528,6 +535,10 @@ class StandInExecutor:
         self.dummy_batches += 1
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        if method == DP_WAVE_STATE_RPC:
+            # the harness's probe, run by vLLM's busy loop between two steps
+            (engine,) = ENGINES
+            return [[engine.current_wave, engine.engines_running]]
         if method != "synchronize_device":
             raise AssertionError(f"unexpected collective_rpc {method!r}")
         return [None]

@@ -13,8 +13,11 @@ outputs come back through ``get_output_async``; pauses through
 The only addition is :class:`RecordingClient`, which records every value the client's
 stats task assigns to ``current_wave`` and ``engines_running`` (so the report shows
 whether the front-end ever saw the wave go backwards) and, in stress mode, fires extra
-requests the moment the coordinator announces a wave end. The report (JSON) lists every
-request's outcome, and every vLLM function that ran in this process.
+requests the moment the coordinator announces a wave end. The scenario ends once the
+published view is paused at the wave every engine says it is paused at
+(:func:`wait_for_published_end`: a probe through vLLM's utility path, answered by the
+executor stand-in). The report (JSON) lists every request's outcome, the end probes, and
+every vLLM function that ran in this process.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, TypeVar
 
 import zmq
 from engine_side import (  # type: ignore[import-not-found]  # beside this script
+    DP_WAVE_STATE_RPC,
     CallTracer,
     StandInExecutor,
     make_vllm_config,
@@ -64,6 +68,7 @@ class RecordingClient(DPLBAsyncMPClient):  # type: ignore[misc]
     def current_wave(self, wave: int) -> None:
         self.__dict__.setdefault("wave_history", []).append(wave)
         self.__dict__["_wave"] = wave
+        self._view_changed()
 
     @property
     def engines_running(self) -> bool:
@@ -74,11 +79,19 @@ class RecordingClient(DPLBAsyncMPClient):  # type: ignore[misc]
         was = self.__dict__.get("_running", False)
         self.__dict__.setdefault("running_history", []).append(running)
         self.__dict__["_running"] = running
-        paused = self.__dict__.get("paused")
-        if paused is not None:
-            paused.clear() if running else paused.set()
+        self._view_changed()
         if was and not running and self.on_wave_end is not None:
             self.on_wave_end()
+
+    def _view_changed(self) -> None:
+        changed = self.__dict__.get("view_changed")
+        if changed is not None:
+            changed.set()
+
+    def watch_view(self) -> asyncio.Event:
+        """An event set when the stats task next assigns the view (a publish arrived)."""
+        changed = self.__dict__["view_changed"] = asyncio.Event()
+        return changed
 
 
 class Load:
@@ -215,11 +228,8 @@ async def run_scenario(
             await guarded(load.wait_all(ids))
             await asyncio.sleep(rng.uniform(*burst.get("gap", (0.0, 0.05))))
         await guarded(load.wait_all(await asyncio.gather(*pending_extra)))
-        # the last wave ends when the engines have nothing left: wait until published
-        paused = client.__dict__["paused"] = asyncio.Event()
-        if not client.engines_running:
-            paused.set()
-        await guarded(paused.wait())
+        report["stage"] = "waiting for the last wave's end to be published"
+        await guarded(wait_for_published_end(client, report))
         report["stage"] = "done"
     finally:
         pump.cancel()
@@ -235,6 +245,35 @@ async def run_scenario(
             final_engines_running=client.engines_running,
         )
         client.shutdown()
+
+
+async def wait_for_published_end(client: RecordingClient, report: dict[str, Any]) -> None:
+    """Until the coordinator's publishes show the engines paused at the wave they are
+    really paused at, after the last request finished.
+
+    The last wave ends when the engines have nothing left, and the front-end learns it
+    from the coordinator's publishes, which travel another path than the engines' outputs
+    (engine -> coordinator -> front-end): a "paused" already seen when the last output
+    arrives may be the previous wave's end, published before this wave's start reached
+    the coordinator. So each time the view says paused, the engines are asked (vLLM's
+    utility path, answered between two steps) for their own ``(current_wave,
+    engines_running)``; it is over when every engine is paused at the view's wave. Rank
+    0 reports every wave end to the coordinator before it answers, so until then a
+    publish is still to come: wait for it (no polling; the caller bounds the wait).
+    """
+    probes = report.setdefault("end_probes", [])
+    while True:
+        changed = client.watch_view()  # before the probe: a publish during it counts
+        if not client.engines_running:
+            answers = await client.call_utility_all_async(
+                "collective_rpc", DP_WAVE_STATE_RPC, None, (), None
+            )
+            engines = [tuple(workers[0]) for workers in answers]
+            view = (client.current_wave, client.engines_running)  # as of the answers
+            probes.append({"view": view, "engines": engines})
+            if not view[1] and all(state == view for state in engines):
+                return
+        await changed.wait()
 
 
 async def wait_for_tokens(load: Load, ids: list[str]) -> None:
