@@ -515,18 +515,6 @@ class CoordinatorCore:
             f"{kind.name} from engine {engine_index} is not for the coordinator",
         )
 
-    def receive_engine_outputs(
-        self, batch: Sequence[Sequence[bytes]], now: float
-    ) -> list[Effect]:
-        """A batch of engine-output messages, in order: their effects concatenated."""
-        effects: list[Effect] = []
-        receive = self.receive_engine_output
-        for frames in batch:
-            result = receive(frames, now)
-            if result:
-                effects.extend(result)
-        return effects
-
     def receive_engine_subscription(self, frame: bytes, now: float) -> Sequence[Effect]:
         """A frame the engine broadcast XPUB read: an engine (un)subscribed (§5.2)."""
         sub = protocol.decode_subscription(frame)
@@ -602,7 +590,7 @@ class CoordinatorCore:
                 # before the gate, the first timed publish (due as it opens) serves it
                 return _NOTHING
             # a newcomer gets the current counts now, not at the next heartbeat
-            return (Publish(self._timed_payload(now)),)
+            return (Publish(self.timed_publish(now)),)
         try:
             message = protocol.decode_front_message(frame)
         except protocol.ProtocolError as exc:
@@ -627,7 +615,12 @@ class CoordinatorCore:
 
     def timed_publish(self, now: float) -> bytes:
         """The timed publish due now: counts (or the pending lock-step snapshot), wave."""
-        return self._timed_payload(now)
+        counts = self._loads.take_publish_counts()
+        self._schedule.published(now)
+        snap = self._wave.snapshot if self._wave_coordination else WaveSnapshot()
+        return protocol.encode_front_publish_trusted(
+            counts, snap.current_wave, snap.engines_running
+        )
 
     def wake_deadline_passed(self, wave: int, now: float) -> Sequence[Effect]:
         """The wake-confirmation deadline of ``wave`` passed (see ArmWakeDeadline).
@@ -729,14 +722,6 @@ class CoordinatorCore:
             self._publisher_waiting_long = False
             return (RESCHEDULE,)
         return _NOTHING
-
-    def _timed_payload(self, now: float) -> bytes:
-        counts = self._loads.take_publish_counts()
-        self._schedule.published(now)
-        snap = self._wave.snapshot if self._wave_coordination else WaveSnapshot()
-        return protocol.encode_front_publish_trusted(
-            counts, snap.current_wave, snap.engines_running
-        )
 
     def _emit(self, effects: list[Effect]) -> Sequence[Effect]:
         # Before the gate opens nothing leaves: decisions wait, in order, behind READY.
