@@ -130,17 +130,7 @@ class _Pumps:
                 due = self.core.next_publish_due()
             with trio.CancelScope(deadline=due) as timer:
                 async for item in self._broadcast_queue:
-                    schedule_moved = False
-                    while True:
-                        schedule_moved |= await self._send(item, xpub, front, timer)
-                        # What is already queued (a wave's publish behind its broadcast)
-                        # goes in this task step: a second receive would cost a scheduler
-                        # pass of its own.
-                        try:
-                            item = self._broadcast_queue.receive_nowait()
-                        except trio.WouldBlock:
-                            break
-                    if schedule_moved:
+                    if await self._send_queued(item, xpub, front, timer):
                         # the next timed publish may have moved
                         with self.lock:
                             due = self.core.next_publish_due()
@@ -152,18 +142,32 @@ class _Pumps:
             # and is still queued goes out first (a receive past its deadline does not
             # look at the queue): otherwise a queued wave publish would follow it with an
             # older wave, and front-ends would see the wave go back or a stale "paused".
-            while True:
-                try:
-                    item = self._broadcast_queue.receive_nowait()
-                except trio.WouldBlock:
-                    break
-                await self._send(item, xpub, front, None)
+            await self._send_queued(None, xpub, front, None)
             assert front is not None
             with self.lock:
                 payload = self.core.timed_publish(trio.current_time())
             await front.send(payload)
             with self.lock:
                 self.core.publish_sent()
+
+    async def _send_queued(
+        self,
+        item: Broadcast | Publish | RescheduleTimedPublish | None,
+        xpub: AsyncSocket,
+        front: AsyncSocket | None,
+        timer: trio.CancelScope | None,
+    ) -> bool:
+        """Send ``item`` (if any) and whatever is already queued behind it, in this task
+        step: a second receive would cost a scheduler pass of its own (a wave's publish
+        waits behind its broadcast). True if the timed publish's schedule may have moved."""
+        schedule_moved = False
+        while True:
+            if item is not None:
+                schedule_moved |= await self._send(item, xpub, front, timer)
+            try:
+                item = self._broadcast_queue.receive_nowait()
+            except trio.WouldBlock:
+                return schedule_moved
 
     async def _send(
         self,
