@@ -8,6 +8,12 @@
 * ``forwarder``: the baseline, a plain blocking pyzmq PULL -> ``msgpack.unpackb`` ->
   XPUB loop in one thread, no trio: it turns every ``start_wave`` into START_DP_WAVE.
   With ``--ingest N`` it also times how fast it took in the last 95% of N messages.
+* ``trio-floor``: the least a trio program does per wave in the design card's shape: the
+  engine-output socket read by one task, a memory channel, a second task that sends
+  START_DP_WAVE and the front publishes; READY once ``--engines`` have subscribed. No
+  validation, no load table, no counters: what is left is trio's run loop, the task hop
+  and the socket waits. ``--raw`` waits with ``trio.lowlevel.wait_readable`` on the
+  socket's FD directly instead of through our shim (``trio_zmq``).
 * ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
   as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
   or paced (``--rate``) until SIGTERM.
@@ -144,6 +150,77 @@ def _forwarder_main(args: argparse.Namespace) -> None:
             _emit({"messages": total - mark, "seconds": seconds})
 
 
+# --- the trio floor -----------------------------------------------------------------------
+
+
+async def _trio_floor_main(args: argparse.Namespace) -> None:
+    import math
+
+    import trio
+
+    from trio_dpcoord.trio_zmq import open_context, open_socket
+
+    async with (
+        open_context() as context,
+        open_socket(
+            context, zmq.XPUB, bind=args.back_pub, options={zmq.XPUB_VERBOSE: 1}
+        ) as back_pub,
+        open_socket(context, zmq.PULL, bind=args.back_out, options={zmq.RCVHWM: 0}) as back_out,
+        open_socket(context, zmq.XPUB, bind=args.front) as front,
+    ):
+        _emit({"front": args.front, "back_pub": args.back_pub, "back_out": args.back_out})
+        subscribed = 0
+        while subscribed < args.engines:
+            subscribed += (await back_pub.recv())[:1] == b"\x01"
+        await back_pub.send(b"READY")
+        to_broadcaster, broadcasts = trio.open_memory_channel[tuple[int, bytes]](math.inf)
+        unpackb = msgpack.unpackb
+        packb = msgpack.packb
+        wave = 0
+        running = False
+
+        def apply(frame: bytes) -> None:
+            # EngineCoreOutputs as an array: [6] wave_complete, [7] start_wave
+            nonlocal wave, running
+            message = unpackb(frame)
+            if message[6] is not None:
+                wave, running = message[6] + 1, False
+                to_broadcaster.send_nowait((-1, packb((None, wave, False))))
+            elif message[7] is not None and not running:
+                running = True
+                to_broadcaster.send_nowait((message[7], packb((message[7], message[0]))))
+                to_broadcaster.send_nowait((-1, packb((None, wave, True))))
+
+        def send(item: tuple[int, bytes]) -> None:
+            if item[0] >= 0:
+                back_pub.send_nowait((b"\x02", item[1]))
+            else:
+                front.send_nowait((item[1],))
+
+        async def broadcaster() -> None:
+            async for item in broadcasts:
+                send(item)
+                while True:
+                    try:
+                        send(broadcasts.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(broadcaster)
+            if args.raw:
+                pull = back_out.zmq_socket
+                fd = pull.getsockopt(zmq.FD)
+                while True:
+                    if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await trio.lowlevel.wait_readable(fd)
+                        continue
+                    apply(pull.recv(zmq.NOBLOCK))
+            while True:
+                for frames in await back_out.recv_multipart_batch():
+                    apply(frames[0])
+
+
 # --- engine pushers ----------------------------------------------------------------------
 
 
@@ -213,7 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     coordinator.add_argument("--engines", type=int, required=True)
     forwarder = roles.add_parser("forwarder")
     forwarder.add_argument("--ingest", type=int, default=0)
-    for role in (coordinator, forwarder):
+    trio_floor = roles.add_parser("trio-floor")
+    trio_floor.add_argument("--engines", type=int, required=True)
+    trio_floor.add_argument("--raw", action="store_true", help="no shim: wait on the FD")
+    for role in (coordinator, forwarder, trio_floor):
         role.add_argument("--back-pub", required=True)
         role.add_argument("--back-out", required=True)
         role.add_argument("--front")
@@ -232,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             import trio
 
             trio.run(_coordinator_main, args)
+        elif args.role == "trio-floor":
+            import trio
+
+            trio.run(_trio_floor_main, args)
         elif args.role == "forwarder":
             signal.signal(signal.SIGTERM, signal.default_int_handler)
             _forwarder_main(args)

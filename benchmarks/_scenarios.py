@@ -46,6 +46,11 @@ from trio_dpcoord.testing import connect_engines, serve_command
 
 COORDINATOR_KINDS = ("inproc", "standalone")
 VLLM = "vllm"
+TRIO_FLOOR = "trio-floor"
+TRIO_FLOOR_RAW = "trio-floor-raw"
+TRIO_FLOORS = (TRIO_FLOOR, TRIO_FLOOR_RAW)
+"""The least a trio program in the design card's shape does per wave (with our shim, and
+waiting on the FD directly): not coordinators, the reference below which none can go."""
 """vLLM 0.33.0's real ``DPCoordinatorProc`` (tests/vllm_reference), torch-free."""
 
 
@@ -132,6 +137,19 @@ def serving(
                 "--log-level",
                 "WARNING",
             )
+        )
+    elif kind in TRIO_FLOORS:
+        argv = procs(
+            "trio-floor",
+            "--engines",
+            str(engines),
+            "--back-pub",
+            back_pub,
+            "--back-out",
+            back_out,
+            "--front",
+            front,
+            *(["--raw"] if kind == TRIO_FLOOR_RAW else []),
         )
     elif kind == "forwarder":
         argv = procs("forwarder", "--back-pub", back_pub, "--back-out", back_out)

@@ -25,6 +25,7 @@ SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e")
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
+TRIO_FLOOR_NOTE = "no coordinator: the least a trio program of the design card's shape does"
 """Issue 12's targets at N = 8, standalone: wake p50 <= 0.8x and p99 <= 1.0x vLLM's."""
 LOAD_FRACTION = 0.5
 """Stats load during (3), as a fraction of the coordinator's ingest throughput from (1):
@@ -276,11 +277,14 @@ class Runner:
                 variants["standalone"] = ("start_wave",)
             if not self.vllm_reason:
                 variants[sc.VLLM] = ("start_wave",)
+                if n == 8:
+                    for floor in sc.TRIO_FLOORS:
+                        variants[floor] = ("start_wave",)
             result = sc.wake_compare(self.env, n, s.waves, variants)
             self.details[f"wake_{n}"] = result
             base = result["forwarder start_wave"]
             for label, values in result.items():
-                if label.startswith(("forwarder", sc.VLLM)):
+                if label.startswith(("forwarder", sc.VLLM, *sc.TRIO_FLOORS)):
                     continue
                 for stat, limit in (("p50", 2.0), ("p99", 3.0), ("max", None)):
                     row = Row(
@@ -304,7 +308,8 @@ class Runner:
             self.skipped("2 wake", f"N={n} vs vLLM", self.vllm_reason)
             return
         base = result[f"{sc.VLLM} start_wave"]
-        for label in ("standalone start_wave", "inproc notify_first_request"):
+        floors = [f"{floor} start_wave" for floor in sc.TRIO_FLOORS]
+        for label in ("standalone start_wave", "inproc notify_first_request", *floors):
             if label not in result:
                 continue
             for stat in ("p50", "p99", "max"):
@@ -321,7 +326,9 @@ class Runner:
                     if label.startswith("standalone")
                     else (0.5 if stat == "p50" else None)
                 )
-                if n == 8 and limit is not None:
+                if label in floors:
+                    row.note = TRIO_FLOOR_NOTE
+                elif n == 8 and limit is not None:
                     row.target = f"<= {limit:g}x"
                     row.met = row.ratio is not None and row.ratio <= limit
                 self.rows.append(row)
@@ -493,6 +500,8 @@ class Runner:
         points: dict[int, dict[str, dict[str, float]]] = {}
         for n in s.vllm_scale_engines:
             rounds: dict[str, list[dict[str, float]]] = {"standalone": [], sc.VLLM: []}
+            if n == 8:
+                rounds.update({floor: [] for floor in sc.TRIO_FLOORS})
             waves = s.scale_waves if n <= 256 else max(20, s.scale_waves // 2)
             # one round at 1,024 engines in quick mode: its set-up dominates the run time
             rounds_here = s.vllm_scale_rounds if n < 1024 or s is FULL else 1
@@ -517,7 +526,21 @@ class Runner:
             points[n] = point
         self.details["scale_vs_vllm"] = {str(n): p for n, p in points.items()}
         for n, point in points.items():
-            ours, base = point["standalone"], point[sc.VLLM]
+            base = point[sc.VLLM]
+            for floor in sc.TRIO_FLOORS:
+                if floor in point:
+                    self.rows.append(
+                        Row(
+                            "5 scale",
+                            f"CPU per wave N={n} {floor} vs vLLM",
+                            point[floor]["cpu_per_wave_us"],
+                            "us",
+                            base["cpu_per_wave_us"],
+                            VLLM_LABEL,
+                            note=TRIO_FLOOR_NOTE,
+                        )
+                    )
+            ours = point["standalone"]
             for key, figure, unit in (
                 ("cpu_per_wave_us", "CPU per wave", "us"),
                 ("rss_mib", "RSS", "MiB"),

@@ -374,6 +374,31 @@ async def test_edge_consumed_by_other_task_still_wakes_receiver(
             assert got == [b"wake-up"]
 
 
+async def test_own_send_between_batch_receives_voids_the_remembered_events(
+    ctx: Context,
+) -> None:
+    """A batch receive remembers the EVENTS read that ended it (the socket was empty), so
+    that the next receive need not read it again. Any zmq call in between voids that:
+    here the socket's own send, which eats the wake-up edge of a message that arrived
+    meanwhile. Trusting the stale "empty" would wait on the FD for an edge already gone."""
+    async with (
+        open_socket(ctx, zmq.ROUTER, bind="inproc://hint") as router,
+        open_socket(
+            ctx, zmq.DEALER, connect="inproc://hint", options={zmq.IDENTITY: b"D"}
+        ) as dealer,
+    ):
+        with trio.fail_after(TIMEOUT):
+            await dealer.send(b"hello")
+            assert await router.recv_multipart() == [b"D", b"hello"]
+            assert router.send_nowait([b"D", b"first"])
+            assert await dealer.recv_batch() == [b"first"]
+            assert router.send_nowait([b"D", b"second"])  # signals the dealer's FD
+            time.sleep(0.01)  # noqa: ASYNC251 -- libzmq's send skips command processing for ~1 ms
+            assert dealer.send_nowait([b"x"])  # processes (eats) that signal
+            assert await dealer.recv_batch() == [b"second"]
+            assert await router.recv_multipart() == [b"D", b"x"]
+
+
 # -- cancellation --------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Final, final
+from typing import Final, TypeAlias, cast, final
 
 import trio
 import zmq
@@ -58,6 +58,9 @@ __all__ = ["Coordinator", "open_coordinator"]
 
 logger = logging.getLogger(__name__)
 
+Outgoing: TypeAlias = Broadcast | Publish | RescheduleTimedPublish
+"""What the broadcaster carries out: the core's effects that go out on a socket."""
+
 _XPUB_OPTIONS: Final[dict[int, int | bytes]] = {
     # Verbose: every engine's subscription reaches the gate (vLLM's setting); verboser:
     # every unsubscription too, so a vanished peer shows.
@@ -77,9 +80,9 @@ class _Pumps:
         self.ready = trio.Event()
         self.observers = trio.lowlevel.ParkingLot()
         self.reject_log = RejectLog(logger)
-        self.broadcasts, self._broadcast_queue = trio.open_memory_channel[
-            Broadcast | Publish | RescheduleTimedPublish
-        ](math.inf)
+        self.broadcasts, self._broadcast_queue = trio.open_memory_channel[Sequence[Outgoing]](
+            math.inf
+        )
         self.commands, self._command_queue = trio.open_memory_channel[Command](math.inf)
         self._deadlines, self._deadline_queue = trio.open_memory_channel[ArmWakeDeadline](
             math.inf
@@ -91,18 +94,26 @@ class _Pumps:
 
     def dispatch(self, effects: Sequence[Effect]) -> bool:
         """Hand each effect to its owner. Called under the lock, right after the core.
-        True when one of them was a broadcast."""
+        What the broadcaster sends goes as one channel item per core call. True when one
+        of the effects was a broadcast."""
+        outgoing: list[Outgoing] = []
         broadcast = False
         for effect in effects:
-            if isinstance(effect, (Broadcast, Publish, RescheduleTimedPublish)):
-                self.broadcasts.send_nowait(effect)
-                broadcast = broadcast or type(effect) is Broadcast
-            elif isinstance(effect, ArmWakeDeadline):
-                self._deadlines.send_nowait(effect)
-            elif isinstance(effect, Reject):
-                self.reject_log(effect.reason, effect.detail)
+            kind = type(effect)
+            if kind is Broadcast:
+                broadcast = True
+                outgoing.append(cast(Broadcast, effect))
+            elif kind is Publish or kind is RescheduleTimedPublish:
+                outgoing.append(cast("Publish | RescheduleTimedPublish", effect))
+            elif kind is ArmWakeDeadline:
+                self._deadlines.send_nowait(cast(ArmWakeDeadline, effect))
+            elif kind is Reject:
+                reject = cast(Reject, effect)
+                self.reject_log(reject.reason, reject.detail)
             else:
-                self.commands.send_nowait(effect)
+                self.commands.send_nowait(cast(Command, effect))
+        if outgoing:
+            self.broadcasts.send_nowait(outgoing)
         return broadcast
 
     # --- the pumps ------------------------------------------------------------------------
@@ -129,20 +140,17 @@ class _Pumps:
             with self.lock:
                 due = self.core.next_publish_due()
             with trio.CancelScope(deadline=due) as timer:
-                async for item in self._broadcast_queue:
-                    if await self._send_queued(item, xpub, front, timer):
-                        # the next timed publish may have moved
-                        with self.lock:
-                            due = self.core.next_publish_due()
-                        if due != timer.deadline:
-                            # (trio re-registers a scope's deadline on every assignment)
-                            timer.deadline = due
+                async for items in self._broadcast_queue:
+                    due = await self._send_queued(items, xpub, front, timer)
+                    if due != timer.deadline:
+                        # (trio re-registers a scope's deadline on every assignment)
+                        timer.deadline = due
             # The deadline passed: the timed publish (only ever due with a front socket).
             # It carries the state as of when it is built, so what was decided before it
             # and is still queued goes out first (a receive past its deadline does not
             # look at the queue): otherwise a queued wave publish would follow it with an
             # older wave, and front-ends would see the wave go back or a stale "paused".
-            await self._send_queued(None, xpub, front, None)
+            await self._send_queued((), xpub, front, None)
             assert front is not None
             with self.lock:
                 payload = self.core.timed_publish(trio.current_time())
@@ -152,56 +160,53 @@ class _Pumps:
 
     async def _send_queued(
         self,
-        item: Broadcast | Publish | RescheduleTimedPublish | None,
+        items: Sequence[Outgoing],
         xpub: AsyncSocket,
         front: AsyncSocket | None,
         timer: trio.CancelScope | None,
-    ) -> bool:
-        """Send ``item`` (if any) and whatever is already queued behind it, in this task
-        step: a second receive would cost a scheduler pass of its own (a wave's publish
-        waits behind its broadcast). True if the timed publish's schedule may have moved."""
-        schedule_moved = False
-        while True:
-            if item is not None:
-                schedule_moved |= await self._send(item, xpub, front, timer)
-            try:
-                item = self._broadcast_queue.receive_nowait()
-            except trio.WouldBlock:
-                return schedule_moved
+    ) -> float:
+        """Send ``items`` and whatever is already queued behind them, in this task step (a
+        second receive would cost a scheduler pass of its own), then tell the core what
+        went out, under the lock once. Returns when the next timed publish is due.
 
-    async def _send(
-        self,
-        item: Broadcast | Publish | RescheduleTimedPublish,
-        xpub: AsyncSocket,
-        front: AsyncSocket | None,
-        timer: trio.CancelScope | None,
-    ) -> bool:
-        """Send one decided item, first synchronously; a send that must wait is not cut
-        short by ``timer`` (the timed publish's scope). True if the timed publish's
-        schedule may have moved (a publish, a reschedule, or a send that waited)."""
-        if isinstance(item, Broadcast):
-            schedule_moved = False
-            if not xpub.send_nowait(item.frames):
-                if timer is not None:
-                    timer.deadline = math.inf  # a decided send is not cut short
-                schedule_moved = True
-                await xpub.send_multipart(item.frames)
-            with self.lock:
-                self.core.broadcast_sent(item, trio.current_time())
-            if item.wave_start is None and not self.ready.is_set():
+        Each send is first tried synchronously; one that must wait is not cut short by
+        ``timer`` (the timed publish's scope): a decided send always completes.
+        """
+        sent_broadcasts: list[Broadcast] = []
+        publishes = 0
+        while True:
+            for item in items:
+                if type(item) is Broadcast:
+                    if not xpub.send_nowait(item.frames):
+                        if timer is not None:
+                            timer.deadline = math.inf
+                        await xpub.send_multipart(item.frames)
+                    sent_broadcasts.append(item)
+                elif type(item) is Publish:
+                    assert front is not None, "publishes need a front socket"
+                    if not front.send_nowait((item.payload,)):
+                        if timer is not None:
+                            timer.deadline = math.inf
+                        await front.send(item.payload)
+                    publishes += 1
+                # a RescheduleTimedPublish only asks for the schedule to be read again
+            try:
+                items = self._broadcast_queue.receive_nowait()
+            except trio.WouldBlock:
+                break
+        with self.lock:
+            now = trio.current_time()
+            for broadcast in sent_broadcasts:
+                self.core.broadcast_sent(broadcast, now)
+            for _ in range(publishes):
+                self.core.publish_sent()
+            due = self.core.next_publish_due()
+        if sent_broadcasts:
+            if not self.ready.is_set() and any(b.wave_start is None for b in sent_broadcasts):
                 logger.info("READY sent to %d engines", self.core.subscriptions().current)
                 self.ready.set()
             self.changed()
-            return schedule_moved
-        if isinstance(item, Publish):
-            assert front is not None, "publishes need a front socket"
-            if not front.send_nowait((item.payload,)):
-                if timer is not None:
-                    timer.deadline = math.inf
-                await front.send(item.payload)
-            with self.lock:
-                self.core.publish_sent()
-        return True  # a publish or a reschedule
+        return due
 
     async def subscription_watcher(
         self, xpub: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

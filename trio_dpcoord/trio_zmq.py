@@ -145,13 +145,19 @@ class AsyncSocket:
         # Remaining frames of a message whose continuation frame got zmq.Again (libzmq
         # counts HWM in whole messages, so this should never happen; handled anyway).
         self._send_tail: list[bytes] | None = None
+        # EVENTS as read by the last zmq call on this socket, when that call was the read
+        # itself; any other call clears it (see _touched). The next receive starts from it
+        # instead of reading EVENTS again: one zmq call (and pyzmq's enum lookup) less.
+        self._events_hint: int | None = None
 
     # -- plumbing ---------------------------------------------------------------------
 
     @property
     def zmq_socket(self) -> zmq.Socket[bytes]:
-        """The wrapped socket.  If you call it directly while other tasks wait on this
-        ``AsyncSocket``, call :meth:`notify_touched` afterwards."""
+        """The wrapped socket.  After calling it directly, call :meth:`notify_touched`
+        before this ``AsyncSocket`` is used again (and at once if other tasks wait on it):
+        a direct call may consume the FD's edge."""
+        self._events_hint = None
         return self._sock
 
     def _check_open(self) -> None:
@@ -172,7 +178,11 @@ class AsyncSocket:
     def _touched(self) -> None:
         """We just made a zmq call; it may have eaten the edge another task waits for."""
         if self._waiting:
-            self._dispatch(cast(int, self._sock.getsockopt(_EVENTS)))
+            events = cast(int, self._sock.getsockopt(_EVENTS))
+            self._events_hint = events
+            self._dispatch(events)
+        else:
+            self._events_hint = None
 
     def notify_touched(self) -> None:
         """Re-check readiness for waiting tasks after using :attr:`zmq_socket` directly."""
@@ -190,6 +200,7 @@ class AsyncSocket:
         self._waiting += 1
         try:
             if events is None:
+                self._events_hint = None
                 events = cast(int, self._sock.getsockopt(_EVENTS))
             if self._waiting > 1:
                 self._dispatch(events)
@@ -270,6 +281,7 @@ class AsyncSocket:
 
     def _try_send(self, frames: Sequence[bytes]) -> bool:
         """One synchronous attempt; True once the message is committed to zmq."""
+        self._events_hint = None
         if self._send_tail is not None and not self._flush_tail():
             return False
         sock = self._sock
@@ -294,6 +306,7 @@ class AsyncSocket:
         return True
 
     def _flush_tail(self) -> bool:
+        self._events_hint = None
         tail = self._send_tail
         assert tail is not None
         while tail:
@@ -357,7 +370,10 @@ class AsyncSocket:
         ``zmq.EVENTS`` is read before each attempt: the previous receive usually drained
         the socket, and an attempt that fails raises ``zmq.Again``, an exception object per
         empty receive (it showed in the wave path's profile), where EVENTS is an int. Read
-        right before waiting, it is also the re-check the edge-triggered FD needs.
+        right before waiting, it is also the re-check the edge-triggered FD needs. When
+        the last zmq call on the socket *was* an EVENTS read (a batch receive ends with
+        one), its value is used once instead: no call since can have eaten an edge, so
+        waiting on the FD is safe, and a hint used up cannot make the loop spin.
 
         ``_try_sync`` checkpoints: cancellation is checked before the first attempt, and
         what ``take()`` returned is never lost to it; a receive that had to wait has passed
@@ -369,7 +385,11 @@ class AsyncSocket:
         waited = False
         while True:
             self._check_open()
-            events = cast(int, getsockopt(_EVENTS))
+            events = self._events_hint
+            if events is None:
+                events = cast(int, getsockopt(_EVENTS))
+            else:
+                self._events_hint = None
             if not events & _POLLIN:
                 suspect = await self._wait(_POLLIN, suspect, events)
                 waited = True
@@ -383,7 +403,12 @@ class AsyncSocket:
             except BaseException:
                 self._touched()
                 raise
-            self._touched()
+            hint = self._events_hint  # take() ended with an EVENTS read, or left None
+            if self._waiting:
+                if hint is None:
+                    hint = cast(int, getsockopt(_EVENTS))
+                self._dispatch(hint)
+            self._events_hint = hint
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return received
@@ -395,8 +420,13 @@ class AsyncSocket:
         up to ``max_messages`` in all, without waiting. After the first message EVENTS
         says whether more are queued: a lone message (every wave report) then ends the
         batch without the ``zmq.Again`` a drained socket raises."""
+        self._events_hint = None
         batch = [receive_one(_NOBLOCK)]
-        if max_messages > 1 and cast(int, self._sock.getsockopt(_EVENTS)) & _POLLIN:
+        if max_messages > 1:
+            events = cast(int, self._sock.getsockopt(_EVENTS))
+            if not events & _POLLIN:
+                self._events_hint = events  # the last call: the next receive starts here
+                return batch
             try:
                 while len(batch) < max_messages:
                     batch.append(receive_one(_NOBLOCK))
@@ -541,6 +571,7 @@ async def open_monitor(
     address = f"inproc://trio-dpcoord-monitor-{id(socket):x}-{next(_monitor_ids)}"
     socket._check_open()
     socket._sock.monitor(address, events)
+    socket._touched()
     try:
         async with open_socket(context, zmq.PAIR, connect=address) as pair:
             try:
