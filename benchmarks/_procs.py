@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgpack
 import zmq
@@ -210,9 +210,9 @@ async def _trio_floor_main(args: argparse.Namespace) -> None:
             nursery.start_soon(broadcaster)
             if args.raw:
                 pull = back_out.zmq_socket
-                fd = pull.getsockopt(zmq.FD)
+                fd = cast(int, pull.getsockopt(zmq.FD))
                 while True:
-                    if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    if not cast(int, pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         await trio.lowlevel.wait_readable(fd)
                         continue
                     apply(pull.recv(zmq.NOBLOCK))

@@ -363,7 +363,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
             ):
                 await coordinator.wait_ready()
                 # break an invariant of our own: an empty frame list for the broadcaster
-                coordinator._pumps.broadcasts.send_nowait(Broadcast([], None, 0.0))
+                coordinator._pumps.broadcasts.send_nowait([Broadcast([], None, 0.0)])
                 await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
