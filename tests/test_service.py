@@ -122,6 +122,53 @@ async def test_stale_first_request_wakes_everyone_and_never_rewinds(
                     await wave_is(coordinator, 4, True)
 
 
+async def test_wave_start_leaves_before_the_reports_queued_behind_it() -> None:
+    """A start_wave that arrives in front of a long queue of stats reports is broadcast
+    before that queue is applied: the listener takes small batches and, under load, waits
+    for the broadcaster's send before applying the rest. The engines hold START_DP_WAVE
+    while most of the reports are still unapplied (content and order, no timings: 20,000
+    reports are several trio passes of work however fast the machine)."""
+    behind = 20_000
+    stats = [
+        protocol.encode_engine_core_outputs(
+            protocol.EngineCoreOutputs(
+                engine_index=1, scheduler_stats=protocol.SchedulerStats(num_waiting_reqs=k)
+            )
+        )
+        for k in range(behind)
+    ]
+    start = protocol.encode_engine_core_outputs(
+        protocol.EngineCoreOutputs(engine_index=0, start_wave=0)
+    )
+    with trio.fail_after(GUARD):
+        async with open_coordinator(2) as coordinator:
+            async with connect_engines(
+                coordinator.engine_input_address, coordinator.engine_output_address, 2
+            ) as engines:
+                await coordinator.wait_ready()
+                for peer in engines:
+                    assert await peer.next_broadcast() == "READY"
+                before = coordinator.counters.stats_applied
+                applied_at_start: list[int] = []
+
+                async def sender() -> None:
+                    for frame in (start, *stats):  # one pipe: FIFO, the wave start first
+                        await engines[0].push.send(frame)
+
+                async def engine_one() -> None:
+                    assert await engines[1].next_broadcast() == protocol.StartDPWave(0, 0)
+                    applied_at_start.append(coordinator.counters.stats_applied - before)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sender)
+                    nursery.start_soon(engine_one)
+                assert applied_at_start[0] < behind
+                await coordinator.wait_for(
+                    lambda c: c.counters.stats_applied - before == behind
+                )
+                assert coordinator.engine_loads()[1].waiting == behind - 1
+
+
 async def test_engine_start_wave_rules_over_the_wire(
     engine_addresses: dict[str, Any],
 ) -> None:

@@ -58,6 +58,13 @@ __all__ = ["Coordinator", "open_coordinator"]
 
 logger = logging.getLogger(__name__)
 
+_LISTENER_BATCH: Final = 64
+"""Engine outputs taken per receive. A wave start that arrives while a batch is applied
+waits for all of it: with 1,000 per batch, wake-ups under stats load (N = 8, 52,000
+reports/s, next to vLLM's coordinator under the same load) took 23 ms at the median,
+21x vLLM's; with 64, 4 ms (1.4x) and a p99 below vLLM's. Ingest throughput stayed
+within the noise of interleaved rounds."""
+
 Outgoing: TypeAlias = Broadcast | Publish | RescheduleTimedPublish
 """What the broadcaster carries out: the core's effects that go out on a socket."""
 
@@ -79,6 +86,8 @@ class _Pumps:
         self.closed = False
         self.ready = trio.Event()
         self.observers = trio.lowlevel.ParkingLot()
+        # The listener waits here after a wave start under load (see engine_output_listener)
+        self.drained = trio.lowlevel.ParkingLot()
         self.reject_log = RejectLog(logger)
         self.broadcasts, self._broadcast_queue = trio.open_memory_channel[Sequence[Outgoing]](
             math.inf
@@ -194,6 +203,8 @@ class _Pumps:
                 items = self._broadcast_queue.receive_nowait()
             except trio.WouldBlock:
                 break
+        if self.drained:
+            self.drained.unpark_all()
         with self.lock:
             now = trio.current_time()
             for broadcast in sent_broadcasts:
@@ -227,15 +238,19 @@ class _Pumps:
         """Engine outputs in batches (§5.4, §5.5); applied before the gate opens too.
 
         A message that makes the core decide a broadcast (a wave start) ends the piece of
-        the batch applied under the lock: the listener then yields once (shielded: the
-        rest of the batch is already received and must not be lost) so that the
-        broadcaster can send START_DP_WAVE before a long queue of stats reports behind
-        it is applied. Without it, a wake-up waited for the whole batch under load.
+        the batch applied under the lock. Under load (a batch of more than one message)
+        the listener then waits until the broadcaster has sent what is queued, so that
+        START_DP_WAVE leaves before the stats reports behind it are applied: one yield is
+        not enough, since trio runs the tasks woken in one scheduler pass in either
+        order, and in half the passes the rest of the batch (up to a thousand reports)
+        went first. A batch of one means the queue was empty: no wait, no extra pass.
+        The wait is cancelled only when the service stops, and then nothing received
+        matters any more.
         """
         task_status.started()
         receive = self.core.receive_engine_output
         while True:
-            batch = await pull.recv_multipart_batch()
+            batch = await pull.recv_multipart_batch(_LISTENER_BATCH)
             count = len(batch)
             index = 0
             while index < count:
@@ -249,8 +264,8 @@ class _Pumps:
                             urgent = True
                             break
                 self.changed()
-                if urgent and index < count:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
+                if urgent and count > 1:
+                    await self.drained.park()
 
     async def command_receiver(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
