@@ -14,7 +14,9 @@ that process is ours: :func:`run_coordinator` runs :func:`~trio_dpcoord.open_coo
 with the front socket, as ``trio-dpcoord serve`` does.
 
 Nothing here imports vLLM at module level; vLLM is imported only inside :func:`register`
-and :func:`run_coordinator`, which only vLLM's own processes call.
+and :func:`run_coordinator`, which only vLLM's own processes call. Nor trio or the
+service: the plugin is imported by every vLLM process, and only the coordinator's
+needs them (the package's names are imported on first use).
 """
 
 from __future__ import annotations
@@ -26,10 +28,6 @@ import os
 import re
 import signal
 from multiprocessing.connection import Connection
-
-import trio
-
-from . import CoordinatorError, open_coordinator
 
 __all__ = ["ENABLE_VARIABLE", "register", "run_coordinator", "verified_vllm_version"]
 
@@ -183,6 +181,8 @@ def run_coordinator(
     status 1 without writing to the pipe, so vLLM's startup watch (or its process
     monitor, later) reports the failure.
     """
+    import trio
+
     try:
         if logging_config is not None:
             from vllm.logger import configure_logging
@@ -227,6 +227,10 @@ async def _serve(
     stats_interval: float,
     wave_coordination: bool,
 ) -> int:
+    import trio
+
+    from . import CoordinatorError, open_coordinator
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
             async with open_coordinator(
