@@ -562,6 +562,58 @@ async def test_checkpoints(ctx: Context, address: str) -> None:
                 await pull.aclose()
 
 
+# -- exclusive sockets -------------------------------------------------------------------
+
+
+async def test_exclusive_socket_refuses_a_second_task_and_loses_nothing(
+    ctx: Context, address: str
+) -> None:
+    """One task at a time: while it waits, another operation raises BusyResourceError and
+    changes nothing; the waiter still gets every message, in order, and a cancelled
+    receive takes none."""
+    async with (
+        open_socket(ctx, zmq.PULL, bind=address, exclusive=True) as pull,
+        open_socket(ctx, zmq.PUSH, connect=cast(str, pull.last_endpoint)) as push,
+    ):
+        got: list[list[bytes]] = []
+        with trio.fail_after(TIMEOUT):
+            with trio.move_on_after(0.05):
+                await pull.recv_multipart_batch()  # cancelled while waiting: takes nothing
+            async with trio.open_nursery() as nursery:
+
+                async def owner() -> None:
+                    while len(got) < 3:
+                        got.extend(await pull.recv_multipart_batch())
+
+                nursery.start_soon(owner)
+                await trio.testing.wait_all_tasks_blocked()
+                for intruder in (pull.recv, pull.recv_batch, pull.recv_multipart_batch):
+                    with pytest.raises(trio.BusyResourceError):
+                        await intruder()
+                with pytest.raises(trio.BusyResourceError):
+                    pull.notify_touched()
+                for frame in (b"1", b"2", b"3"):
+                    await push.send(frame)
+        assert got == [[b"1"], [b"2"], [b"3"]]
+        with trio.fail_after(TIMEOUT):
+            await push.send(b"4")  # nobody waits now: any task may use it
+            assert await pull.recv() == b"4"
+
+
+async def test_closing_an_exclusive_socket_wakes_its_waiter(ctx: Context) -> None:
+    async with open_socket(ctx, zmq.PULL, bind="inproc://exclusive-close", exclusive=True) as pull:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+
+                async def waiter() -> None:
+                    with pytest.raises(trio.ClosedResourceError):
+                        await pull.recv_multipart_batch()
+
+                nursery.start_soon(waiter)
+                await trio.testing.wait_all_tasks_blocked()
+                await pull.aclose()
+
+
 # -- closing ----------------------------------------------------------------------------------
 
 

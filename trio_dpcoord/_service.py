@@ -564,7 +564,12 @@ async def open_coordinator(
                 open_socket(context, zmq.XPUB, options=xpub_options)
             )
             back_out = await sockets.enter_async_context(
-                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, zmq.LINGER: 0, **security})
+                open_socket(
+                    context,
+                    zmq.PULL,
+                    options={zmq.RCVHWM: 0, zmq.LINGER: 0, **security},
+                    exclusive=True,  # the listener alone receives on it
+                )
             )
             monitors: list[PeerMonitor] = []
 
