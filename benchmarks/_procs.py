@@ -13,7 +13,7 @@
   START_DP_WAVE and the front publishes; READY once ``--engines`` have subscribed. No
   validation, no load table, no counters: what is left is trio's run loop, the task hop
   and the socket waits. ``--raw`` waits with ``trio.lowlevel.wait_readable`` on the
-  socket's FD directly instead of through our shim (``trio_zmq``).
+  socket's FD directly instead of through our shim (``trio_zmq``, an exclusive socket).
 * ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
   as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
   or paced (``--rate``) until SIGTERM.
@@ -165,7 +165,9 @@ async def _trio_floor_main(args: argparse.Namespace) -> None:
         open_socket(
             context, zmq.XPUB, bind=args.back_pub, options={zmq.XPUB_VERBOSE: 1}
         ) as back_pub,
-        open_socket(context, zmq.PULL, bind=args.back_out, options={zmq.RCVHWM: 0}) as back_out,
+        open_socket(
+            context, zmq.PULL, bind=args.back_out, options={zmq.RCVHWM: 0}, exclusive=True
+        ) as back_out,
         open_socket(context, zmq.XPUB, bind=args.front) as front,
     ):
         _emit({"front": args.front, "back_pub": args.back_pub, "back_out": args.back_out})

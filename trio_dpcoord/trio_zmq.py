@@ -15,7 +15,9 @@ wakes every waiter whose direction is now ready -- cancelling the FD waiter's sc
 one of them -- because its own call may have consumed the edge they were waiting for.
 When the FD waiter leaves (woken, cancelled, closed) it unparks all parked tasks; each
 retries, and the first to get ``zmq.Again`` again takes over the FD.  With no other waiter
-(the common case) the extra cost per operation is a single integer check.
+(the common case) the extra cost per operation is a single integer check.  A socket
+opened ``exclusive`` (one task at a time, enforced) needs none of this: its waiter waits
+on the FD without a cancel scope, the cheapest wait trio offers.
 
 Checkpoints follow trio's ``_try_sync`` idiom: ``checkpoint_if_cancelled()``, one
 synchronous attempt, and on success ``cancel_shielded_checkpoint()`` -- so data that was
