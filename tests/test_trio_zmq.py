@@ -16,7 +16,13 @@ import trio
 import trio.testing
 import zmq
 
-from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
+from trio_dpcoord.trio_zmq import (
+    AsyncSocket,
+    open_context,
+    open_monitor,
+    open_socket,
+    parse_monitor_event,
+)
 
 Context = zmq.Context[zmq.Socket[bytes]]
 TIMEOUT = 30  # generous guard against hangs; no test is expected to come close
@@ -612,6 +618,26 @@ async def test_closing_an_exclusive_socket_wakes_its_waiter(ctx: Context) -> Non
                 nursery.start_soon(waiter)
                 await trio.testing.wait_all_tasks_blocked()
                 await pull.aclose()
+
+
+async def test_monitor_events_decoded_and_garbage_refused(ctx: Context, tmp_path: Path) -> None:
+    """libzmq's own monitor frames decode (here: LISTENING on the bound endpoint); frames
+    that are not a monitor event raise ValueError, whatever is wrong with them."""
+    address = f"ipc://{tmp_path / 'monitored.ipc'}"
+    async with open_socket(ctx, zmq.PULL) as pull:
+        async with open_monitor(ctx, pull, zmq.EVENT_LISTENING) as monitor:
+            pull.bind(address)
+            with trio.fail_after(TIMEOUT):
+                event = parse_monitor_event(await monitor.recv_multipart())
+    assert (event.event, event.endpoint) == (zmq.EVENT_LISTENING, address)
+    for garbage in (
+        [b"\x08\x00\x00\x00\x00"],  # one frame
+        [b"\x08\x00\x00\x00\x00", address.encode()],  # a 5-byte head
+        [b"\x08\x00\x00\x00\x00\x00", b"\xff\xfe"],  # an endpoint that is not UTF-8
+        [b"\x08\x00\x00\x00\x00\x00", address.encode(), b"extra"],
+    ):
+        with pytest.raises(ValueError, match="unreadable socket monitor event"):
+            parse_monitor_event(garbage)
 
 
 # -- closing ----------------------------------------------------------------------------------

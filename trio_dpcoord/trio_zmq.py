@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import socket as _socket
+import struct
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,7 +42,6 @@ from typing import TypeVar, cast
 
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 __all__ = [
     "AsyncSocket",
@@ -549,14 +549,19 @@ class MonitorEvent:
     endpoint: str
 
 
+_MONITOR_HEAD = struct.Struct("=HI")  # libzmq's monitor v1: uint16 event, uint32 value
+
+
 def parse_monitor_event(frames: Sequence[bytes]) -> MonitorEvent:
-    """Decode the frames of one monitor event; ``ValueError`` when they are not one."""
+    """Decode the frames of one monitor event; ``ValueError`` when they are not one.
+
+    Our own decoder of libzmq's two-frame layout: pyzmq's ``zmq.utils.monitor`` imports
+    ``zmq.asyncio`` and with it asyncio, ~1.3 MiB of memory a trio process never uses."""
     try:
-        parsed = parse_monitor_message(list(frames))
-        return MonitorEvent(
-            int(parsed["event"]), int(parsed["value"]), bytes(parsed["endpoint"]).decode()
-        )
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        head, endpoint = frames
+        event, value = _MONITOR_HEAD.unpack(head)
+        return MonitorEvent(event, value, bytes(endpoint).decode())
+    except (struct.error, TypeError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"unreadable socket monitor event: {exc}") from exc
 
 
