@@ -115,27 +115,13 @@ def serving(
 ) -> Iterator[tuple[Child, dict[str, Any]]]:
     """Start a coordinator (or the forwarder baseline); yield it and its endpoints."""
     back_pub, back_out, front = env.address("bp"), env.address("bo"), env.address("fr")
+    sockets = ("--engines", str(engines), "--back-pub", back_pub, "--back-out", back_out)
     if kind == "inproc":
-        argv = procs(
-            "coordinator",
-            "--engines",
-            str(engines),
-            "--back-pub",
-            back_pub,
-            "--back-out",
-            back_out,
-            "--front",
-            front if with_front else "",
-        )
+        argv = procs("coordinator", *sockets, "--front", front if with_front else "")
     elif kind in (STANDALONE, STANDALONE_NO_HEARTBEATS):
         argv = with_death_signal(
             serve_command(
-                "--engines",
-                str(engines),
-                "--back-pub",
-                back_pub,
-                "--back-out",
-                back_out,
+                *sockets,
                 "--front",
                 front,
                 "--log-level",
@@ -146,12 +132,7 @@ def serving(
     elif kind in TRIO_FLOORS:
         argv = procs(
             "trio-floor",
-            "--engines",
-            str(engines),
-            "--back-pub",
-            back_pub,
-            "--back-out",
-            back_out,
+            *sockets,
             "--front",
             front,
             *(["--raw"] if kind == TRIO_FLOOR_RAW else []),

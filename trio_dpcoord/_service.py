@@ -29,7 +29,7 @@ import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Final, TypeAlias, cast, final
+from typing import Final, TypeAlias, final
 
 import trio
 import zmq
@@ -108,19 +108,15 @@ class _Pumps:
         outgoing: list[Outgoing] = []
         broadcast = False
         for effect in effects:
-            kind = type(effect)
-            if kind is Broadcast:
-                broadcast = True
-                outgoing.append(cast(Broadcast, effect))
-            elif kind is Publish or kind is RescheduleTimedPublish:
-                outgoing.append(cast("Publish | RescheduleTimedPublish", effect))
-            elif kind is ArmWakeDeadline:
-                self._deadlines.send_nowait(cast(ArmWakeDeadline, effect))
-            elif kind is Reject:
-                reject = cast(Reject, effect)
-                self.reject_log(reject.reason, reject.detail)
+            if isinstance(effect, (Broadcast, Publish, RescheduleTimedPublish)):
+                outgoing.append(effect)
+                broadcast = broadcast or type(effect) is Broadcast
+            elif isinstance(effect, ArmWakeDeadline):
+                self._deadlines.send_nowait(effect)
+            elif isinstance(effect, Reject):
+                self.reject_log(effect.reason, effect.detail)
             else:
-                self.commands.send_nowait(cast(Command, effect))
+                self.commands.send_nowait(effect)
         if outgoing:
             self.broadcasts.send_nowait(outgoing)
         return broadcast

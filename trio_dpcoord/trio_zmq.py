@@ -187,14 +187,14 @@ class AsyncSocket:
         if scope is not None and events & self._fd_events:
             scope.cancel()
 
-    def _touched(self) -> None:
-        """We just made a zmq call; it may have eaten the edge another task waits for."""
+    def _touched(self, events: int | None = None) -> None:
+        """We just made a zmq call; it may have eaten the edge another task waits for.
+        ``events``: what EVENTS said, when that read was the call (it becomes the hint)."""
         if self._waiting:
-            events = cast(int, self._sock.getsockopt(_EVENTS))
-            self._events_hint = events
+            if events is None:
+                events = cast(int, self._sock.getsockopt(_EVENTS))
             self._dispatch(events)
-        else:
-            self._events_hint = None
+        self._events_hint = events
 
     def notify_touched(self) -> None:
         """Re-check readiness for waiting tasks after using :attr:`zmq_socket` directly."""
@@ -422,12 +422,7 @@ class AsyncSocket:
             except BaseException:
                 self._touched()
                 raise
-            hint = self._events_hint  # take() ended with an EVENTS read, or left None
-            if self._waiting:
-                if hint is None:
-                    hint = cast(int, getsockopt(_EVENTS))
-                self._dispatch(hint)
-            self._events_hint = hint
+            self._touched(self._events_hint)  # take() ended with an EVENTS read, or left None
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return received
@@ -556,7 +551,7 @@ def parse_monitor_event(frames: Sequence[bytes]) -> MonitorEvent:
     """Decode the frames of one monitor event; ``ValueError`` when they are not one.
 
     Our own decoder of libzmq's two-frame layout: pyzmq's ``zmq.utils.monitor`` imports
-    ``zmq.asyncio`` and with it asyncio, ~1.3 MiB of memory a trio process never uses."""
+    ``zmq.asyncio`` and with it asyncio, about 1 MiB a trio process never uses."""
     try:
         head, endpoint = frames
         event, value = _MONITOR_HEAD.unpack(head)
