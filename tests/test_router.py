@@ -18,7 +18,23 @@ from trio_dpcoord._router import (
 )
 
 
-def batch(*events: Sequence[object], ts: float = 1.0, rank: int | None = 0) -> bytes:
+def stored_event(
+    hashes: list[int], parent: int | None, tokens: Sequence[int], block_size: int
+) -> dict[str, object]:
+    """A ``BlockStored`` as vLLM's msgspec encoder writes it (a map tagged by ``type``)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def batch(*events: object, ts: float = 1.0, rank: int | None = 0) -> bytes:
     payload: bytes = msgpack.packb([ts, list(events), rank])
     return payload
 
@@ -80,22 +96,23 @@ def test_age_limit_forgets() -> None:
 def test_exact_feed_from_vllm_events() -> None:
     router = PrefixRouter(2, feed="exact", block_size=4)
     tokens = list(range(12))
-    stored = ["BlockStored", [11, 12], None, tokens[:8], 4, None, None]
-    child = ["BlockStored", [13], 12, tokens[8:], 4, None, None]
+    stored = stored_event([11, 12], None, tokens[:8], 4)
+    child = stored_event([13], 12, tokens[8:], 4)
     assert router.receive_kv_events(1, 0, batch(stored, child), now=0.0)
     assert router.cached_tokens(1, tokens, 0.0) == 12
     assert router.cached_tokens(0, tokens, 0.0) == 0
     assert router.choose(tokens, [0, 0], now=0.0) == 1
     assert router.cached_tokens(0, tokens, 0.0) == 0  # exact feed learns only from events
-    assert router.receive_kv_events(1, 1, batch(["BlockRemoved", [12], None]), now=0.0)
+    removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": None}
+    assert router.receive_kv_events(1, 1, batch(removed), now=0.0)
     assert router.cached_tokens(1, tokens, 0.0) == 4
-    assert router.receive_kv_events(1, 2, batch(["AllBlocksCleared"]), now=0.0)
+    assert router.receive_kv_events(1, 2, batch({"type": "AllBlocksCleared"}), now=0.0)
     assert router.cached_tokens(1, tokens, 0.0) == 0
 
 
 def test_lost_batch_forgets_the_rank() -> None:
     router = PrefixRouter(1, feed="exact", block_size=4)
-    stored = ["BlockStored", [1], None, [1, 2, 3, 4], 4, None, None]
+    stored = stored_event([1], None, [1, 2, 3, 4], 4)
     assert router.receive_kv_events(0, 5, batch(stored), now=0.0)
     assert router.cached_tokens(0, [1, 2, 3, 4], 0.0) == 4
     assert router.receive_kv_events(0, 7, batch(), now=0.0)  # seq 6 lost
@@ -108,9 +125,10 @@ def test_lost_batch_forgets_the_rank() -> None:
     [
         b"\xc1",
         bytes(msgpack.packb({"ts": 1})),
-        msgpack.packb([1.0, [["Nope"]], 0]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 4, None, None]], 0]),
-        msgpack.packb([1.0, [["BlockRemoved", "x"]], 0]),
+        msgpack.packb([1.0, [{"type": "Nope"}], 0]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4]], 0]),  # array-like
+        msgpack.packb([1.0, [stored_event([1], None, [1, 2], 4)], 0]),
+        msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": "x"}], 0]),
         msgpack.packb([True, [], 0]),
     ],
 )

@@ -9,6 +9,9 @@ bounded by ``capacity_blocks`` (least recently used go first) and by ``max_age``
 not seen for that long is forgotten), so a lost event batch cannot leave blocks believed
 cached for ever; a gap or a step back in a rank's event sequence also forgets that rank's
 exact knowledge at once.
+
+Not wired in yet: every front-end still chooses with :class:`~trio_dpcoord.EngineChooser`
+(vLLM's score); this module is private until a policy option exposes it.
 """
 
 from __future__ import annotations
@@ -129,7 +132,13 @@ def _hash_ok(value: object) -> bool:
 
 
 def decode_event_batch(payload: bytes) -> EventBatch:
-    """Decode vLLM's msgpack ``EventBatch`` (array-like, tagged events); KVEventError if bad."""
+    """Decode vLLM's msgpack ``EventBatch``; :class:`KVEventError` if it is not one.
+
+    The layout is what vLLM's ``msgspec`` encoder writes (checked against the CPU build,
+    0.32.0, ``vllm/distributed/kv_events.py``): the batch is array-like, ``[ts, events,
+    data_parallel_rank]``, and each event a map tagged by ``"type"`` (``BlockStored`` with
+    ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``, ...).
+    """
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:
@@ -144,13 +153,14 @@ def decode_event_batch(payload: bytes) -> EventBatch:
         raise KVEventError("EventBatch data_parallel_rank must be a non-negative int")
     events: list[KVEvent] = []
     for item in raw_events:
-        if not isinstance(item, list) or not item or not isinstance(item[0], str):
-            raise KVEventError("event must be a tagged array")
-        tag = item[0]
+        # msgspec encodes the events (tagged, not array-like) as maps named by "type".
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            raise KVEventError("event must be a map with a 'type'")
+        tag = item["type"]
         if tag == "BlockStored":
-            if len(item) < 5:
-                raise KVEventError("BlockStored too short")
-            hashes, parent, tokens, size = item[1], item[2], item[3], item[4]
+            hashes = item.get("block_hashes")
+            parent = item.get("parent_block_hash")
+            tokens, size = item.get("token_ids"), item.get("block_size")
             if not isinstance(hashes, list) or not all(_hash_ok(h) for h in hashes):
                 raise KVEventError("BlockStored block_hashes must be ints or bytes")
             if parent is not None and not _hash_ok(parent):
@@ -165,15 +175,14 @@ def decode_event_batch(payload: bytes) -> EventBatch:
                 raise KVEventError("BlockStored token_ids must be block_size per block hash")
             events.append(BlockStored(hashes, parent, tokens, size))
         elif tag == "BlockRemoved":
-            if len(item) < 2 or not isinstance(item[1], list):
-                raise KVEventError("BlockRemoved needs block_hashes")
-            if not all(_hash_ok(h) for h in item[1]):
+            hashes = item.get("block_hashes")
+            if not isinstance(hashes, list) or not all(_hash_ok(h) for h in hashes):
                 raise KVEventError("BlockRemoved block_hashes must be ints or bytes")
-            events.append(BlockRemoved(item[1]))
+            events.append(BlockRemoved(hashes))
         elif tag == "AllBlocksCleared":
             events.append(AllBlocksCleared())
         else:
-            raise KVEventError(f"unknown event tag {tag!r}")
+            raise KVEventError(f"unknown event type {tag!r}")
     return EventBatch(float(ts), events, rank)
 
 
