@@ -4,8 +4,10 @@ These are plain objects in the style of the core: they take decoded messages and
 return what must go out or who must be told. The trio client (not written yet)
 only moves bytes between sockets and these objects.
 
-The shapes follow vLLM 0.33.0's ``vllm/v1/engine/utils.py`` (the front-end side of
-``wait_for_engine_startup``) and ``vllm/v1/engine/core_client.py`` (``MPClient``):
+The shapes follow vLLM's ``vllm/v1/engine/utils.py`` (the front-end side of
+``wait_for_engine_startup``: an engine's HELLO is answered only in state NEW, its READY
+accepted only after that, anything else refused) and ``vllm/v1/engine/core_client.py``
+(``MPClient``), as read in the CPU build, 0.32.0; 0.33.0 is still to be compared:
 
 - an engine's identity on the handshake and input ROUTER sockets is its DP rank as
   two little-endian bytes (``rank.to_bytes(2, "little")``);
