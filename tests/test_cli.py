@@ -466,6 +466,29 @@ async def test_a_signal_while_the_gate_is_closed_stops_it_cleanly() -> None:
             assert counters["ready_broadcasts"] == 0
 
 
+async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_leave() -> None:
+    """500 engines subscribe: the start-up gate's progress is told at a steady pace, not
+    once per engine. Then they all disconnect at once and SIGTERM follows at once: the
+    process exits cleanly with its counters while thousands of connection events are
+    being absorbed. (This machine's monitor reader keeps up here even with the bounded
+    monitor pipe; the stall itself is proven in tests/test_trio_zmq.py, where the reader
+    stops.)"""
+    count = 500
+    with trio.fail_after(6 * GUARD):
+        async with open_serve("--engines", str(count)) as coordinator:
+            started = trio.current_time()
+            async with engines_of(coordinator, count) as engines:
+                await expect_broadcast(engines, READY)
+                elapsed = trio.current_time() - started
+            # the engines are gone, every one at once; the signal follows at once
+            counters = await stop_cleanly(coordinator)
+    assert counters["ready_broadcasts"] == 1
+    progress = coordinator.stderr.count("start-up gate:")
+    # the first change, then one per second at most (cli.GATE_PROGRESS_INTERVAL)
+    assert 1 <= progress <= 2 + elapsed / cli.GATE_PROGRESS_INTERVAL, coordinator.stderr
+    assert f"all {count} engines subscribed" in coordinator.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -23,6 +23,7 @@ import trio
 
 from ._endpoints import DEFAULT_LIVENESS, Liveness
 from ._errors import CoordinatorError
+from ._pacing import ProgressPacer
 from ._service import Coordinator, open_coordinator
 from ._tasks import cancel_at_stdin_eof
 
@@ -242,19 +243,28 @@ def _gate_moved(seen: int) -> Callable[[Coordinator], bool]:
     return lambda c: c.subscriptions().current != seen or c.subscriptions().gate_open
 
 
+GATE_PROGRESS_INTERVAL = 1.0
+"""Seconds between two start-up gate progress lines at most (the opening is always told)."""
+
+
 async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> None:
-    """Say how far the start-up gate got, on every subscription change until READY."""
+    """Say how far the start-up gate got until READY: the first subscription change, then
+    the newest count at most once per :data:`GATE_PROGRESS_INTERVAL`, so that thousands of
+    engines subscribing write a few lines, not one each. The core logs the opening."""
     logger.info(
         "waiting for %d engines to subscribe to %s", engine_count, coordinator.engine_input_address
     )
+    pacer = ProgressPacer(GATE_PROGRESS_INTERVAL, logged=0)
     seen = 0
     while True:
-        await coordinator.wait_for(_gate_moved(seen))
+        with trio.move_on_at(pacer.next_due(seen)):  # wake to tell a count kept back
+            await coordinator.wait_for(_gate_moved(seen))
         view = coordinator.subscriptions()
         if view.gate_open:
             return
-        logger.info("start-up gate: %d of %d engines subscribed", view.current, engine_count)
         seen = view.current
+        if pacer.should_log(seen, trio.current_time()):
+            logger.info("start-up gate: %d of %d engines subscribed", seen, engine_count)
 
 
 def _metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
