@@ -8,6 +8,7 @@ are checked exactly; timing only by content and order.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import struct
@@ -468,7 +469,8 @@ async def test_a_signal_while_the_gate_is_closed_stops_it_cleanly() -> None:
 
 async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_leave() -> None:
     """500 engines subscribe: the start-up gate's progress is told at a steady pace, not
-    once per engine. Then they all disconnect at once and SIGTERM follows at once: the
+    once per engine. Then they all disconnect at once (told by a few lines and summaries
+    that count every one) and SIGTERM follows at once: the
     process exits cleanly with its counters while thousands of connection events are
     being absorbed. (This machine's monitor reader keeps up here even with the bounded
     monitor pipe; the stall itself is proven in tests/test_trio_zmq.py, where the reader
@@ -487,6 +489,13 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     # the first change, then one per second at most (cli.GATE_PROGRESS_INTERVAL)
     assert 1 <= progress <= 2 + elapsed / cli.GATE_PROGRESS_INTERVAL, coordinator.stderr
     assert f"all {count} engines subscribed" in coordinator.stderr
+    # The mass disconnect: a few lines each, then summaries that account for every engine.
+    stderr = coordinator.stderr
+    told = stderr.count("an engine unsubscribed")
+    summed = sum(int(n) for n in re.findall(r"(\d+) more engines unsubscribed", stderr))
+    assert told + summed == count, stderr
+    assert told <= 20, stderr
+    assert stderr.count("WARNING") <= 60, stderr  # not a line per engine and socket
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trio_dpcoord._pacing import ProgressPacer
+from trio_dpcoord._pacing import BurstSummary, ProgressPacer
 
 
 def test_first_change_at_once_then_the_newest_at_most_once_per_interval() -> None:
@@ -30,3 +30,26 @@ def test_first_change_at_once_then_the_newest_at_most_once_per_interval() -> Non
 def test_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="interval"):
         ProgressPacer(0)
+
+
+def test_a_burst_is_told_by_its_first_events_and_one_summary() -> None:
+    burst = BurstSummary(interval=1.0, individually=3)
+    assert burst.summary_due() == math.inf
+    told = [burst.admit(i / 1000) for i in range(2000)]  # 2,000 events in 2 s
+    # the first window (0-1 s) tells 3, holds the rest; at 1 s the held count blocks a new
+    # window until it is summed up, so those events are told rather than lost
+    assert told[:3] == [True, True, True] and not any(told[3:1000])
+    assert burst.summary_due() == 1.0
+    assert burst.take_summary(0.999) is None
+    assert burst.take_summary(1.0) == (997, 0.003, 0.999)
+    assert burst.take_summary(1.0) is None  # counted once
+    assert burst.admit(1.5) and burst.admit(1.6) and burst.admit(1.7) and not burst.admit(1.8)
+    assert burst.take_summary(1.9, final=True) == (1, 1.8, 1.8)  # stopping: said at once
+    assert burst.summary_due() == math.inf
+
+
+def test_a_skipped_summary_never_loses_events() -> None:
+    burst = BurstSummary(interval=1.0, individually=1)
+    assert burst.admit(0.0) and not burst.admit(0.5)
+    assert burst.admit(5.0)  # window over but not summed up: told, not held
+    assert burst.take_summary(5.0) == (1, 0.5, 0.5)

@@ -220,13 +220,21 @@ class _Pumps:
     ) -> None:
         """Engines (un)subscribing on the broadcast socket: the start-up gate (§5.2)."""
         task_status.started()
-        while True:
-            frames = await xpub.recv_batch()
+        try:
+            while True:
+                frames: Sequence[bytes] = ()
+                with trio.move_on_at(self.core.log_summary_due()):  # a burst's summary line
+                    frames = await xpub.recv_batch()
+                with self.lock:
+                    now = trio.current_time()
+                    for frame in frames:
+                        self.dispatch(self.core.receive_engine_subscription(frame, now))
+                    self.core.log_summaries(now)
+                if frames:
+                    self.changed()
+        finally:
             with self.lock:
-                now = trio.current_time()
-                for frame in frames:
-                    self.dispatch(self.core.receive_engine_subscription(frame, now))
-            self.changed()
+                self.core.log_summaries(trio.current_time(), final=True)
 
     async def engine_output_listener(
         self, pull: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
