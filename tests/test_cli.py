@@ -8,8 +8,8 @@ are checked exactly; timing only by content and order.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import struct
 import sys

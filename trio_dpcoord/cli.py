@@ -75,6 +75,7 @@ def _liveness(args: argparse.Namespace) -> Liveness:
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             tcp_keepalive_idle=None if keepalive is None else max(1, round(keepalive)),
+            local_heartbeats=args.local_heartbeats,
         )
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
@@ -173,10 +174,17 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_seconds_or_off,
         default=DEFAULT_LIVENESS.heartbeat_interval,
         metavar="SECONDS",
-        help="send a ZMTP heartbeat on every connection this often; 0 turns heartbeats "
+        help="send a ZMTP heartbeat on every tcp:// connection this often; 0 turns heartbeats "
         "off (default: %(default)s). A peer that goes silent without closing (a "
         "partition, a node that lost power) is dropped after --heartbeat-timeout, shows "
         "as an unsubscription and is logged; vLLM engines answer heartbeats as they are",
+    )
+    serve.add_argument(
+        "--local-heartbeats",
+        action="store_true",
+        help="send heartbeats on ipc:// and inproc:// connections too (by default only on "
+        "tcp://: locally the kernel reports a dead peer at once and no partition can "
+        "happen; only a frozen, SIGSTOPped local engine goes unnoticed without them)",
     )
     serve.add_argument(
         "--heartbeat-timeout",
