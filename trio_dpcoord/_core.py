@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Final, final
 
 from . import protocol
+from ._coordinator_decoder import decode_coordinator_output
 from ._pacing import BurstSummary
 from ._state import (
     HEARTBEAT_INTERVAL,
@@ -503,7 +504,7 @@ class CoordinatorCore:
                 f"{len(frames)}-frame message on the engine output socket",
             )
         try:
-            kind, engine_index, value = protocol.decode_coordinator_output(frames[0])
+            kind, engine_index, value = decode_coordinator_output(frames[0])
         except protocol.ProtocolError as exc:
             return self._reject("undecodable_engine_output", str(exc))
         self._heard_from.add(engine_index)

@@ -793,58 +793,15 @@ def classify_output(out: EngineCoreOutputs) -> OutputKind:
 def decode_coordinator_output(frame: bytes) -> tuple[OutputKind, int, StatsReport | int | None]:
     """Decode and classify one frame of the coordinator's output socket in one pass.
 
-    The coordinator's hot path: equivalent to :func:`decode_engine_core_outputs` then
-    :func:`classify_output`, returning ``(kind, engine_index, value)`` where ``value`` is
-    the :class:`StatsReport` for STATS, the wave for WAVE_COMPLETE / START_WAVE, and
-    None otherwise. The shapes engines send the coordinator (a full 9-slot array with no
-    outputs, utility reply or finished requests) are checked field by field without
-    building objects; anything else takes the general decoder, so both paths accept and
-    reject exactly the same frames.
+    Equivalent to :func:`decode_engine_core_outputs` then :func:`classify_output`,
+    returning ``(kind, engine_index, value)`` where ``value`` is the :class:`StatsReport`
+    for STATS, the wave for WAVE_COMPLETE / START_WAVE, and None otherwise; it accepts and
+    rejects exactly the same frames. The coordinator's decoder (msgspec when the ``fast``
+    extra is installed, else msgpack-python) lives in ``trio_dpcoord._coordinator_decoder``.
     """
-    obj = _unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES)
-    if (
-        type(obj) is list
-        and len(obj) == 9
-        and obj[1] == []
-        and obj[4] is None
-        and obj[5] is None
-        and obj[8] is None
-        and type(obj[3]) is float
-        and type(obj[0]) is int
-        and obj[0] >= 0
-    ):
-        stats, wc, sw = obj[2], obj[6], obj[7]
-        if wc is None and sw is None:
-            if stats is not None:
-                return OutputKind.STATS, obj[0], _stats_report(stats)
-        elif stats is None and (wc is None or sw is None):
-            wave = sw if wc is None else wc
-            if type(wave) is int and wave >= 0:
-                return (
-                    OutputKind.START_WAVE if wc is None else OutputKind.WAVE_COMPLETE,
-                    obj[0],
-                    wave,
-                )
-    out = _decode_engine_core_outputs(obj)
-    kind = classify_output(out)
-    if kind is OutputKind.STATS:
-        st = out.scheduler_stats
-        assert st is not None
-        fields = StatsReport(
-            EngineLoad(
-                waiting=st.num_waiting_reqs,
-                running=st.num_running_reqs,
-                kv_cache_usage=st.kv_cache_usage,
-            ),
-            wave=st.current_wave,
-            step=st.step_counter,
-        )
-        return kind, out.engine_index, fields
-    if kind is OutputKind.WAVE_COMPLETE:
-        return kind, out.engine_index, out.wave_complete
-    if kind is OutputKind.START_WAVE:
-        return kind, out.engine_index, out.start_wave
-    return kind, out.engine_index, None
+    from ._coordinator_decoder import decode_coordinator_output as decode
+
+    return decode(frame)
 
 
 # --------------------------------------------------------------------------- front publish
