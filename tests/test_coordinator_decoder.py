@@ -287,6 +287,9 @@ def stats_frame(stats: Any, *extra_slots: Any) -> bytes:
         (stats_frame({**real_stats(), "perf_stats": [[[[1]]]]}), True),  # 4 levels deep
         (stats_frame({**real_stats(), "perf_stats": {b"bin key": 1}}), True),
         (stats_frame(real_stats(), None), True),  # a 10th slot, harmless
+        (stats_frame({**real_stats(), "new_key": [1, {"a": None}]}), True),  # a newer vLLM
+        (stats_frame({"new_key": 1, "num_running_reqs": -1}), False),
+        (stats_frame({"new_key": 1, "kv_cache_usage": math.nan}), False),
         (write(Wide([1, [], real_stats(), 1.5])), True),  # array16
         # the fields it reads
         (stats_frame(DupMap((("num_running_reqs", 1), ("num_running_reqs", 7)))), True),
@@ -325,6 +328,26 @@ def test_the_duplicate_key_rule_is_msgpacks(frame: bytes) -> None:
         stats = msgpack.unpackb(frame, strict_map_key=False)[2]
         assert isinstance(result[2], protocol.StatsReport)
         assert result[2].load.running == stats.get("num_running_reqs", 0)
+
+
+def test_the_msgspec_path_reads_what_engines_send_by_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's stats reports (with the stats keys of 0.32.0/0.33.0 or a newer key),
+    wave_complete and start_wave never reach the msgpack path: msgspec reads them."""
+
+    def no_msgpack(frame: bytes) -> decoder.Decoded:
+        raise AssertionError(f"the msgpack path was taken for {frame.hex()}")
+
+    monkeypatch.setattr(decoder, "decode_with_msgpack", no_msgpack)
+    report = protocol.StatsReport(protocol.EngineLoad(3, 12, 0.4375), wave=5, step=17)
+    assert decoder.decode_with_msgspec(_REAL_STATS_FRAME) == (protocol.OutputKind.STATS, 2, report)
+    newer = write([2, [], {**real_stats(), "new_key": {"a": [1]}}, 1.0, None, None, None, None])
+    assert decoder.decode_with_msgspec(newer) == (protocol.OutputKind.STATS, 2, report)
+    wave_complete = write([0, [], None, 1.0, None, None, 5, None, None])
+    assert decoder.decode_with_msgspec(wave_complete) == (protocol.OutputKind.WAVE_COMPLETE, 0, 5)
+    start_wave = write([4, [], None, 1.0, None, None, None, 6, None])
+    assert decoder.decode_with_msgspec(start_wave) == (protocol.OutputKind.START_WAVE, 4, 6)
 
 
 def test_the_service_uses_the_msgspec_path_when_installed_and_msgpack_otherwise() -> None:

@@ -26,6 +26,7 @@ Two paths, one contract:
   field without building objects; anything else through the full decoder.
 """
 
+import math
 from collections.abc import Callable
 from typing import Annotated, Any, Final
 
@@ -108,13 +109,33 @@ def _classified(out: protocol.EngineCoreOutputs) -> Decoded:
     return kind, out.engine_index, None
 
 
+#: The ``SchedulerStats`` keys of vLLM 0.32.0 and 0.33.0 that a coordinator does not read.
+_UNREAD_STATS_KEYS: Final = (
+    "num_skipped_waiting_reqs",
+    "num_kv_fetch_reqs_by_stage",
+    "iteration_details",
+    "prefix_cache_stats",
+    "connector_prefix_cache_stats",
+    "kv_cache_eviction_events",
+    "spec_decoding_stats",
+    "kv_connector_stats",
+    "ec_connector_stats",
+    "waiting_lora_adapters",
+    "running_lora_adapters",
+    "cudagraph_stats",
+    "perf_stats",
+)
+
+_new_tuple: Final = tuple.__new__
+
+
 def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
     """The msgspec path, or None when msgspec is not installed."""
     try:
         import msgspec
     except ImportError:
         return None
-    from msgspec import Meta, Struct
+    from msgspec import Meta, Struct, defstruct
 
     uint = Annotated[int, Meta(ge=0)]
     # Any value a stats map may carry that msgpack-python reads the same way and the full
@@ -126,14 +147,30 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
     level2 = scalar | list[level1] | dict[str, level1]
     level3 = scalar | list[level2] | dict[str, level2]
 
+    # vLLM's stats map: the five fields read, checked by msgspec as the full decoder checks
+    # them (ints >= 0, no bools; a float or an int for the usage, finiteness below), and
+    # the others; an unknown key (a newer vLLM) is refused, then read by the open view.
+    known_stats = defstruct(
+        "_KnownStats",
+        [
+            ("num_running_reqs", uint, 0),
+            ("num_waiting_reqs", uint, 0),
+            ("step_counter", uint, 0),
+            ("current_wave", uint, 0),
+            ("kv_cache_usage", float, 0.0),
+            *((key, level3, None) for key in _UNREAD_STATS_KEYS),
+        ],
+        forbid_unknown_fields=True,
+    )
+
     # (this module does not postpone annotations: msgspec evaluates these at class creation,
     # where the local aliases above are in scope)
-    class _CoordinatorView(Struct, array_like=True):
+    class _View(Struct, array_like=True):
         """EngineCoreOutputs as engines send it to a coordinator (§4.5)."""
 
         engine_index: uint = 0
         outputs: Annotated[list[Any], Meta(max_length=0)] = []
-        scheduler_stats: dict[str, level3] | None = None
+        scheduler_stats: known_stats | None = None  # type: ignore[valid-type]
         timestamp: float = 0.0
         utility_output: None = None
         finished_requests: None = None
@@ -141,8 +178,16 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
         start_wave: uint | None = None
         weight_version: str | None = None
 
-    decode_view = msgspec.msgpack.Decoder(_CoordinatorView).decode
-    refused = (msgspec.DecodeError, ProtocolError)  # ValidationError is a DecodeError
+    class _OpenView(_View, array_like=True):
+        """The same with any string-keyed stats map, its fields checked in Python."""
+
+        scheduler_stats: dict[str, level3] | None = None  # type: ignore[assignment]
+
+    decode_view = msgspec.msgpack.Decoder(_View).decode
+    decode_open_view = msgspec.msgpack.Decoder(_OpenView).decode
+    isfinite = math.isfinite
+    stats_report = protocol._stats_report
+    refused = msgspec.DecodeError  # ValidationError is one
 
     def decode_with_msgspec(frame: bytes) -> Decoded:
         # 0x90-0x99: a fixarray of at most 9 elements (msgspec would skip a 10th unread)
@@ -153,17 +198,34 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
         ):
             try:
                 view = decode_view(frame)
-                stats, wc, sw = view.scheduler_stats, view.wave_complete, view.start_wave
-                if wc is None and sw is None:
-                    if stats is not None:  # the same field checks as the full decoder's
-                        return _STATS, view.engine_index, protocol._stats_report(stats)
-                elif stats is None:
-                    if wc is None:
-                        return _START_WAVE, view.engine_index, sw
-                    if sw is None:
-                        return _WAVE_COMPLETE, view.engine_index, wc
-            except refused:
-                pass
+            except refused as exc:
+                if "unknown field" in str(exc):  # a stats key we do not know
+                    return decode_open(frame)
+                return decode_with_msgpack(frame)
+            stats, wc, sw = view.scheduler_stats, view.wave_complete, view.start_wave
+            if wc is None and sw is None:
+                if stats is not None and isfinite(stats.kv_cache_usage):
+                    load = _new_tuple(
+                        EngineLoad,
+                        (stats.num_waiting_reqs, stats.num_running_reqs, stats.kv_cache_usage),
+                    )
+                    report = _new_tuple(StatsReport, (load, stats.current_wave, stats.step_counter))
+                    return _STATS, view.engine_index, report
+            elif stats is None:
+                if wc is None:
+                    return _START_WAVE, view.engine_index, sw
+                if sw is None:
+                    return _WAVE_COMPLETE, view.engine_index, wc
+        return decode_with_msgpack(frame)
+
+    def decode_open(frame: bytes) -> Decoded:
+        try:
+            view = decode_open_view(frame)
+            stats = view.scheduler_stats
+            if stats is not None and view.wave_complete is None and view.start_wave is None:
+                return _STATS, view.engine_index, stats_report(stats)  # the full checks
+        except (refused, ProtocolError):
+            pass
         return decode_with_msgpack(frame)
 
     return decode_with_msgspec
