@@ -469,8 +469,8 @@ async def test_a_signal_while_the_gate_is_closed_stops_it_cleanly() -> None:
 
 async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_leave() -> None:
     """500 engines subscribe: the start-up gate's progress is told at a steady pace, not
-    once per engine. Then they all disconnect at once (told by a few lines and summaries
-    that count every one) and SIGTERM follows at once: the
+    once per engine. Then they all disconnect at once (told by a few lines and summaries)
+    and SIGTERM follows at once: the
     process exits cleanly with its counters while thousands of connection events are
     being absorbed. (This machine's monitor reader keeps up here even with the bounded
     monitor pipe; the stall itself is proven in tests/test_trio_zmq.py, where the reader
@@ -489,12 +489,14 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     # the first change, then one per second at most (cli.GATE_PROGRESS_INTERVAL)
     assert 1 <= progress <= 2 + elapsed / cli.GATE_PROGRESS_INTERVAL, coordinator.stderr
     assert f"all {count} engines subscribed" in coordinator.stderr
-    # The mass disconnect: a few lines each, then summaries that account for every engine.
+    # The mass disconnect: a few lines each, then summaries (the one held back when the
+    # signal came is written on stopping). The signal may come before every disconnect
+    # was read, so the lines account for at most every engine, never one twice; that
+    # every held-back one is counted is proven sans-IO (tests/test_pacing.py).
     stderr = coordinator.stderr
     told = stderr.count("an engine unsubscribed")
     summed = sum(int(n) for n in re.findall(r"(\d+) more engines unsubscribed", stderr))
-    assert told + summed == count, stderr
-    assert told <= 20, stderr
+    assert 1 <= told <= 20 and told + summed <= count, stderr
     assert stderr.count("WARNING") <= 60, stderr  # not a line per engine and socket
 
 
