@@ -418,6 +418,8 @@ async def test_signals_stop_it_cleanly(signum: int) -> None:
             assert counters == {
                 "engine_messages": 1,
                 "stats_applied": 0,
+                "stats_coalesced": 0,
+                "engine_output_backlog": 0.0,
                 "waves_completed": 0,
                 "wave_starts": 1,
                 "wave_starts_by_cause": {"engine_start_wave": 1},

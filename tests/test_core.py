@@ -11,6 +11,7 @@ watchdog, publish timing, and the counters.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import settings
@@ -543,3 +544,118 @@ class CoreRules(RuleBasedStateMachine):
 
 TestCoreRules = CoreRules.TestCase
 TestCoreRules.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+
+
+# --- a batch read off the socket: stats held, only each engine's newest written ------------
+
+
+def engine_messages(engines: int) -> st.SearchStrategy[list[bytes]]:
+    """What the engine-output socket may deliver: stats (lock-stepped or not, some for
+    engines beyond the table), wave reports, and bad frames."""
+    engine = st.integers(0, engines)
+    return st.one_of(
+        st.builds(
+            lambda e, w, r, wave, step: stats(e, w, r, w / 4, current_wave=wave, step_counter=step),
+            engine,
+            st.integers(0, 4),
+            st.integers(0, 4),
+            st.integers(0, 2),
+            st.integers(0, 3),
+        ),
+        st.builds(lambda e, w: output(e, wave_complete=w), engine, st.integers(0, 3)),
+        st.builds(lambda e, w: output(e, start_wave=w), engine, st.integers(0, 3)),
+        st.sampled_from([[b"\xc1"], [b"x", b"y"], output(0, finished_requests=("r",))]),
+    )
+
+
+def without_reschedules(effects: Sequence[Effect]) -> tuple[list[Effect], int]:
+    kept: list[Effect] = [e for e in effects if not isinstance(e, RescheduleTimedPublish)]
+    return kept, len(effects) - len(kept)
+
+
+class HeldStatsRules(RuleBasedStateMachine):
+    """Two cores take the same inputs; one applies each engine output at once, the other
+    takes batches as the listener does (stats held, the piece ended by a broadcast, then
+    ``apply_held_stats``). After every piece both hold the same state and counters (but
+    ``stats_coalesced``), and every effect is the same and in the same order (a
+    publisher's wake-up may move within the piece); timed publishes carry the same
+    bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engines = 3
+        self.now = 1.0
+        self.one_by_one, _ = open_core(self.engines, publish_to_front_ends=True)
+        self.batched, _ = open_core(self.engines, publish_to_front_ends=True)
+        self.held_total = 0
+        self.written_total = 0
+
+    @rule(data=st.data())
+    def batch(self, data: st.DataObject) -> None:
+        messages = data.draw(st.lists(engine_messages(self.engines), max_size=10))
+        self.now += 0.01
+        index = 0
+        while index < len(messages):
+            expected: list[Effect] = []
+            got: list[Effect] = []
+            while index < len(messages):
+                frames = messages[index]
+                index += 1
+                expected.extend(self.one_by_one.receive_engine_output(frames, self.now))
+                effects = self.batched.receive_engine_output(frames, self.now, hold_stats=True)
+                got.extend(effects)
+                if any(isinstance(e, Broadcast) for e in effects):
+                    break
+            got.extend(self.batched.apply_held_stats())
+            assert without_reschedules(got) == without_reschedules(expected)
+            self.same_state()
+
+    @rule(engines=st.integers(1, 4))
+    def resize(self, engines: int) -> None:
+        self.engines = engines
+        for core in (self.one_by_one, self.batched):
+            core.receive_command(ScaleRequest(engines), self.now)
+
+    @rule(engine=st.integers(0, 3), wave=st.integers(0, 3))
+    def first_request(self, engine: int, wave: int) -> None:
+        command = FirstRequest(wave, min(engine, self.engines - 1))
+        a = self.one_by_one.receive_command(command, self.now)
+        b = self.batched.receive_command(command, self.now)
+        assert a == b
+
+    @rule(later=st.floats(0.0, 6.0))
+    def timed_publish(self, later: float) -> None:
+        self.now += later
+        due = self.one_by_one.next_publish_due()
+        assert self.batched.next_publish_due() == due
+        if due <= self.now:
+            assert self.batched.timed_publish(self.now) == self.one_by_one.timed_publish(self.now)
+
+    @invariant()
+    def same_state(self) -> None:
+        a, b = self.one_by_one, self.batched
+        assert b.snapshot() == a.snapshot()
+        assert b.engine_loads() == a.engine_loads()
+        assert b._loads.pending_snapshot == a._loads.pending_snapshot
+        assert b._loads.stats_changed == a._loads.stats_changed
+        ca, cb = a.counters(), b.counters()
+        assert ca.stats_coalesced == 0
+        assert cb.stats_coalesced <= cb.stats_applied
+        assert replace(cb, stats_coalesced=0) == ca
+
+
+TestHeldStatsRules = HeldStatsRules.TestCase
+TestHeldStatsRules.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+def test_held_stats_write_each_engines_newest_and_count_the_rest() -> None:
+    core, _ = open_core(2)
+    for waiting in range(3):
+        for engine in range(2):
+            assert core.receive_engine_output(stats(engine, waiting, 1), 1.0, hold_stats=True) == ()
+    assert core.engine_loads() == ((0, 0, 0.0), (0, 0, 0.0))  # nothing written yet
+    core.apply_held_stats()
+    assert core.engine_loads() == ((2, 1, 0.0), (2, 1, 0.0))
+    counters = core.counters()
+    assert (counters.stats_applied, counters.stats_coalesced) == (6, 4)
+    assert core.apply_held_stats() == ()

@@ -100,6 +100,8 @@ async def test_embedded_collector_shows_what_happened() -> None:
                 assert value(samples, "unconfirmed_wake_expiries_total") == 1
                 assert value(samples, "engine_messages_total") == 5  # 2 stats, 2 waves, 1 bad
                 assert value(samples, "stats_applied_total") == 2
+                assert value(samples, "stats_coalesced_total") == counters.stats_coalesced
+                assert value(samples, "engine_output_backlog_seconds") == 0  # keeping up
                 (reason,) = counters.rejected
                 assert value(samples, "rejected_inputs_total", reason=reason) == 1
                 assert value(samples, "commands_total") == counters.commands

@@ -428,3 +428,98 @@ def test_publish_schedule_heartbeat_and_interval() -> None:
 def test_publish_schedule_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="positive"):
         PublishSchedule(interval=0)
+
+
+# --- a batch of reports: only the newest of each engine written, the same table -----------
+
+positions = st.tuples(st.integers(0, 2), st.integers(0, 4))
+stats_reports = st.builds(
+    lambda load, position: report(load, load % 3, load / 8, wave=position[0], step=position[1]),
+    st.integers(0, 7),
+    positions,
+)
+
+
+def table_state(table: LoadTable) -> tuple[object, ...]:
+    """Everything a load table holds (what every later input and publish depends on)."""
+    return (
+        table.loads(),
+        tuple(table._cursors),
+        table._step_cursor,
+        table.pending_snapshot,
+        table.stats_changed,
+    )
+
+
+class BatchedTableRules(RuleBasedStateMachine):
+    """A table fed batches with :meth:`LoadTable.apply_stats_batch` and one fed the same
+    reports one by one hold the same state after every batch, and between batches take
+    the same publishes; the batch says how many reports it did not write, and which were
+    out of order, as one by one would have said."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one_by_one: LoadTable | None = None
+        self.batched: LoadTable | None = None
+
+    @precondition(lambda self: self.one_by_one is None)
+    @rule(engines=st.integers(1, 4), lockstep=st.booleans())
+    def start(self, engines: int, lockstep: bool) -> None:
+        self.one_by_one = LoadTable(engines, lockstep=lockstep)
+        self.batched = LoadTable(engines, lockstep=lockstep)
+
+    @precondition(lambda self: self.one_by_one is not None)
+    @rule(data=st.data())
+    def batch(self, data: st.DataObject) -> None:
+        assert self.one_by_one is not None and self.batched is not None
+        engines = self.one_by_one.engine_count
+        reports = data.draw(
+            st.lists(st.tuples(st.integers(0, engines - 1), stats_reports), max_size=12)
+        )
+        out_of_order = [
+            (engine, r)
+            for engine, r in reports
+            if self.one_by_one.apply_stats(engine, r) is StatsOutcome.OUT_OF_ORDER
+        ]
+        superseded, batched_out_of_order = self.batched.apply_stats_batch(reports)
+        assert superseded == len(reports) - len({engine for engine, _ in reports})
+        assert batched_out_of_order == out_of_order
+
+    @precondition(lambda self: self.one_by_one is not None)
+    @rule()
+    def publish(self) -> None:
+        assert self.one_by_one is not None and self.batched is not None
+        assert self.one_by_one.take_publish_counts() == self.batched.take_publish_counts()
+
+    @precondition(lambda self: self.one_by_one is not None)
+    @rule(engines=st.integers(1, 4))
+    def resize(self, engines: int) -> None:
+        assert self.one_by_one is not None and self.batched is not None
+        self.one_by_one.resize(engines)
+        self.batched.resize(engines)
+
+    @invariant()
+    def same_table(self) -> None:
+        if self.one_by_one is not None and self.batched is not None:
+            assert table_state(self.batched) == table_state(self.one_by_one)
+
+
+TestBatchedTableRules = BatchedTableRules.TestCase
+TestBatchedTableRules.settings = settings(max_examples=300, stateful_step_count=30)
+
+
+def test_a_batch_keeps_the_counts_before_the_last_step_advance() -> None:
+    """Engines 0 and 1 report step 1, then step 2 in turn: the snapshot of step 1 needs
+    engine 1's step-1 report, superseded in the same batch by its step-2 report."""
+    table = LoadTable(2)
+    superseded, _ = table.apply_stats_batch(
+        [
+            (0, report(1, 0, 0.0, step=1)),
+            (1, report(2, 0, 0.0, step=1)),
+            (0, report(3, 0, 0.0, step=2)),
+            (1, report(4, 0, 0.0, step=2)),
+        ]
+    )
+    assert superseded == 2
+    assert table.take_publish_counts() == ((1, 0, 0.0), (2, 0, 0.0))  # as step 1 ended
+    assert table.take_publish_counts() == ((3, 0, 0.0), (4, 0, 0.0))  # the live counts

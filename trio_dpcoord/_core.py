@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Final, final
 
 from . import protocol
+from ._backlog import IngestBacklog
 from ._coordinator_decoder import decode_coordinator_output
 from ._pacing import BurstSummary
 from ._state import (
@@ -182,6 +183,13 @@ class CoordinatorCounters:
     engine_messages: int
     """Messages received on the engine-output socket (accepted or not)."""
     stats_applied: int
+    """Valid load reports taken in (each engine's newest in a batch reaches the table)."""
+    stats_coalesced: int
+    """Of those, reports superseded in the same batch by a newer one of their engine, so
+    never written to the load table (the state is the same as if they had been)."""
+    engine_output_backlog: float
+    """Seconds the engine-output socket's queue had not been empty when the listener last
+    read a batch: 0 while the coordinator keeps up, growing while it falls behind."""
     waves_completed: int
     """Accepted ``wave_complete`` reports (each moved the wave on)."""
     wave_starts: int
@@ -286,6 +294,9 @@ class CoordinatorCore:
     """
 
     __slots__ = (
+        "_backlog",
+        "_backlog_at_last_read",
+        "_coalesced_at_last_read",
         "_commands",
         "_connections",
         "_connections_lost",
@@ -306,6 +317,8 @@ class CoordinatorCore:
         "_ready_broadcasts",
         "_schedule",
         "_stats_applied",
+        "_stats_coalesced",
+        "_stats_held",
         "_subscribed",
         "_unconfirmed_expiries",
         "_unsubscribed",
@@ -361,6 +374,11 @@ class CoordinatorCore:
         self._last_connection_lost_at: dict[str, float] = {}
         self._engine_messages = 0
         self._stats_applied = 0
+        self._stats_coalesced = 0
+        self._stats_held: list[tuple[int, protocol.StatsReport]] = []
+        self._backlog = IngestBacklog()
+        self._coalesced_at_last_read = 0
+        self._backlog_at_last_read = 0.0
         self._waves_completed = 0
         self._wave_starts: Counter[str] = Counter()
         self._ready_broadcasts = 0
@@ -434,6 +452,8 @@ class CoordinatorCore:
         return CoordinatorCounters(
             engine_messages=self._engine_messages,
             stats_applied=self._stats_applied,
+            stats_coalesced=self._stats_coalesced,
+            engine_output_backlog=self._backlog_at_last_read,
             waves_completed=self._waves_completed,
             wave_starts=sum(self._wave_starts.values()),
             wave_starts_by_cause=dict(self._wave_starts),
@@ -495,8 +515,50 @@ class CoordinatorCore:
 
     # --- inputs: the engine sockets ---------------------------------------------------------
 
-    def receive_engine_output(self, frames: Sequence[bytes], now: float) -> Sequence[Effect]:
-        """One message from the engine-output socket (a list of frames, §4.5, §5.4, §5.5)."""
+    def engine_output_batch_read(self, *, drained: bool, now: float) -> None:
+        """The listener read a batch off the engine-output socket at ``now``; ``drained``:
+        the batch emptied the socket's queue. Logs one WARNING when the coordinator has
+        stayed behind for seconds (then at most one per half minute), one INFO once it
+        has caught up (see ``_backlog.py``)."""
+        coalesced = self._stats_coalesced - self._coalesced_at_last_read
+        self._coalesced_at_last_read = self._stats_coalesced
+        news = self._backlog.batch_read(drained=drained, coalesced=coalesced, now=now)
+        self._backlog_at_last_read = self._backlog.behind_for(now)
+        if news is None:
+            return
+        if news.caught_up:
+            logger.info(
+                "engine output socket caught up after %.1f s behind (%d load reports "
+                "superseded before they were written meanwhile)",
+                news.behind_for,
+                news.coalesced,
+            )
+        else:
+            logger.warning(
+                "engine output socket behind for %.1f s: its queue has not been empty since "
+                "(%d load reports superseded before they were written meanwhile). Engines "
+                "send faster than the coordinator reads: published loads are that old and "
+                "wave reports wait behind the queue (README: past the limit)",
+                news.behind_for,
+                news.coalesced,
+            )
+
+    def engine_output_backlog(self, now: float) -> float:
+        """Seconds the engine-output socket's queue has not been empty (0: keeping up)."""
+        return self._backlog.behind_for(now)
+
+    def receive_engine_output(
+        self, frames: Sequence[bytes], now: float, *, hold_stats: bool = False
+    ) -> Sequence[Effect]:
+        """One message from the engine-output socket (a list of frames, §4.5, §5.4, §5.5).
+
+        ``hold_stats``: a valid load report is checked and counted now but written to
+        the load table only by :meth:`apply_held_stats`, which writes the newest of each
+        engine. For a batch read off the socket: call it before any other input and
+        before anyone reads the table (the shell does, under its lock); the table and
+        every publish are then the same as with each report applied at once, and wave
+        reports behind the stats in the batch are not kept waiting for them.
+        """
         self._engine_messages += 1
         if len(frames) != 1:
             return self._reject(
@@ -510,6 +572,8 @@ class CoordinatorCore:
         self._heard_from.add(engine_index)
         if kind is _STATS:
             assert isinstance(value, protocol.StatsReport)
+            if hold_stats:
+                return self._hold_stats(engine_index, value)
             return self._apply_stats(engine_index, value)
         if kind is _WAVE_COMPLETE or kind is _START_WAVE:
             assert isinstance(value, int)
@@ -682,19 +746,56 @@ class CoordinatorCore:
     def _apply_stats(self, engine_index: int, report: protocol.StatsReport) -> Sequence[Effect]:
         outcome = self._loads.apply_stats(engine_index, report)
         if outcome is StatsOutcome.UNKNOWN_ENGINE:
-            return self._reject(
-                "unknown_engine_index",
-                f"stats from engine {engine_index}, table has {self._loads.engine_count} engines",
-            )
+            return self._unknown_engine_stats(engine_index)
         if outcome is StatsOutcome.OUT_OF_ORDER:
-            logger.debug(
-                "out-of-order stats from engine %d: wave %d step %d",
-                engine_index,
-                report.wave,
-                report.step,
-            )
+            self._log_out_of_order(engine_index, report)
         self._stats_applied += 1
         return self._news()
+
+    def _hold_stats(self, engine_index: int, report: protocol.StatsReport) -> Sequence[Effect]:
+        if not 0 <= engine_index < self._loads.engine_count:
+            return self._unknown_engine_stats(engine_index)
+        self._stats_held.append((engine_index, report))
+        self._stats_applied += 1
+        return _NOTHING
+
+    def apply_held_stats(self) -> Sequence[Effect]:
+        """Write the load reports held by ``receive_engine_output(..., hold_stats=True)``:
+        the newest of each engine, the table ending as one by one (``LoadTable.
+        apply_stats_batch``); the superseded ones are counted in ``stats_coalesced``."""
+        held = self._stats_held
+        if not held:
+            return _NOTHING
+        self._stats_held = []
+        count = self._loads.engine_count
+        if any(engine_index >= count for engine_index, _ in held):  # a resize came between
+            rejected = [self._unknown_engine_stats(e)[0] for e, _ in held if e >= count]
+            self._stats_applied -= len(rejected)
+            held = [(e, report) for e, report in held if e < count]
+            return (*rejected, *self._apply_held(held))
+        return self._apply_held(held)
+
+    def _apply_held(self, held: list[tuple[int, protocol.StatsReport]]) -> Sequence[Effect]:
+        superseded, out_of_order = self._loads.apply_stats_batch(held)
+        self._stats_coalesced += superseded
+        for engine_index, report in out_of_order:
+            self._log_out_of_order(engine_index, report)
+        return self._news() if held else _NOTHING
+
+    def _unknown_engine_stats(self, engine_index: int) -> tuple[Effect, ...]:
+        return self._reject(
+            "unknown_engine_index",
+            f"stats from engine {engine_index}, table has {self._loads.engine_count} engines",
+        )
+
+    @staticmethod
+    def _log_out_of_order(engine_index: int, report: protocol.StatsReport) -> None:
+        logger.debug(
+            "out-of-order stats from engine %d: wave %d step %d",
+            engine_index,
+            report.wave,
+            report.step,
+        )
 
     def _apply_wave_report(
         self, kind: protocol.OutputKind, engine_index: int, wave: int, now: float

@@ -249,10 +249,15 @@ class _Pumps:
         order, and in half the passes the rest of the batch (up to a thousand reports)
         went first. A batch of one means the queue was empty: no wait, no extra pass.
         The wait is cancelled only when the service stops, and then nothing received
-        matters any more.
+        matters any more. Within a piece, the load reports are checked and counted in
+        order but only each engine's newest is written (``stats_coalesced`` counts the
+        others), as the piece ends: wave reports are not kept waiting behind the stats
+        queued before them, and whoever takes the lock next finds the table as if every
+        report had been applied.
         """
         task_status.started()
-        receive = self.core.receive_engine_output
+        core = self.core
+        receive = core.receive_engine_output
         while True:
             batch = await pull.recv_multipart_batch(_LISTENER_BATCH)
             count = len(batch)
@@ -261,12 +266,17 @@ class _Pumps:
                 urgent = False
                 with self.lock:
                     now = trio.current_time()
+                    if index == 0:  # a short batch emptied the queue
+                        core.engine_output_batch_read(drained=count < _LISTENER_BATCH, now=now)
+                    # Load reports are held and only each engine's newest is written, as
+                    # the lock is let go (the same table as one by one, see the core).
                     while index < count:
-                        effects = receive(batch[index], now)
+                        effects = receive(batch[index], now, hold_stats=True)
                         index += 1
                         if effects and self.dispatch(effects):
                             urgent = True
                             break
+                    self.dispatch(core.apply_held_stats())
                 self.changed()
                 if urgent and count > 1:
                     await self.drained.park()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
@@ -296,6 +297,58 @@ class LoadTable:
         self._loads[engine_index] = report.load
         self.stats_changed = True
         return outcome
+
+    def apply_stats_batch(
+        self, reports: Sequence[tuple[int, StatsReport]]
+    ) -> tuple[int, list[tuple[int, StatsReport]]]:
+        """Record reports received together, in order, as :meth:`apply_stats` one by one
+        would, but write only the newest load of each engine: the others are superseded
+        before anyone could read them (nobody reads the table while a batch is applied).
+
+        Returns how many reports were superseded (coalesced) and the out-of-order ones.
+        Every engine index must be in the table (the core rejects the others first).
+
+        The lock-step snapshot is the one thing that needs an older report: a report of
+        a newer ``(wave, step)`` captures the counts as they stood before it, which within
+        the batch are the newest of each engine *before* that report. So at each step
+        advance the newest loads seen so far are kept (a copy of at most one entry per
+        engine of the batch); only the last advance's copy survives, as one by one.
+        Cursors are per engine maxima and are written as they go, as one by one.
+        """
+        loads = self._loads
+        newest: dict[int, EngineLoad] = {}
+        out_of_order: list[tuple[int, StatsReport]] = []
+        if self._lockstep:
+            cursors = self._cursors
+            top = self._step_cursor
+            changed = self.stats_changed
+            before_advance: dict[int, EngineLoad] | None = None
+            for engine_index, report in reports:
+                position = (report.wave, report.step)
+                if position > top:
+                    if changed:
+                        before_advance = dict(newest)
+                    top = position
+                if position < cursors[engine_index]:
+                    out_of_order.append((engine_index, report))
+                else:
+                    cursors[engine_index] = position
+                newest[engine_index] = report.load
+                changed = True
+            if before_advance is not None:
+                snapshot = list(loads)
+                for engine_index, load in before_advance.items():
+                    snapshot[engine_index] = load
+                self.pending_snapshot = tuple(snapshot)
+            self._step_cursor = top
+        else:
+            for engine_index, report in reports:
+                newest[engine_index] = report.load
+        for engine_index, load in newest.items():
+            loads[engine_index] = load
+        if reports:
+            self.stats_changed = True
+        return len(reports) - len(newest), out_of_order
 
     def resize(self, engine_count: int) -> None:
         """Elastic EP: grow with zero loads or truncate (docs/protocol.md §5.8)."""

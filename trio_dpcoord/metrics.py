@@ -128,6 +128,12 @@ class CoordinatorCollector(Collector):
                 "Peer connections open on the engine broadcast socket.",
                 view.connections,
             ),
+            (
+                "engine_output_backlog_seconds",
+                "How long the engine-output socket's queue had not been empty at the last "
+                "read: 0 while keeping up, growing while behind.",
+                counters.engine_output_backlog,
+            ),
         )
         for suffix, documentation, value in gauges:
             yield GaugeMetricFamily(name(suffix), documentation, value=value)
@@ -151,8 +157,14 @@ class CoordinatorCollector(Collector):
             ),
             (
                 "stats_applied",
-                "Engine load reports applied to the load table.",
+                "Engine load reports taken in (each engine's newest of a batch written).",
                 counters.stats_applied,
+            ),
+            (
+                "stats_coalesced",
+                "Load reports superseded in their batch by a newer one of their engine, "
+                "so never written to the load table.",
+                counters.stats_coalesced,
             ),
             ("ready_broadcasts", "READY broadcasts sent to engines.", counters.ready_broadcasts),
             (
