@@ -410,9 +410,9 @@ async def run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     app: CompletionsApp | None = None
 
-    def stop(reason: str) -> None:
+    def stop(reason: str, *, expected: bool = False) -> None:
         if not shutdown.is_set():
-            logger.warning("stopping: %s", reason)
+            logger.log(logging.INFO if expected else logging.WARNING, "stopping: %s", reason)
             if app is not None:
                 app.begin_drain(args.drain_timeout)
             shutdown.set()
@@ -434,11 +434,14 @@ async def run(args: argparse.Namespace) -> int:
                     on_failure=engine_failed,
                 )
             )
+            # Leaving the block stops the engines (this callback first): their going is
+            # then a normal shutdown, logged at INFO by the coordinator.
+            stack.callback(coordinator.expect_shutdown)
             async with trio.open_nursery() as helpers:
 
                 async def on_signal() -> None:
                     async for signum in signals:
-                        stop(f"{signal.Signals(signum).name} received")
+                        stop(f"{signal.Signals(signum).name} received", expected=True)
 
                 helpers.start_soon(on_signal)
                 if args.exit_on_stdin_eof:

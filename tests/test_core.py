@@ -10,6 +10,8 @@ watchdog, publish timing, and the counters.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -659,3 +661,44 @@ def test_held_stats_write_each_engines_newest_and_count_the_rest() -> None:
     counters = core.counters()
     assert (counters.stats_applied, counters.stats_coalesced) == (6, 4)
     assert core.apply_held_stats() == ()
+
+
+def test_an_expected_shutdown_is_told_at_info_and_a_mass_rejoin_is_summed_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    core, _ = open_core(20)
+    caplog.set_level(logging.DEBUG, logger="trio_dpcoord._core")
+
+    def lines(level: int) -> list[str]:
+        found = [r.getMessage() for r in caplog.records if r.levelno == level]
+        caplog.clear()
+        return found
+
+    core.receive_engine_subscription(UNSUB, 1.0)  # an engine dies: that is news
+    assert lines(logging.WARNING) == ["an engine unsubscribed (19 still subscribed); "
+                                      "it will get READY again when it comes back"]
+    core.receive_engine_subscription(SUB, 1.5)  # it comes back
+    for engine in range(20):  # every engine rejoins (a restart of the fleet)
+        core.receive_engine_subscription(UNSUB, 2.0)
+        core.receive_engine_subscription(SUB, 2.0 + engine / 100)
+    caplog.clear()
+    core.log_summaries(3.5)
+    # the churn of the restart: five unsubscriptions told one by one, the rest summed up
+    assert [r.getMessage()[:37] for r in caplog.records if r.levelno == logging.WARNING] == [
+        "15 more engines unsubscribed in 0.0 s"
+    ]
+    assert lines(logging.INFO) == [
+        "16 more late engine subscriptions in 0.1 s, each sent READY again (logged at DEBUG); "
+        "20 subscribed"
+    ]  # the one at 1.5 s and four more were told one by one
+    assert core.log_summary_due() == math.inf
+    core.log_summaries(10.0, final=True)
+    core.expect_shutdown()  # the fleet is stopped on purpose
+    for _ in range(20):
+        core.receive_engine_subscription(UNSUB, 20.0)
+    core.log_summaries(20.0, final=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    told = [m for m in lines(logging.INFO) if "unsubscribed" in m]
+    assert len(told) == 6  # five one by one, then the rest summed up
+    assert told[-1].startswith("15 more engines unsubscribed in 0.0 s")
+    assert core.subscriptions().unsubscribed == 41

@@ -310,12 +310,14 @@ class CoordinatorCore:
         "_gate_open",
         "_heard_from",
         "_last_connection_lost_at",
+        "_late_subscription_burst",
         "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
         "_publisher_waiting_long",
         "_ready_broadcasts",
         "_schedule",
+        "_shutdown_expected",
         "_stats_applied",
         "_stats_coalesced",
         "_stats_held",
@@ -367,6 +369,8 @@ class CoordinatorCore:
         self._subscribed = 0
         self._unsubscribed = 0
         self._unsubscription_burst = BurstSummary()
+        self._late_subscription_burst = BurstSummary()
+        self._shutdown_expected = False
         self._late_subscriptions = 0
         self._front_ends = 0
         self._connections: Counter[str] = Counter()
@@ -583,23 +587,47 @@ class CoordinatorCore:
             f"{kind.name} from engine {engine_index} is not for the coordinator",
         )
 
+    def expect_shutdown(self) -> None:
+        """The fleet is being stopped on purpose: engines unsubscribing from now on are
+        told at INFO (still counted, still summed up in a burst), not WARNING."""
+        self._shutdown_expected = True
+
     def log_summary_due(self) -> float:
         """When :meth:`log_summaries` has a summary to write (``inf``: none is held)."""
-        return self._unsubscription_burst.summary_due()
+        return min(
+            self._unsubscription_burst.summary_due(), self._late_subscription_burst.summary_due()
+        )
 
     def log_summaries(self, now: float, *, final: bool = False) -> None:
-        """Sum up in one line the unsubscriptions of a burst that were logged at DEBUG only
-        (a mass disconnect: the first few are told one by one). ``final``: stopping."""
+        """Sum up in one line each the unsubscriptions and the late subscriptions of a
+        burst that were logged at DEBUG only (a mass disconnect or reconnect: the first
+        few are told one by one). ``final``: stopping."""
+        current = self._subscribed - self._unsubscribed
         summary = self._unsubscription_burst.take_summary(now, final=final)
         if summary is not None:
             held, first, last = summary
-            logger.warning(
+            logger.log(
+                self._unsubscription_level,
                 "%d more engines unsubscribed in %.1f s (each logged at DEBUG); "
                 "%d still subscribed",
                 held,
                 last - first,
-                self._subscribed - self._unsubscribed,
+                current,
             )
+        summary = self._late_subscription_burst.take_summary(now, final=final)
+        if summary is not None:
+            held, first, last = summary
+            logger.info(
+                "%d more late engine subscriptions in %.1f s, each sent READY again "
+                "(logged at DEBUG); %d subscribed",
+                held,
+                last - first,
+                current,
+            )
+
+    @property
+    def _unsubscription_level(self) -> int:
+        return logging.INFO if self._shutdown_expected else logging.WARNING
 
     def receive_engine_subscription(self, frame: bytes, now: float) -> Sequence[Effect]:
         """A frame the engine broadcast XPUB read: an engine (un)subscribed (§5.2)."""
@@ -613,7 +641,9 @@ class CoordinatorCore:
             self._unsubscribed += 1
             self.log_summaries(now)
             logger.log(
-                logging.WARNING if self._unsubscription_burst.admit(now) else logging.DEBUG,
+                self._unsubscription_level
+                if self._unsubscription_burst.admit(now)
+                else logging.DEBUG,
                 "an engine unsubscribed (%d still subscribed); "
                 "it will get READY again when it comes back",
                 self._subscribed - self._unsubscribed,
@@ -623,7 +653,9 @@ class CoordinatorCore:
         current = self._subscribed - self._unsubscribed
         if self._gate_open:
             self._late_subscriptions += 1
-            logger.info("late engine subscription (%d subscribed): READY again", current)
+            self.log_summaries(now)
+            level = logging.INFO if self._late_subscription_burst.admit(now) else logging.DEBUG
+            logger.log(level, "late engine subscription (%d subscribed): READY again", current)
             ready = Broadcast(_READY_FRAMES, None, now)
             snap = self._wave.snapshot
             if not (self._wave_coordination and snap.engines_running):
@@ -631,8 +663,10 @@ class CoordinatorCore:
             # It missed this wave's START_DP_WAVE (a restart, a healed partition) and its
             # peers wait for it in the collective: the current wave again, nobody excluded.
             # Engines already running it ignore it (docs/protocol.md §6.4).
-            logger.info(
-                "wave %d runs: START_DP_WAVE again for the late subscriber", snap.current_wave
+            logger.log(
+                level,
+                "wave %d runs: START_DP_WAVE again for the late subscriber",
+                snap.current_wave,
             )
             start = WaveStart(snap.current_wave, None)
             frames = protocol.encode_start_dp_wave(start.wave, None)

@@ -142,12 +142,19 @@ class PeerMonitor:
         """Open connections: descriptor -> (peer address, wall-clock time accepted)."""
         self._burst = BurstSummary()
         """A mass disconnect: the first few losses told one by one, then one summary."""
+        self.shutdown_expected = False
+        """The fleet is being stopped on purpose: losses are told at INFO, not WARNING."""
+
+    @property
+    def _loss_level(self) -> int:
+        return logging.INFO if self.shutdown_expected else logging.WARNING
 
     def _summarize(self, now: float, *, final: bool = False) -> None:
         summary = self._burst.take_summary(now, final=final)
         if summary is not None:
             held, first, last = summary
-            logger.warning(
+            logger.log(
+                self._loss_level,
                 "%s socket %s lost %d more peers in %.1f s (each logged at DEBUG; %d left)",
                 self.key.replace("_", " "),
                 self.address,
@@ -161,7 +168,7 @@ class PeerMonitor:
         now = trio.current_time()
         self._summarize(now)
         logger.log(
-            logging.WARNING if self._burst.admit(now) else logging.DEBUG,
+            self._loss_level if self._burst.admit(now) else logging.DEBUG,
             "%s socket %s lost peer %s (connected since %s): it closed the connection, "
             "died, or %s (%d peers left)",
             self.key.replace("_", " "),

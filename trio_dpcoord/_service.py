@@ -84,6 +84,8 @@ class _Pumps:
         self.core = core
         self.lock = threading.Lock()
         self.closed = False
+        self.monitors: list[PeerMonitor] = []
+        """The bound sockets' peer monitors (their log level follows expect_shutdown)."""
         self.ready = trio.Event()
         self.observers = trio.lowlevel.ParkingLot()
         # The listener waits here after a wave start under load (see engine_output_listener)
@@ -453,6 +455,16 @@ class Coordinator:
         with self._lock:
             return self._core.silent_engines()
 
+    def expect_shutdown(self) -> None:
+        """The engines are being stopped on purpose (call it just before stopping them):
+        from now on an engine leaving, its lost connections and its unsubscription, is
+        logged at INFO instead of WARNING (still counted, still summed up in a burst), so
+        that a normal shutdown does not read like an outage."""
+        with self._lock:
+            self._core.expect_shutdown()
+            for monitor in self._pumps.monitors:
+                monitor.shutdown_expected = True
+
     @property
     def counters(self) -> CoordinatorCounters:
         """A copy of the counters of received, decided, sent and rejected messages."""
@@ -572,7 +584,7 @@ async def open_coordinator(
     try:
         async with AsyncExitStack() as sockets:
             context = await sockets.enter_async_context(open_context())
-            monitors: list[PeerMonitor] = []
+            monitors = pumps.monitors
 
             async def bound_socket(
                 socket_type: int,
