@@ -502,6 +502,47 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     assert stderr.count("WARNING") <= 60, stderr  # not a line per engine and socket
 
 
+async def test_an_event_storm_while_serving_stalls_no_other_socket() -> None:
+    """While hundreds of peers connect to the engine-output socket and vanish at once,
+    again and again (thousands of monitor events), two engines keep running waves: every
+    start_wave is answered by START_DP_WAVE on the broadcast socket, every wave_complete
+    moves the wave on. libzmq's I/O thread, which sends the monitor events, never stops
+    moving the other sockets' messages; SIGTERM then exits cleanly."""
+    storm, rounds = 300, 3
+    with trio.fail_after(10 * GUARD):
+        async with open_serve("--engines", "2") as coordinator:
+            async with engines_of(coordinator, 2) as engines:
+                await expect_broadcast(engines, READY)
+                stats = protocol.encode_engine_core_outputs(
+                    protocol.EngineCoreOutputs(
+                        engine_index=0, scheduler_stats=protocol.SchedulerStats()
+                    )
+                )
+                with zmq.Context() as context:
+                    context.set(zmq.MAX_SOCKETS, rounds * storm + 64)  # closing is lazy
+                    for wave in range(rounds):
+                        peers = []
+                        for _ in range(storm):
+                            peer = context.socket(zmq.PUSH)
+                            peer.setsockopt(zmq.LINGER, 0)
+                            peer.connect(coordinator.endpoints["back_out"])
+                            peer.send(stats, zmq.NOBLOCK)  # queued: sent once connected
+                            peers.append(peer)
+                        await trio.sleep(0.2)  # let libzmq connect them
+                        for peer in peers:  # all gone at once, mid-wave
+                            peer.close()
+                        await engines[1].start_wave(wave)
+                        await expect_broadcast(engines, [b"\x02", protocol._pack([wave, 1], "")])
+                        await engines[0].wave_complete(wave)
+                await engines[1].start_wave(rounds)  # the wave completions were applied
+                await expect_broadcast(engines, [b"\x02", protocol._pack([rounds, 1], "")])
+            counters = await stop_cleanly(coordinator)
+    assert counters["wave_starts"] == rounds + 1
+    assert counters["waves_completed"] == rounds
+    assert counters["connections_lost"]["engine_output"] >= 2  # the storms were seen
+    assert coordinator.stderr.count("WARNING") <= 20 * rounds + 20, coordinator.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
