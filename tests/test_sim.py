@@ -384,6 +384,9 @@ class NeverBroadcastingCoordinator:
     def notify_first_request(self, engine_index: int) -> None:
         pass
 
+    def expect_shutdown(self) -> None:
+        pass  # it logs nothing about engines leaving
+
     async def wait_ready(self) -> None:
         await self._ready.wait()
 

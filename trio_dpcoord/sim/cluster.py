@@ -94,6 +94,8 @@ class EmbeddedCoordinator(CoordinatorView, Protocol):
     @property
     def counters(self) -> _Counters: ...
 
+    def expect_shutdown(self) -> None: ...
+
 
 CoordinatorFactory = Callable[[int], AbstractAsyncContextManager[EmbeddedCoordinator]]
 
@@ -755,6 +757,8 @@ async def run_cluster(
                         report=report,
                     )
                 )
+                if coordinator is not None:  # leaving stops the engines: that is no outage
+                    stack.callback(coordinator.expect_shutdown)
                 with trio.move_on_after(config.ready_timeout) as ready_scope:
                     if coordinator is not None:
                         await coordinator.wait_ready()
