@@ -456,6 +456,28 @@ def hot_path(env: Env, calls: int) -> dict[str, float]:
     return trio.run(measure)
 
 
+def decode_costs(calls: int) -> dict[str, float]:
+    """ns per decode of a stats-only ``EngineCoreOutputs`` (vLLM's full 18-key stats map,
+    496 bytes) by the coordinator's two decoder paths, against a bare ``msgpack.unpackb``
+    of the same frame (which checks nothing and builds every object)."""
+    from trio_dpcoord import _coordinator_decoder as decoder
+
+    frame = protocol.encode_engine_core_outputs(
+        protocol.EngineCoreOutputs(
+            engine_index=2,
+            scheduler_stats=protocol.SchedulerStats(12, 3, 17, 5, 0.4375),
+            timestamp=81234.5678,
+        )
+    )
+    result = {
+        "msgpack_path_ns": _per_call_ns(decoder.decode_with_msgpack, frame, calls),
+        "unpackb_ns": _per_call_ns(msgpack.unpackb, frame, calls),
+    }
+    if decoder.DECODER == "msgspec":
+        result["msgspec_path_ns"] = _per_call_ns(decoder.decode_with_msgspec, frame, calls)
+    return result
+
+
 # --- 5. scale ------------------------------------------------------------------------------
 
 

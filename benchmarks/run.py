@@ -428,6 +428,18 @@ class Runner:
                 row.target = "<= 3x"
                 row.met = row.ratio is not None and row.ratio <= 3.0
             self.rows.append(row)
+        costs = sc.decode_costs(self.sizes.hot_calls // 4)
+        self.details["decode_costs"] = costs
+        for name, key in (
+            ("decode a stats report, msgspec path (fast extra)", "msgspec_path_ns"),
+            ("decode a stats report, msgpack path", "msgpack_path_ns"),
+        ):
+            if key not in costs:
+                self.skipped("4 hot path", name, "msgspec is not installed")
+                continue
+            self.rows.append(
+                Row("4 hot path", name, costs[key], "ns", costs["unpackb_ns"], "msgpack.unpackb")
+            )
 
     # -- 5 ---------------------------------------------------------------------------------
 

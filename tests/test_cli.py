@@ -531,11 +531,12 @@ async def test_an_event_storm_while_serving_stalls_no_other_socket() -> None:
                         await trio.sleep(0.2)  # let libzmq connect them
                         for peer in peers:  # all gone at once, mid-wave
                             peer.close()
-                        await engines[1].start_wave(wave)
-                        await expect_broadcast(engines, [b"\x02", protocol._pack([wave, 1], "")])
+                        # one engine sends both: its messages arrive in order
+                        await engines[0].start_wave(wave)
+                        await expect_broadcast(engines, [b"\x02", protocol._pack([wave, 0], "")])
                         await engines[0].wave_complete(wave)
-                await engines[1].start_wave(rounds)  # the wave completions were applied
-                await expect_broadcast(engines, [b"\x02", protocol._pack([rounds, 1], "")])
+                await engines[0].start_wave(rounds)  # the wave completions were applied
+                await expect_broadcast(engines, [b"\x02", protocol._pack([rounds, 0], "")])
             counters = await stop_cleanly(coordinator)
     assert counters["wave_starts"] == rounds + 1
     assert counters["waves_completed"] == rounds
