@@ -126,6 +126,23 @@ async def test_ordered_delivery_100k(ctx: Context, address: str) -> None:
     assert received == expected
 
 
+async def test_a_receive_says_whether_it_had_to_wait(ctx: Context) -> None:
+    """``receive_waited``: False when messages were queued as the receive began, True
+    when it waited for one (how the coordinator's listener tells it keeps up). Over
+    inproc, a message sent is in the receiver's pipe when the send returns."""
+    async with pair(ctx, "inproc://receive-waited", zmq.PULL, zmq.PUSH) as (pull, push):
+        with trio.fail_after(TIMEOUT):
+            for n in range(3):
+                await push.send(b"%d" % n)
+            assert await pull.recv_multipart_batch(10) == [[b"0"], [b"1"], [b"2"]]
+            assert not pull.receive_waited
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pull.recv_multipart_batch, 10)
+                await trio.testing.wait_all_tasks_blocked()  # it waits on the FD
+                await push.send(b"late")
+            assert pull.receive_waited
+
+
 def _random_message(rng: random.Random, tag: bytes, seq: int) -> list[bytes]:
     sizes = [0, 1, 7, 300, 4096, 70_000]
     parts = [tag + b":%d" % seq]

@@ -5,10 +5,11 @@ Past its limit a coordinator falls behind without bound: libzmq and the kernel q
 it has not read (the PULL socket has no high-water mark, so nothing is dropped and memory
 grows), the loads it publishes get older, and a ``start_wave`` waits behind every report
 queued before it. Nothing in the messages says how old they are (an engine's timestamp is
-its own monotonic clock), but the listener knows when it emptied the queue: it reads in
-batches of at most ``batch_size`` messages, until the socket has no more, so a shorter
-batch means the queue was empty at that moment. Below the limit that happens many times
-a second; a queue that stays non-empty for seconds is a backlog that grows.
+its own monotonic clock), but the listener knows when the queue was empty: it reads in
+batches of at most 64 messages, until the socket has no more, so a shorter batch means
+the queue was empty after it, and a receive that had to wait means it was empty before.
+Below the limit that happens many times a second; a queue that stays non-empty for
+seconds is a backlog that grows.
 
 :class:`IngestBacklog` turns those readings into the gauge (seconds since the queue was
 last emptied, 0 right after) and into two log decisions: one WARNING when the backlog
@@ -54,8 +55,9 @@ class IngestBacklog:
         return 0.0 if self._since is None else max(0.0, now - self._since)
 
     def batch_read(self, *, drained: bool, coalesced: int, now: float) -> BacklogNews | None:
-        """The listener read a batch at ``now``; ``drained``: it emptied the queue (it was
-        shorter than the largest batch); ``coalesced``: load reports of it superseded.
+        """The listener read a batch at ``now``; ``drained``: the queue was empty as it
+        began or once it was read; ``coalesced``: load reports superseded since the last
+        reading.
         Returns the line to log, if one is due."""
         if drained:
             if self._since is None:

@@ -521,7 +521,8 @@ class CoordinatorCore:
 
     def engine_output_batch_read(self, *, drained: bool, now: float) -> None:
         """The listener read a batch off the engine-output socket at ``now``; ``drained``:
-        the batch emptied the socket's queue. Logs one WARNING when the coordinator has
+        the socket's queue was empty as the batch began (its receive waited) or once it
+        was read (it was short). Logs one WARNING when the coordinator has
         stayed behind for seconds (then at most one per half minute), one INFO once it
         has caught up (see ``_backlog.py``)."""
         coalesced = self._stats_coalesced - self._coalesced_at_last_read

@@ -268,8 +268,9 @@ class _Pumps:
                 urgent = False
                 with self.lock:
                     now = trio.current_time()
-                    if index == 0:  # a short batch emptied the queue
-                        core.engine_output_batch_read(drained=count < _LISTENER_BATCH, now=now)
+                    if index == 0:  # empty before this batch (it waited) or after it
+                        drained = pull.receive_waited or count < _LISTENER_BATCH
+                        core.engine_output_batch_read(drained=drained, now=now)
                     # Load reports are held and only each engine's newest is written, as
                     # the lock is let go (the same table as one by one, see the core).
                     while index < count:

@@ -136,6 +136,11 @@ class AsyncSocket:
 
     closed: bool
     last_endpoint: str | None
+    receive_waited: bool
+    """Whether the last receive waited on the FD: the socket had nothing queued when it
+    began, or when the receive before it ended (a batch ends on an EVENTS read that the
+    next receive trusts). Either way the queue was empty a moment ago: how a reader tells
+    it keeps up (``_backlog.py``)."""
 
     def __init__(self, socket: zmq.Socket[bytes], *, exclusive: bool = False) -> None:
         self._sock = socket
@@ -144,6 +149,7 @@ class AsyncSocket:
         self._type = cast(int, socket.getsockopt(zmq.TYPE))
         self.closed = False
         self.last_endpoint = None
+        self.receive_waited = False
         # Tasks currently inside _wait (the FD waiter plus parked tasks).
         self._waiting = 0
         self._fd_scope: trio.CancelScope | None = None
@@ -423,6 +429,7 @@ class AsyncSocket:
                 self._touched()
                 raise
             self._touched(self._events_hint)  # take() ended with an EVENTS read, or left None
+            self.receive_waited = waited
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return received
