@@ -368,9 +368,9 @@ async def test_an_unverified_vllm_keeps_its_own_coordinator(
 
 
 def test_verified_versions() -> None:
-    for version in ("0.33.0", "0.33.4", "0.33.0+cu128", "0.33.1+rocm6.4"):
+    for version in ("0.33.0", "0.33.4", "0.33.0+cu128", "0.33.1+rocm6.4", "0.32.0", "0.32.0+cpu"):
         assert verified_vllm_version(version), version
-    for version in ("0.32.2", "0.34.0", "1.33.0", "0.33", "0.33.0rc1", "0.33.1.dev3+g1", "dev"):
+    for version in ("0.31.2", "0.34.0", "1.33.0", "0.33", "0.32.0rc1", "0.33.1.dev3+g1", "dev"):
         assert not verified_vllm_version(version), version
 
 
