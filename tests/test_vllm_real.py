@@ -119,7 +119,15 @@ def moe_server(
     tmp_path_factory: pytest.TempPathFactory,
     models: dict[str, Path],
 ) -> Iterator[VllmServer]:
-    yield from _serve(_start(tmp_path_factory, "moe", models["moe"], request.param))
+    # --enable-log-requests: vLLM logs the requests it aborts for clients gone away
+    server = _start(
+        tmp_path_factory,
+        "moe",
+        models["moe"],
+        request.param,
+        extra_args=("--enable-log-requests",),
+    )
+    yield from _serve(server)
 
 
 @pytest.fixture(scope="module", params=COORDINATORS)
@@ -240,7 +248,7 @@ async def test_dropped_streams_alone_and_in_a_burst(moe_server: VllmServer) -> N
             start = len(tap.publishes) - 1
             # alone: the only request of its wave goes away after three tokens of 200
             wave = tap.publishes[-1].wave
-            assert await stream_then_drop(client, PROMPTS[0], 200, keep_chunks=3) == 3
+            assert await stream_then_drop(moe_server.base_url, PROMPTS[0], 200, keep_chunks=3) == 3
             dropped += 1
             await _idle(tap, after_wave=wave)
             # in a burst: two of six go away mid-way, the others complete
@@ -249,7 +257,7 @@ async def test_dropped_streams_alone_and_in_a_burst(moe_server: VllmServer) -> N
 
             async def drop(prompt: list[int]) -> None:
                 nonlocal dropped
-                assert await stream_then_drop(client, prompt, 200, keep_chunks=2) == 2
+                assert await stream_then_drop(moe_server.base_url, prompt, 200, keep_chunks=2) == 2
                 dropped += 1
 
             async def finish(prompt: list[int]) -> None:
@@ -292,7 +300,7 @@ def test_the_token_ids_are_the_same_under_both_coordinators(moe_server: VllmServ
 
 def test_an_engine_killed_fails_vllm(moe_server: VllmServer) -> None:
     """The last test of the MoE server: kill -9 one engine core; vLLM's API server notices
-    and exits with an error, the same under both coordinators."""
+    and shuts everything down (exit status 0: vLLM's choice), the same under both."""
     engine = next(
         p
         for p in (psutil.Process(pid) for pid in moe_server.group_pids())
@@ -305,10 +313,10 @@ def test_an_engine_killed_fails_vllm(moe_server: VllmServer) -> None:
     left = moe_server.wait_group_gone(EXIT_TIMEOUT)
     outcome = {
         "exit_status": status,
-        "noticed": moe_server.count_lines(r"died unexpectedly|Engine core proc .* died") > 0,
+        "noticed": moe_server.count_lines(r"engine core exited unexpectedly|died unexpectedly")
+        > 0,
     }
     _SEEN.setdefault("engine_killed", {})[moe_server.coordinator_kind] = outcome
-    assert status != 0
     assert outcome["noticed"], moe_server.log_tail()
     assert left == [], left
     other = _SEEN["engine_killed"].get("vllm")
@@ -372,11 +380,12 @@ def test_the_coordinator_killed_fails_vllm(two_api_servers: VllmServer) -> None:
     left = server.wait_group_gone(EXIT_TIMEOUT)
     outcome = {
         "exit_status": status,
-        "noticed": server.count_lines(r"VLLM_DP_Coordinator.*died unexpectedly|"
-                                      r"died unexpectedly.*VLLM_DP_Coordinator") > 0,
+        # vLLM's wait_for_completion_or_failure: "Process VLLM_DP_Coordinator (PID: N)
+        # died with exit code -9"
+        "noticed": server.count_lines(r"Process VLLM_DP_Coordinator \(PID: \d+\) died") > 0,
     }
     _SEEN.setdefault("coordinator_killed", {})[server.coordinator_kind] = outcome
-    assert status != 0 and outcome["noticed"], server.log_tail()
+    assert outcome["noticed"], server.log_tail()
     assert left == [], left
     other = _SEEN["coordinator_killed"].get("vllm")
     if server.coordinator_kind == "trio" and other is not None:
