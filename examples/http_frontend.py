@@ -17,7 +17,8 @@ step rate.
 Routes: ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``stream``; a JSON
 completion, or server-sent events ending with ``data: [DONE]``), ``GET /metrics`` (the
 coordinator's Prometheus metrics and this front-end's own, in one registry),
-``GET /health``. Each completion also reports ``dp_wave``, the wave stamped on it.
+``GET /v1/models`` (the one model, as OpenAI clients list it first), ``GET /health``.
+Each completion also reports ``dp_wave``, the wave stamped on it.
 
 Once listening, the first stdout line is one JSON object:
 ``{"url": "http://127.0.0.1:8000", "pid": ..., "engine_pids": [...]}``.
@@ -125,6 +126,10 @@ class CompletionsApp:
         elif path == "/metrics" and method in ("GET", "HEAD"):
             body = generate_latest(self.registry)
             await _respond(send_any, 200, CONTENT_TYPE_LATEST, b"" if method == "HEAD" else body)
+        elif path == "/v1/models" and method == "GET":
+            # OpenAI clients list the models first; this server serves exactly one.
+            model = {"id": self.model, "object": "model", "created": 0, "owned_by": "trio_dpcoord"}
+            await _json(send_any, 200, {"object": "list", "data": [model]})
         elif path == "/health" and method == "GET":
             snapshot = self.frontend.view.snapshot()
             status = 503 if self.draining else 200

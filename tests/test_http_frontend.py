@@ -191,6 +191,8 @@ async def test_completions_stream_and_idle_gaps_start_new_waves() -> None:
                 assert bad.status_code == 400
                 assert "max_tokens" in bad.json()["error"]["message"]
                 assert (await client.get("/nowhere")).status_code == 404
+                models = (await client.get("/v1/models")).json()
+                assert [m["id"] for m in models["data"]] == ["sim-moe"]
 
                 # A client that goes away mid-stream (a bare socket: an HTTP client library
                 # would finish the response): its request is aborted on the engine.

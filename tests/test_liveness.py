@@ -195,6 +195,23 @@ def test_liveness_settings_become_socket_options() -> None:
         Liveness(tcp_keepalive_idle=0)
 
 
+def test_heartbeats_only_where_they_help() -> None:
+    """tcp:// peers get heartbeats; ipc:// and inproc:// ones (the kernel reports a dead
+    peer, no partition can happen) only with local_heartbeats; keepalive stays as set."""
+    tcp = Liveness().for_address("tcp://127.0.0.1:5555")
+    assert tcp == Liveness() and zmq.HEARTBEAT_IVL in tcp.socket_options()
+    for address in ("ipc:///tmp/x", "inproc://x"):
+        local = Liveness().for_address(address)
+        assert local.notice_within is None
+        assert local.socket_options() == {
+            key: value
+            for key, value in Liveness().socket_options().items()
+            if key not in (zmq.HEARTBEAT_IVL, zmq.HEARTBEAT_TIMEOUT, zmq.HEARTBEAT_TTL)
+        }
+        chosen = Liveness(local_heartbeats=True)
+        assert chosen.for_address(address) == chosen
+
+
 def test_the_core_counts_connections_per_socket() -> None:
     """Connection changes are inputs of the sans-IO core: they cause no effect, and show
     in subscriptions() (the broadcast socket) and counters (every socket)."""

@@ -4,7 +4,10 @@ order, never on timings)."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -740,3 +743,22 @@ async def test_context_exit_closes_leftover_sockets(caplog: pytest.LogCaptureFix
             leftover.send(b"queued")
         assert leftover.closed
     assert "still open" in caplog.text
+
+
+def test_monitor_flood_neither_stalls_the_io_thread_nor_its_stop(tmp_path: Path) -> None:
+    """800 peers connect and disconnect while the monitor is not read (about 2,400 events,
+    more than the ~2,000 an inproc pipe of default high-water marks holds). libzmq sends
+    monitor events with blocking sends from its I/O thread: with a bounded pipe, another
+    socket of the same context would stop moving, and stopping the monitor would block for
+    ever. Run in a child process, since a blocked libzmq call cannot be cancelled."""
+    script = Path(__file__).parent / "scripts" / "monitor_flood.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "800"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report == {"peers": 800, "other_socket": "still moving", "monitor_stopped": True}

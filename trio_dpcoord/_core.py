@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Final, final
 
 from . import protocol
+from ._pacing import BurstSummary
 from ._state import (
     HEARTBEAT_INTERVAL,
     FirstRequest,
@@ -307,6 +308,7 @@ class CoordinatorCore:
         "_subscribed",
         "_unconfirmed_expiries",
         "_unsubscribed",
+        "_unsubscription_burst",
         "_wake_confirm_timeout",
         "_wake_latency",
         "_wave",
@@ -350,6 +352,7 @@ class CoordinatorCore:
         self._heard_from: set[int] = set()
         self._subscribed = 0
         self._unsubscribed = 0
+        self._unsubscription_burst = BurstSummary()
         self._late_subscriptions = 0
         self._front_ends = 0
         self._connections: Counter[str] = Counter()
@@ -515,6 +518,24 @@ class CoordinatorCore:
             f"{kind.name} from engine {engine_index} is not for the coordinator",
         )
 
+    def log_summary_due(self) -> float:
+        """When :meth:`log_summaries` has a summary to write (``inf``: none is held)."""
+        return self._unsubscription_burst.summary_due()
+
+    def log_summaries(self, now: float, *, final: bool = False) -> None:
+        """Sum up in one line the unsubscriptions of a burst that were logged at DEBUG only
+        (a mass disconnect: the first few are told one by one). ``final``: stopping."""
+        summary = self._unsubscription_burst.take_summary(now, final=final)
+        if summary is not None:
+            held, first, last = summary
+            logger.warning(
+                "%d more engines unsubscribed in %.1f s (each logged at DEBUG); "
+                "%d still subscribed",
+                held,
+                last - first,
+                self._subscribed - self._unsubscribed,
+            )
+
     def receive_engine_subscription(self, frame: bytes, now: float) -> Sequence[Effect]:
         """A frame the engine broadcast XPUB read: an engine (un)subscribed (§5.2)."""
         sub = protocol.decode_subscription(frame)
@@ -525,7 +546,9 @@ class CoordinatorCore:
             )
         if not sub.subscribe:
             self._unsubscribed += 1
-            logger.warning(
+            self.log_summaries(now)
+            logger.log(
+                logging.WARNING if self._unsubscription_burst.admit(now) else logging.DEBUG,
                 "an engine unsubscribed (%d still subscribed); "
                 "it will get READY again when it comes back",
                 self._subscribed - self._unsubscribed,

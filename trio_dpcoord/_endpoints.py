@@ -13,6 +13,7 @@ few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -119,6 +120,12 @@ class Liveness:
     probes after ``tcp_keepalive_idle`` idle seconds, every ``tcp_keepalive_interval``
     seconds, ``tcp_keepalive_count`` of them unanswered drop it;
     ``tcp_keepalive_idle=None`` leaves the system's setting (usually off).
+
+    Heartbeats go only where they help, on ``tcp://`` connections, unless
+    ``local_heartbeats``: over ``ipc://`` and ``inproc://`` the kernel (or libzmq) already
+    reports a peer that died or closed, and no partition can happen, while 2,048 engines'
+    PINGs cost libzmq's I/O thread about a third of a core. Without them a *frozen* local
+    peer (SIGSTOP) stays connected. :meth:`for_address` applies the rule per socket.
     """
 
     heartbeat_interval: float | None = 1.0
@@ -126,6 +133,7 @@ class Liveness:
     tcp_keepalive_idle: int | None = 10
     tcp_keepalive_interval: int = 2
     tcp_keepalive_count: int = 3
+    local_heartbeats: bool = False
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval is not None:
@@ -148,6 +156,15 @@ class Liveness:
         if self.heartbeat_interval is None:
             return None
         return self.heartbeat_interval + self.heartbeat_timeout
+
+    def for_address(self, address: str) -> Liveness:
+        """The settings a socket bound or connected to ``address`` uses: without
+        heartbeats on a local transport (``ipc://``, ``inproc://``) unless
+        ``local_heartbeats``."""
+        local = address.startswith(("ipc://", "inproc://"))
+        if not local or self.local_heartbeats or self.heartbeat_interval is None:
+            return self
+        return dataclasses.replace(self, heartbeat_interval=None)
 
     def socket_options(self) -> dict[int, int]:
         """The ZeroMQ socket options that apply these settings."""

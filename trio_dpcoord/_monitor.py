@@ -26,6 +26,7 @@ import trio
 import zmq
 
 from ._endpoints import DEFAULT_LIVENESS, Liveness
+from ._pacing import BurstSummary
 from .trio_zmq import AsyncSocket, accepted_peer_address, open_monitor, parse_monitor_event
 
 __all__ = [
@@ -126,7 +127,8 @@ class PeerMonitor:
     :meth:`changes` yields True for each accepted connection and False for each lost one
     (the peer closed it, died, or stayed silent past the heartbeat timeout); the caller
     counts them (the coordinator's core does). Every loss is logged at WARNING naming
-    the socket, the peer's address and since when it was connected. ``key`` names the
+    the socket, the peer's address and since when it was connected; in a burst (a mass
+    disconnect) the first few, then one summary line (the rest at DEBUG). ``key`` names the
     socket in counters (``engine_broadcast``); the logs say it with spaces.
     """
 
@@ -138,10 +140,28 @@ class PeerMonitor:
         self._liveness = liveness
         self._connected: dict[int, tuple[str, float]] = {}
         """Open connections: descriptor -> (peer address, wall-clock time accepted)."""
+        self._burst = BurstSummary()
+        """A mass disconnect: the first few losses told one by one, then one summary."""
+
+    def _summarize(self, now: float, *, final: bool = False) -> None:
+        summary = self._burst.take_summary(now, final=final)
+        if summary is not None:
+            held, first, last = summary
+            logger.warning(
+                "%s socket %s lost %d more peers in %.1f s (each logged at DEBUG; %d left)",
+                self.key.replace("_", " "),
+                self.address,
+                held,
+                last - first,
+                len(self._connected),
+            )
 
     def _lost(self, fd: int) -> None:
         peer, since = self._connected.pop(fd, (f"fd {fd}", math.nan))
-        logger.warning(
+        now = trio.current_time()
+        self._summarize(now)
+        logger.log(
+            logging.WARNING if self._burst.admit(now) else logging.DEBUG,
             "%s socket %s lost peer %s (connected since %s): it closed the connection, "
             "died, or %s (%d peers left)",
             self.key.replace("_", " "),
@@ -156,9 +176,22 @@ class PeerMonitor:
 
     async def changes(self) -> AsyncIterator[bool]:
         """True per accepted connection, False per lost one, until the monitor stops."""
+        try:
+            async for change in self._changes():
+                yield change
+        finally:
+            self._summarize(trio.current_time(), final=True)
+
+    async def _changes(self) -> AsyncIterator[bool]:
         while True:
+            frames: list[bytes] | None = None
+            with trio.move_on_at(self._burst.summary_due()):  # a burst's summary line
+                frames = await self._pair.recv_multipart()
+            if frames is None:
+                self._summarize(trio.current_time())
+                continue
             try:
-                event = parse_monitor_event(await self._pair.recv_multipart())
+                event = parse_monitor_event(frames)
             except ValueError as exc:
                 logger.warning("%s socket: %s", self.key.replace("_", " "), exc)
                 continue

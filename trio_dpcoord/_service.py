@@ -220,13 +220,21 @@ class _Pumps:
     ) -> None:
         """Engines (un)subscribing on the broadcast socket: the start-up gate (§5.2)."""
         task_status.started()
-        while True:
-            frames = await xpub.recv_batch()
+        try:
+            while True:
+                frames: Sequence[bytes] = ()
+                with trio.move_on_at(self.core.log_summary_due()):  # a burst's summary line
+                    frames = await xpub.recv_batch()
+                with self.lock:
+                    now = trio.current_time()
+                    for frame in frames:
+                        self.dispatch(self.core.receive_engine_subscription(frame, now))
+                    self.core.log_summaries(now)
+                if frames:
+                    self.changed()
+        finally:
             with self.lock:
-                now = trio.current_time()
-                for frame in frames:
-                    self.dispatch(self.core.receive_engine_subscription(frame, now))
-            self.changed()
+                self.core.log_summaries(trio.current_time(), final=True)
 
     async def engine_output_listener(
         self, pull: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -549,60 +557,56 @@ async def open_coordinator(
         publish_to_front_ends=front_address is not None,
     )
     curve_public_key, curve_options = _curve_server(curve_secret_key)
-    security = {**curve_options, **liveness.socket_options()}
-    xpub_options = {**_XPUB_OPTIONS, **security}
     private_dir = PrivateIpcDirectory()
     pumps = _Pumps(core)
     try:
         async with AsyncExitStack() as sockets:
             context = await sockets.enter_async_context(open_context())
-            back_pub = await sockets.enter_async_context(
-                open_socket(context, zmq.XPUB, options=xpub_options)
-            )
-            back_out = await sockets.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.PULL,
-                    options={zmq.RCVHWM: 0, zmq.LINGER: 0, **security},
-                    exclusive=True,  # the listener alone receives on it
-                )
-            )
             monitors: list[PeerMonitor] = []
 
-            async def watch_peers(socket: AsyncSocket, key: str) -> PeerMonitor:
-                # entered before the bind, so that no connection goes unseen
+            async def bound_socket(
+                socket_type: int,
+                options: dict[int, int | bytes],
+                address: str,
+                key: str,
+                exclusive: bool = False,
+            ) -> tuple[AsyncSocket, str]:
+                # heartbeats where they help (Liveness.for_address); the monitor is entered
+                # before the bind, so that no connection goes unseen
+                socket_liveness = liveness.for_address(address)
+                options = {**options, **curve_options, **socket_liveness.socket_options()}
+                socket = await sockets.enter_async_context(
+                    open_socket(context, socket_type, options=options, exclusive=exclusive)
+                )
                 monitor = await sockets.enter_async_context(
-                    open_peer_monitor(context, socket, key, liveness)
+                    open_peer_monitor(context, socket, key, socket_liveness)
                 )
                 monitors.append(monitor)
-                return monitor
+                what = key.replace("_", " ")
+                monitor.address = _bind(socket, address, allow_remote=allow_remote, what=what)
+                return socket, monitor.address
 
-            input_peers = await watch_peers(back_pub, "engine_broadcast")
-            output_peers = await watch_peers(back_out, "engine_output")
-            bound_input = input_peers.address = _bind(
-                back_pub,
+            back_pub, bound_input = await bound_socket(
+                zmq.XPUB,
+                dict(_XPUB_OPTIONS),
                 engine_input_address or private_dir.address("engine-input"),
-                allow_remote=allow_remote,
-                what="engine broadcast",
+                "engine_broadcast",
             )
-            bound_output = output_peers.address = _bind(
-                back_out,
+            back_out, bound_output = await bound_socket(
+                zmq.PULL,
+                {zmq.RCVHWM: 0, zmq.LINGER: 0},
                 engine_output_address or private_dir.address("engine-output"),
-                allow_remote=allow_remote,
-                what="engine output",
+                "engine_output",
+                exclusive=True,  # the listener alone receives on it
             )
             front: AsyncSocket | None = None
             bound_front: str | None = None
             if front_address is not None:
-                front = await sockets.enter_async_context(
-                    open_socket(context, zmq.XPUB, options=xpub_options)
-                )
-                front_peers = await watch_peers(front, "front")
-                bound_front = front_peers.address = _bind(
-                    front,
+                front, bound_front = await bound_socket(
+                    zmq.XPUB,
+                    dict(_XPUB_OPTIONS),
                     front_address or private_dir.address("front"),
-                    allow_remote=allow_remote,
-                    what="front",
+                    "front",
                 )
             handle = Coordinator(
                 pumps,

@@ -23,6 +23,7 @@ import trio
 
 from ._endpoints import DEFAULT_LIVENESS, Liveness
 from ._errors import CoordinatorError
+from ._pacing import ProgressPacer
 from ._service import Coordinator, open_coordinator
 from ._tasks import cancel_at_stdin_eof
 
@@ -74,6 +75,7 @@ def _liveness(args: argparse.Namespace) -> Liveness:
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             tcp_keepalive_idle=None if keepalive is None else max(1, round(keepalive)),
+            local_heartbeats=args.local_heartbeats,
         )
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
@@ -172,10 +174,17 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_seconds_or_off,
         default=DEFAULT_LIVENESS.heartbeat_interval,
         metavar="SECONDS",
-        help="send a ZMTP heartbeat on every connection this often; 0 turns heartbeats "
+        help="send a ZMTP heartbeat on every tcp:// connection this often; 0 turns heartbeats "
         "off (default: %(default)s). A peer that goes silent without closing (a "
         "partition, a node that lost power) is dropped after --heartbeat-timeout, shows "
         "as an unsubscription and is logged; vLLM engines answer heartbeats as they are",
+    )
+    serve.add_argument(
+        "--local-heartbeats",
+        action="store_true",
+        help="send heartbeats on ipc:// and inproc:// connections too (by default only on "
+        "tcp://: locally the kernel reports a dead peer at once and no partition can "
+        "happen; only a frozen, SIGSTOPped local engine goes unnoticed without them)",
     )
     serve.add_argument(
         "--heartbeat-timeout",
@@ -242,19 +251,28 @@ def _gate_moved(seen: int) -> Callable[[Coordinator], bool]:
     return lambda c: c.subscriptions().current != seen or c.subscriptions().gate_open
 
 
+GATE_PROGRESS_INTERVAL = 1.0
+"""Seconds between two start-up gate progress lines at most (the opening is always told)."""
+
+
 async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> None:
-    """Say how far the start-up gate got, on every subscription change until READY."""
+    """Say how far the start-up gate got until READY: the first subscription change, then
+    the newest count at most once per :data:`GATE_PROGRESS_INTERVAL`, so that thousands of
+    engines subscribing write a few lines, not one each. The core logs the opening."""
     logger.info(
         "waiting for %d engines to subscribe to %s", engine_count, coordinator.engine_input_address
     )
+    pacer = ProgressPacer(GATE_PROGRESS_INTERVAL, logged=0)
     seen = 0
     while True:
-        await coordinator.wait_for(_gate_moved(seen))
+        with trio.move_on_at(pacer.next_due(seen)):  # wake to tell a count kept back
+            await coordinator.wait_for(_gate_moved(seen))
         view = coordinator.subscriptions()
         if view.gate_open:
             return
-        logger.info("start-up gate: %d of %d engines subscribed", view.current, engine_count)
         seen = view.current
+        if pacer.should_log(seen, trio.current_time()):
+            logger.info("start-up gate: %d of %d engines subscribed", seen, engine_count)
 
 
 def _metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:

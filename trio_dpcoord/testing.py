@@ -115,6 +115,7 @@ async def connect_engines(
     """
     async with AsyncExitStack() as stack:
         context = await stack.enter_async_context(open_context())
+        context.set(zmq.MAX_SOCKETS, 2 * count + 64)  # libzmq's default allows 1,023
         security = curve_client_options(curve_server_key)
         peers = []
         for index in range(first_index, first_index + count):

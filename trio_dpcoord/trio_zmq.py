@@ -592,7 +592,14 @@ async def open_monitor(
     socket._sock.monitor(address, events)
     socket._touched()
     try:
-        async with open_socket(context, zmq.PAIR, connect=address) as pair:
+        # An unbounded pipe (RCVHWM 0 on the connecting side makes the inproc pipe's
+        # high-water mark 0): libzmq sends events with blocking sends while holding the
+        # monitored socket's monitor mutex, so with the default ~1,000-event pipe a burst
+        # of events (a mass disconnect) that the reader has not drained yet would block
+        # libzmq's I/O thread, and stopping the monitor (one more event) would wait for ever.
+        async with open_socket(
+            context, zmq.PAIR, connect=address, options={zmq.RCVHWM: 0}
+        ) as pair:
             try:
                 yield pair
             finally:
