@@ -229,6 +229,9 @@ async def test_bursts_with_idle_gaps(moe_server: VllmServer) -> None:
     for prompt, result in zip(PROMPTS * bursts, results, strict=True):
         assert result.token_ids == by_prompt[tuple(prompt)]
     _SEEN.setdefault("token_ids", {})[moe_server.coordinator_kind] = by_prompt
+    if moe_server.coordinator_kind == "trio" and "vllm" in _SEEN["token_ids"]:
+        # vLLM's server ran first (same requests): the coordinator changes no token
+        assert by_prompt == _SEEN["token_ids"]["vllm"]
     _record(
         "bursts with idle gaps",
         moe_server,
@@ -280,22 +283,12 @@ async def test_dropped_streams_alone_and_in_a_burst(moe_server: VllmServer) -> N
     _record(
         "streams dropped mid-way (alone, in a burst)",
         moe_server,
-        requests=len(completed) + len(after) + dropped,
+        requests=len(completed) + len(after),
         requests_ok=sum(r.status == 200 for r in completed + after),
         dropped=dropped,
         waves_started=waves.started,
         waves_ended=waves.ended,
     )
-
-
-def test_the_token_ids_are_the_same_under_both_coordinators(moe_server: VllmServer) -> None:
-    seen = _SEEN.get("token_ids", {})
-    if moe_server.coordinator_kind not in seen:
-        pytest.skip("the bursts test did not run on this server")
-    other = "vllm" if moe_server.coordinator_kind == "trio" else "trio"
-    if other not in seen:
-        pytest.skip(f"no run with {other}'s coordinator to compare with (yet)")
-    assert seen["trio"] == seen["vllm"]
 
 
 def test_an_engine_killed_fails_vllm(moe_server: VllmServer) -> None:
@@ -436,11 +429,13 @@ def test_sigterm_stops_everything(dense_server: VllmServer) -> None:
     assert status is not None, "vllm serve did not exit on SIGTERM"
     seconds = time.monotonic() - began
     left = server.wait_group_gone(EXIT_TIMEOUT)
-    ipc_left = [path.name for path in server.ipc_files()]
+    ipc_left = [f"ipc://{path}" for path in server.ipc_files()]
+    sockets = {coordinator.front, coordinator.engine_input, coordinator.engine_output}
     force_killed = server.count_lines(r"force killing remaining process VLLM_DP_Coordinator")
     outcome = {
         "exit_status": status,
         "ipc_files_left": len(ipc_left),
+        "coordinator_ipc_files_left": len(sockets & set(ipc_left)),
         "coordinator_force_killed": force_killed > 0,
         "shutdown_seconds": round(seconds, 1),
     }
@@ -453,7 +448,7 @@ def test_sigterm_stops_everything(dense_server: VllmServer) -> None:
         assert "SIGTERM received: stopping" in logs
         assert "trio_dpcoord DP coordinator stopped" in logs
         assert force_killed == 0, server.log_tail()
-        # our sockets' ipc files are removed when they close (vLLM's own may stay behind)
-        ours = {coordinator.front, coordinator.engine_input, coordinator.engine_output}
-        assert not {f"ipc://{server.rpc_dir / name}" for name in ipc_left} & ours
+        # libzmq leaves closed ipc sockets' files behind (vLLM's processes leave theirs);
+        # ours removes its own
+        assert outcome["coordinator_ipc_files_left"] == 0, ipc_left
     _record("SIGTERM shutdown", server, usage, **outcome)

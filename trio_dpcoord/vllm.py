@@ -210,9 +210,10 @@ def run_coordinator(
     status 1 without writing to the pipe, so vLLM's startup watch (or its process
     monitor, later) reports the failure.
 
-    In a child process (as vLLM runs it) the process then ends at once with that status,
-    its log records flushed and its sockets already closed: the interpreter's own
-    teardown takes seconds there (unpickling vLLM's ``logging_config`` imported torch),
+    The ipc socket files it bound are removed once the sockets are closed (libzmq leaves
+    them behind). In a child process (as vLLM runs it) the process then ends at once with
+    that status, its log records flushed and its sockets already closed: the interpreter's
+    own teardown takes seconds there (unpickling vLLM's ``logging_config`` imported torch),
     and vLLM's ``shutdown()`` kills a coordinator that has not exited 5 s after its
     SIGTERM, which on a busy machine turned every clean stop into a kill.
     """
@@ -277,6 +278,7 @@ async def _serve(
 
     from . import CoordinatorError, open_coordinator
 
+    bound: list[str | None] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
             async with open_coordinator(
@@ -290,6 +292,11 @@ async def _serve(
                 # vLLM chose these addresses (tcp beyond loopback when engines are remote)
                 allow_remote=True,
             ) as coordinator:
+                bound += [
+                    coordinator.front_address,
+                    coordinator.engine_output_address,
+                    coordinator.engine_input_address,
+                ]
                 if zmq_addr_pipe is not None:
                     zmq_addr_pipe.send(
                         (
@@ -310,5 +317,19 @@ async def _serve(
         except CoordinatorError as exc:
             logger.error("trio_dpcoord DP coordinator failed: %s", exc)
             return 1
+        finally:
+            _remove_socket_files(bound)
     logger.info("trio_dpcoord DP coordinator stopped")
     return 0
+
+
+def _remove_socket_files(addresses: list[str | None]) -> None:
+    """Unlink the files of the ``ipc://`` sockets we bound, now closed.
+
+    libzmq leaves an ipc socket's file behind when the socket closes; vLLM chose these
+    paths for this coordinator alone (under ``VLLM_RPC_BASE_PATH``), so nobody else can
+    use them once we are gone."""
+    for address in addresses:
+        if address and address.startswith("ipc://") and not address.startswith("ipc://@"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address.removeprefix("ipc://"))

@@ -22,6 +22,7 @@ OUTCOME_KEYS = (
     "shutdown_seconds",
     "coordinator_force_killed",
     "ipc_files_left",
+    "coordinator_ipc_files_left",
 )
 
 
