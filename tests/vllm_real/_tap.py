@@ -64,11 +64,14 @@ class FrontTap:
 @dataclass(frozen=True)
 class WaveCount:
     """Waves in a run of publishes: ``started`` counts paused -> running edges, ``ended``
-    how far the wave number went (it counts running -> paused transitions), and
-    ``backwards`` every publish whose wave is lower than the one before."""
+    how far the wave number went (it counts running -> paused transitions), ``silent``
+    the waves that ended with no running publish since the wave before (the coordinator
+    never said they ran), and ``backwards`` every publish whose wave is lower than the one
+    before."""
 
     started: int
     ended: int
+    silent: int
     backwards: list[tuple[int, int]]
     first_wave: int
     last_wave: int
@@ -76,16 +79,21 @@ class WaveCount:
     @classmethod
     def of(cls, publishes: list[FrontPublish]) -> WaveCount:
         if not publishes:
-            return cls(0, 0, [], 0, 0)
-        started = 0
+            return cls(0, 0, 0, [], 0, 0)
+        started = silent = 0
         backwards = []
+        seen_running = publishes[0].running
         for before, after in itertools.pairwise(publishes):
             if after.running and not before.running:
                 started += 1
             if after.wave < before.wave:
                 backwards.append((before.wave, after.wave))
+            elif after.wave > before.wave:
+                silent += after.wave - before.wave - (1 if seen_running else 0)
+                seen_running = False
+            seen_running = seen_running or after.running
         first, last = publishes[0].wave, publishes[-1].wave
-        return cls(started, last - first, backwards, first, last)
+        return cls(started, last - first, silent, backwards, first, last)
 
 
 async def _receive(socket: AsyncSocket, tap: FrontTap) -> None:

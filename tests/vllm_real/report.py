@@ -29,12 +29,16 @@ OUTCOME_KEYS = (
 def _cells(row: dict[str, Any]) -> list[str]:
     requests = f"{row['requests_ok']}/{row['requests']}" if "requests" in row else "-"
     waves = f"{row['waves_started']}/{row['waves_ended']}" if "waves_started" in row else "-"
+    if row.get("silent_waves"):
+        waves += f" ({row['silent_waves']} silent)"
     outcome = ", ".join(f"{key}={row[key]}" for key in OUTCOME_KEYS if key in row)
     return [
         requests,
         waves,
         f"{row['startup_seconds']:.0f}",
-        f"{row['coordinator_cpu_seconds']:.2f}",
+        f"{row['coordinator_cpu_seconds']:.2f}"
+        + (f" ({row['coordinator_cpu_seconds_scenario']:.2f})"
+           if row.get("coordinator_cpu_seconds_scenario") else ""),
         f"{row['coordinator_rss_mib']:.0f}",
         outcome or "-",
     ]
@@ -46,7 +50,7 @@ HEADER = (
     "requests ok",
     "waves started/ended",
     "startup s",
-    "coordinator CPU s",
+    "coordinator CPU s in all (in the scenario)",
     "coordinator RSS MiB",
     "outcome",
 )
