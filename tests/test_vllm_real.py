@@ -60,23 +60,26 @@ _SEEN: dict[str, dict[Coordinator, Any]] = {}
 def _record(
     scenario: str,
     server: VllmServer,
-    before: CoordinatorUsage,
+    before: CoordinatorUsage | None,
     usage: CoordinatorUsage | None = None,
     **row: Any,
 ) -> None:
     """Append the scenario's row to the report: the coordinator's CPU seconds in all (its
     start-up included: unpickling vLLM's arguments imports torch there) and during the
-    scenario (since ``before``), and its RSS, at ``usage`` (now if None)."""
+    scenario (since ``before``, if given), and its RSS, at ``usage`` (now if None)."""
     usage = usage or server.coordinator().usage()
     entry = {
         "scenario": scenario,
         "coordinator": server.coordinator_kind,
         "startup_seconds": round(server.startup_seconds or 0.0, 1),
         "coordinator_cpu_seconds": round(usage.cpu_seconds, 2),
-        "coordinator_cpu_seconds_scenario": round(usage.cpu_seconds - before.cpu_seconds, 2),
         "coordinator_rss_mib": round(usage.rss_bytes / 2**20, 1),
         **row,
     }
+    if before is not None:
+        entry["coordinator_cpu_seconds_scenario"] = round(
+            usage.cpu_seconds - before.cpu_seconds, 2
+        )
     REPORT_PATH.parent.mkdir(parents=True, exist_ok=True)
     with REPORT_PATH.open("a") as report:
         report.write(json.dumps(entry) + "\n")
@@ -344,7 +347,7 @@ def test_an_engine_killed_fails_vllm(moe_server: VllmServer) -> None:
     other = _SEEN["engine_killed"].get("vllm")
     if moe_server.coordinator_kind == "trio" and other is not None:
         assert outcome == other
-    _record("engine killed", moe_server, usage, usage, **outcome)
+    _record("engine killed", moe_server, None, usage, **outcome)
 
 
 # -- two API servers: the coordinator lives in the supervising process --------------------
@@ -415,7 +418,7 @@ def test_the_coordinator_killed_fails_vllm(two_api_servers: VllmServer) -> None:
     other = _SEEN["coordinator_killed"].get("vllm")
     if server.coordinator_kind == "trio" and other is not None:
         assert outcome == other
-    _record("coordinator killed (api-server-count 2)", server, usage, usage, **outcome)
+    _record("coordinator killed (api-server-count 2)", server, None, usage, **outcome)
 
 
 # -- the dense model: no waves, the coordinator only balances -----------------------------
@@ -486,4 +489,4 @@ def test_sigterm_stops_everything(dense_server: VllmServer) -> None:
         # libzmq leaves closed ipc sockets' files behind (vLLM's processes leave theirs);
         # ours removes its own
         assert outcome["coordinator_ipc_files_left"] == 0, ipc_left
-    _record("SIGTERM shutdown", server, usage, usage, **outcome)
+    _record("SIGTERM shutdown", server, None, usage, **outcome)

@@ -38,7 +38,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"{row['startup_seconds']:.0f}",
         f"{row['coordinator_cpu_seconds']:.2f}"
         + (f" ({row['coordinator_cpu_seconds_scenario']:.2f})"
-           if row.get("coordinator_cpu_seconds_scenario") else ""),
+           if "coordinator_cpu_seconds_scenario" in row else ""),
         f"{row['coordinator_rss_mib']:.0f}",
         outcome or "-",
     ]
