@@ -22,7 +22,7 @@ import bisect
 import logging
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final, final
 
 from . import protocol
@@ -175,7 +175,7 @@ class CoordinatorCounters:
     """Rejected inputs by reason, e.g. ``{"undecodable_engine_output": 2}``."""
     wake_latency: HistogramSnapshot
     """Seconds from a START_DP_WAVE decision until it was handed to ZeroMQ."""
-    connections_lost: dict[str, int] = field(default_factory=dict)
+    connections_lost: dict[str, int]
     """Peer connections lost, by socket (``engine_broadcast``, ``engine_output``,
     ``front``): closed by the peer, or silent past the heartbeat timeout."""
 
@@ -200,14 +200,14 @@ class SubscriptionView:
     unsubscribed: int
     late_subscriptions: int
     gate_open: bool
-    front_ends: int = 0
+    front_ends: int
     """Front-ends subscribed to the front socket (standalone mode)."""
-    connections: int = 0
+    connections: int
     """Peer connections open on the engine broadcast socket now."""
-    connections_lost: int = 0
+    connections_lost: int
     """Connections the engine broadcast socket lost: a peer that dies or stays silent
     past the heartbeat timeout shows here, and as an unsubscription."""
-    last_connection_lost_at: float | None = None
+    last_connection_lost_at: float | None
     """The clock reading (``now``) of the latest such loss."""
 
 
@@ -226,6 +226,38 @@ class _LatencyHistogram:
         return HistogramSnapshot(
             WAKE_LATENCY_BOUNDS, tuple(self._counts), self._sum, sum(self._counts)
         )
+
+
+@final
+class _Tally:
+    """The core's running counts (what :meth:`CoordinatorCore.counters` copies out)."""
+
+    __slots__ = (
+        "commands",
+        "engine_messages",
+        "front_publishes",
+        "ready_broadcasts",
+        "rejected",
+        "stats_applied",
+        "stats_coalesced",
+        "unconfirmed_expiries",
+        "wake_latency",
+        "wave_starts",
+        "waves_completed",
+    )
+
+    def __init__(self) -> None:
+        self.engine_messages = 0
+        self.stats_applied = 0
+        self.stats_coalesced = 0
+        self.waves_completed = 0
+        self.wave_starts: Counter[str] = Counter()
+        self.ready_broadcasts = 0
+        self.front_publishes = 0
+        self.commands = 0
+        self.unconfirmed_expiries = 0
+        self.rejected: Counter[str] = Counter()
+        self.wake_latency = _LatencyHistogram()
 
 
 _STATS: Final = protocol.OutputKind.STATS
@@ -266,16 +298,12 @@ class CoordinatorCore:
         "_backlog",
         "_backlog_at_last_read",
         "_coalesced_at_last_read",
-        "_commands",
         "_connections",
         "_connections_lost",
-        "_counters_rejected",
         "_deferred",
         "_deferred_commands",
-        "_engine_messages",
         "_expected_engines",
         "_front_ends",
-        "_front_publishes",
         "_gate_open",
         "_heard_from",
         "_last_connection_lost_at",
@@ -283,23 +311,17 @@ class CoordinatorCore:
         "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
-        "_ready_broadcasts",
         "_schedule",
         "_shutdown_expected",
-        "_stats_applied",
-        "_stats_coalesced",
         "_stats_held",
         "_subscribed",
-        "_unconfirmed_expiries",
+        "_tally",
         "_unsubscribed",
         "_unsubscription_burst",
         "_wake_confirm_timeout",
         "_wake_deadlines",
-        "_wake_latency",
         "_wave",
         "_wave_coordination",
-        "_wave_starts",
-        "_waves_completed",
     )
 
     def __init__(
@@ -347,21 +369,11 @@ class CoordinatorCore:
         self._connections: Counter[str] = Counter()
         self._connections_lost: Counter[str] = Counter()
         self._last_connection_lost_at: dict[str, float] = {}
-        self._engine_messages = 0
-        self._stats_applied = 0
-        self._stats_coalesced = 0
         self._stats_held: list[tuple[int, protocol.StatsReport]] = []
         self._backlog = IngestBacklog()
+        self._tally = _Tally()
         self._coalesced_at_last_read = 0
         self._backlog_at_last_read = 0.0
-        self._waves_completed = 0
-        self._wave_starts: Counter[str] = Counter()
-        self._ready_broadcasts = 0
-        self._front_publishes = 0
-        self._commands = 0
-        self._unconfirmed_expiries = 0
-        self._counters_rejected: Counter[str] = Counter()
-        self._wake_latency = _LatencyHistogram()
 
     # --- reading it ------------------------------------------------------------------------
 
@@ -415,19 +427,19 @@ class CoordinatorCore:
 
     def counters(self) -> CoordinatorCounters:
         return CoordinatorCounters(
-            engine_messages=self._engine_messages,
-            stats_applied=self._stats_applied,
-            stats_coalesced=self._stats_coalesced,
+            engine_messages=self._tally.engine_messages,
+            stats_applied=self._tally.stats_applied,
+            stats_coalesced=self._tally.stats_coalesced,
             engine_output_backlog=self._backlog_at_last_read,
-            waves_completed=self._waves_completed,
-            wave_starts=sum(self._wave_starts.values()),
-            wave_starts_by_cause=dict(self._wave_starts),
-            ready_broadcasts=self._ready_broadcasts,
-            front_publishes=self._front_publishes,
-            commands=self._commands,
-            unconfirmed_expiries=self._unconfirmed_expiries,
-            rejected=dict(self._counters_rejected),
-            wake_latency=self._wake_latency.snapshot(),
+            waves_completed=self._tally.waves_completed,
+            wave_starts=sum(self._tally.wave_starts.values()),
+            wave_starts_by_cause=dict(self._tally.wave_starts),
+            ready_broadcasts=self._tally.ready_broadcasts,
+            front_publishes=self._tally.front_publishes,
+            commands=self._tally.commands,
+            unconfirmed_expiries=self._tally.unconfirmed_expiries,
+            rejected=dict(self._tally.rejected),
+            wake_latency=self._tally.wake_latency.snapshot(),
             connections_lost=dict(self._connections_lost),
         )
 
@@ -459,7 +471,7 @@ class CoordinatorCore:
         if not self._gate_open:
             self._deferred_commands.append(command)
             return _NOTHING
-        self._commands += 1
+        self._tally.commands += 1
         if isinstance(command, ScaleRequest):
             old = self._loads.engine_count
             self._loads.resize(command.engine_count)
@@ -486,8 +498,8 @@ class CoordinatorCore:
         was read (it was short). Logs one WARNING when the coordinator has
         stayed behind for seconds (then at most one per half minute), one INFO once it
         has caught up (see ``_backlog.py``)."""
-        coalesced = self._stats_coalesced - self._coalesced_at_last_read
-        self._coalesced_at_last_read = self._stats_coalesced
+        coalesced = self._tally.stats_coalesced - self._coalesced_at_last_read
+        self._coalesced_at_last_read = self._tally.stats_coalesced
         news = self._backlog.batch_read(drained=drained, coalesced=coalesced, now=now)
         self._backlog_at_last_read = self._backlog.behind_for(now)
         if news is None:
@@ -525,7 +537,7 @@ class CoordinatorCore:
         every publish are then the same as with each report applied at once, and wave
         reports behind the stats in the batch are not kept waiting for them.
         """
-        self._engine_messages += 1
+        self._tally.engine_messages += 1
         if len(frames) != 1:
             return self._reject(
                 "multipart_engine_output",
@@ -733,7 +745,7 @@ class CoordinatorCore:
     def _wake_deadline_passed(self, wave: int) -> Sequence[Effect]:
         if not self._wave.expire_unconfirmed_start(wave):
             return _NOTHING
-        self._unconfirmed_expiries += 1
+        self._tally.unconfirmed_expiries += 1
         logger.warning(
             "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused engines "
             "drop it): wave %d is paused again",
@@ -745,19 +757,19 @@ class CoordinatorCore:
 
     def ready_sent(self) -> bool:
         """Whether READY has been handed to ZeroMQ (see :meth:`broadcast_sent`)."""
-        return self._ready_broadcasts > 0
+        return self._tally.ready_broadcasts > 0
 
     def broadcast_sent(self, broadcast: Broadcast, now: float) -> None:
         """The broadcaster handed ``broadcast`` to ZeroMQ at ``now``."""
         if broadcast.wave_start is None:
-            self._ready_broadcasts += 1
+            self._tally.ready_broadcasts += 1
             return
-        self._wave_starts[broadcast.cause or WaveStartCause.ENGINE_START_WAVE] += 1
-        self._wake_latency.observe(max(0.0, now - broadcast.decided_at))
+        self._tally.wave_starts[broadcast.cause or WaveStartCause.ENGINE_START_WAVE] += 1
+        self._tally.wake_latency.observe(max(0.0, now - broadcast.decided_at))
 
     def publish_sent(self) -> None:
         """The broadcaster sent one publish on the front socket."""
-        self._front_publishes += 1
+        self._tally.front_publishes += 1
 
     # --- the rules ------------------------------------------------------------------------
 
@@ -767,14 +779,14 @@ class CoordinatorCore:
             return self._unknown_engine_stats(engine_index)
         if outcome is StatsOutcome.OUT_OF_ORDER:
             self._log_out_of_order(engine_index, report)
-        self._stats_applied += 1
+        self._tally.stats_applied += 1
         return _NOTHING
 
     def _hold_stats(self, engine_index: int, report: protocol.StatsReport) -> Sequence[Effect]:
         if not 0 <= engine_index < self._loads.engine_count:
             return self._unknown_engine_stats(engine_index)
         self._stats_held.append((engine_index, report))
-        self._stats_applied += 1
+        self._tally.stats_applied += 1
         return _NOTHING
 
     def apply_held_stats(self) -> Sequence[Effect]:
@@ -788,14 +800,14 @@ class CoordinatorCore:
         count = self._loads.engine_count
         if any(engine_index >= count for engine_index, _ in held):  # a resize came between
             rejected = [self._unknown_engine_stats(e)[0] for e, _ in held if e >= count]
-            self._stats_applied -= len(rejected)
+            self._tally.stats_applied -= len(rejected)
             held = [(e, report) for e, report in held if e < count]
             return (*rejected, *self._apply_held(held))
         return self._apply_held(held)
 
     def _apply_held(self, held: list[tuple[int, protocol.StatsReport]]) -> Sequence[Effect]:
         superseded, out_of_order = self._loads.apply_stats_batch(held)
-        self._stats_coalesced += superseded
+        self._tally.stats_coalesced += superseded
         for engine_index, report in out_of_order:
             self._log_out_of_order(engine_index, report)
         return _NOTHING
@@ -835,7 +847,7 @@ class CoordinatorCore:
                 )
             if not self._wave.wave_complete(wave):
                 return _NOTHING
-            self._waves_completed += 1
+            self._tally.waves_completed += 1
             return self._emit(self._wave_publish())
         start = self._wave.engine_start_wave(wave, engine_index)
         if start is None:
@@ -876,5 +888,5 @@ class CoordinatorCore:
         return effects
 
     def _reject(self, reason: str, detail: str) -> tuple[Effect, ...]:
-        self._counters_rejected[reason] += 1
+        self._tally.rejected[reason] += 1
         return (Reject(reason, detail),)

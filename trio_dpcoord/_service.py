@@ -334,19 +334,18 @@ class Coordinator:
     def __init__(
         self,
         pumps: _Pumps,
+        addresses: dict[str, str | None],
         *,
-        engine_input_address: str,
-        engine_output_address: str,
-        front_address: str | None,
         curve_public_key: bytes | None,
         ready_timeout: float | None,
     ) -> None:
+        """``addresses``: the bound address of each socket, by its key in the counters."""
         self._pumps = pumps
         self._core = pumps.core
         self._lock = pumps.lock
-        self._engine_input_address = engine_input_address
-        self._engine_output_address = engine_output_address
-        self._front_address = front_address
+        self._engine_input_address = addresses["engine_broadcast"] or ""
+        self._engine_output_address = addresses["engine_output"] or ""
+        self._front_address = addresses["front"]
         self._curve_public_key = curve_public_key
         self._ready_timeout = ready_timeout
         self._ready_deadline = (
@@ -494,7 +493,6 @@ async def _bind_sockets(
     sockets: AsyncExitStack,
     pumps: _Pumps,
     requested: dict[str, str | None],
-    *,
     private_dir: PrivateIpcDirectory,
     curve_options: dict[int, int | bytes],
     liveness: Liveness,
@@ -535,6 +533,11 @@ async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> N
         await nursery.start(pumps.peer_watcher, monitor)
     if bound.front is not None:
         await nursery.start(pumps.command_receiver, bound.front)
+    logger.info(
+        "coordinator for %d engines: broadcast %s, outputs %s, front %s",
+        pumps.core.expected_engines,
+        *bound.addresses.values(),
+    )
 
 
 @asynccontextmanager
@@ -554,37 +557,26 @@ async def open_coordinator(
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
-    Binds the engine broadcast socket (XPUB, vLLM's "back-pub", what engines connect
-    their XSUB to: ``engine_input_address``) and the engine output socket (PULL,
-    "back-out", ``engine_output_address``). Both default to ``ipc://`` paths in a
+    Binds the engine broadcast socket (XPUB, vLLM's back-pub: ``engine_input_address``),
+    the engine output socket (PULL, back-out: ``engine_output_address``) and, with
+    ``front_address``, vLLM's front publish socket (XPUB) as the standalone process does.
+    None (or ``""``; for the front socket only ``""``) means an ``ipc://`` path in a
     private directory removed on exit; ``tcp://127.0.0.1:0`` is resolved to its port.
-    With ``front_address`` it also binds vLLM's front-end publish socket (XPUB), as the
-    standalone process does (``""`` means a private ``ipc://`` path, like the others).
-    Yields the :class:`Coordinator` handle once every socket is bound and every task
-    runs; the engines get READY when ``engine_count`` of them have subscribed.
+    Yields the :class:`Coordinator` once every socket is bound and every task runs;
+    engines get READY when ``engine_count`` of them have subscribed. Leaving the block in
+    any way stops every task and closes every socket; a failure inside the service raises
+    :class:`CoordinatorError` (the original exceptions as its cause), an exception from
+    the block itself propagates unchanged.
 
-    Leaving the block, normally, by an error or by cancellation, stops every task and
-    closes every socket. A failure inside the service raises :class:`CoordinatorError`
-    (with the original exceptions as its cause); an exception from the block itself
-    propagates unchanged.
-
-    ``wake_confirm_timeout``: a wave started by a first-request notice that no engine
-    confirms within this many seconds (rank 0 reports every start it joins) is taken as
-    dropped by paused engines, and ``engines_running`` goes back to False rather than
-    staying latched (vLLM issues #51476/#51481). Real engines confirm within one step.
-
-    ``curve_secret_key`` (Z85, e.g. from ``zmq.curve_keypair()``; off by default, since
-    vLLM's engines cannot use it): every socket becomes a CURVE server, so only peers
-    that know :attr:`Coordinator.curve_public_key` can connect, and the traffic is
-    encrypted. For our own simulated engines and front-ends.
-
-    ``liveness``: ZMTP heartbeats and TCP keepalive on every socket, so that a peer that
-    goes silent without closing its connection (a partition, a node that lost power) is
-    dropped within about ``liveness.notice_within`` seconds (4 s by default) instead of
-    staying subscribed for good; vLLM's engines answer heartbeats without any setting of
-    their own. A dropped peer shows in :meth:`Coordinator.subscriptions` (an
-    unsubscription, a lost connection) and ``counters.connections_lost``, and is logged
-    with its socket and address; when it comes back it subscribes again and gets READY.
+    ``wake_confirm_timeout``: a first-request start no engine confirms within it (rank 0
+    reports every start it joins) was dropped by paused engines: ``engines_running`` goes
+    back to False instead of staying latched (vLLM #51476/#51481). ``curve_secret_key``
+    (Z85; off by default, vLLM's engines cannot use it): every socket a CURVE server,
+    only peers that know :attr:`Coordinator.curve_public_key` connect, encrypted.
+    ``liveness``: ZMTP heartbeats and TCP keepalive on every socket, so a peer gone
+    silent (a partition, a dead node) is dropped within about ``liveness.notice_within``
+    seconds (4 by default), shown as an unsubscription and in ``connections_lost``, and
+    logged; when it comes back it subscribes again and gets READY.
     """
     core = CoordinatorCore(
         engine_count,
@@ -594,45 +586,24 @@ async def open_coordinator(
         publish_to_front_ends=front_address is not None,
     )
     curve_public_key, curve_options = _curve_server(curve_secret_key)
-    private_dir = PrivateIpcDirectory()
     pumps = _Pumps(core)
     requested = {
         "engine_broadcast": engine_input_address or "",
         "engine_output": engine_output_address or "",
         "front": front_address,
     }
-    try:
-        async with AsyncExitStack() as sockets:
-            bound = await _bind_sockets(
-                sockets,
-                pumps,
-                requested,
-                private_dir=private_dir,
-                curve_options=curve_options,
-                liveness=liveness,
-                allow_remote=allow_remote,
-            )
-            handle = Coordinator(
-                pumps,
-                engine_input_address=bound.addresses["engine_broadcast"] or "",
-                engine_output_address=bound.addresses["engine_output"] or "",
-                front_address=bound.addresses["front"],
-                curve_public_key=curve_public_key,
-                ready_timeout=ready_timeout,
-            )
-            async with open_task_nursery(
-                on_exit=pumps.close,
-                failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
-            ) as nursery:
-                await _start_pumps(nursery, pumps, bound)
-                logger.info(
-                    "coordinator for %d engines: broadcast %s, outputs %s, front %s",
-                    engine_count,
-                    handle.engine_input_address,
-                    handle.engine_output_address,
-                    handle.front_address,
-                )
-                yield handle
-    finally:
-        pumps.close()
-        private_dir.cleanup()
+    async with AsyncExitStack() as sockets:
+        private_dir = PrivateIpcDirectory()
+        sockets.callback(private_dir.cleanup)  # once every socket is closed
+        bound = await _bind_sockets(
+            sockets, pumps, requested, private_dir, curve_options, liveness, allow_remote
+        )
+        handle = Coordinator(
+            pumps, bound.addresses, curve_public_key=curve_public_key, ready_timeout=ready_timeout
+        )
+        async with open_task_nursery(
+            on_exit=pumps.close,
+            failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
+        ) as nursery:
+            await _start_pumps(nursery, pumps, bound)
+            yield handle
