@@ -498,7 +498,11 @@ async def test_curve_simulated_engines_work_and_a_keyless_engine_is_kept_out(
                     stranger = trio.CancelScope()
                     nursery.start_soon(_run_in, stranger, keyless)
                     nursery.start_soon(run_sim_engine, SimEngine(config(0, coord.curve_public_key)))
-                    await coord.wait_for(lambda c: c.silent_engines() == [1])
+                    # Engine 0's announcement (output socket) and its subscription (input
+                    # socket) travel on different sockets, in no order: wait for both.
+                    await coord.wait_for(
+                        lambda c: c.silent_engines() == [1] and c.subscriptions().current >= 1
+                    )
                     assert coord.subscriptions().current == 1  # the keyless engine: nothing
                     stranger.cancel()
                     nursery.start_soon(run_sim_engine, SimEngine(config(1, coord.curve_public_key)))
