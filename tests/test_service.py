@@ -25,6 +25,8 @@ from trio_dpcoord import (
 
 # Documented exception: the publish-order test drives the service's own pump (the shell,
 # not the core) so that its race is deterministic.
+# private import (documented exception): one test drives the pumps directly, to make a
+# race deterministic
 from trio_dpcoord._service import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity

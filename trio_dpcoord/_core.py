@@ -90,7 +90,8 @@ class ScaleRequest:
 
 
 Command = FirstRequest | ScaleRequest
-"""What the command receiver applies, in order, with :meth:`CoordinatorCore.receive_command`."""
+"""What :meth:`CoordinatorCore.receive_command` applies: the handle's claims, and the
+front-ends' FIRST_REQ and SCALE_ELASTIC_EP (applied by ``receive_front_frame``)."""
 
 
 # --- effects -------------------------------------------------------------------------------
