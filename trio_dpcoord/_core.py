@@ -38,6 +38,7 @@ from ._state import (
     WaveSnapshot,
     WaveStart,
     WaveState,
+    check_engine_index,
 )
 from .protocol import EngineLoad
 
@@ -456,11 +457,7 @@ class CoordinatorCore:
         coordinated. An index that is not an int in the table is the caller's mistake:
         ``TypeError`` or ``ValueError``.
         """
-        if type(engine_index) is not int:
-            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
-        count = self._loads.engine_count
-        if not 0 <= engine_index < count:
-            raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
+        check_engine_index(engine_index, self._loads.engine_count)
         if not self._wave_coordination:
             return None
         return self._wave.claim_first_request(engine_index)

@@ -24,7 +24,7 @@ from . import protocol
 from ._balance import EngineChooser
 from ._core import Reject
 from ._errors import CoordinatorError
-from ._state import WaveSnapshot
+from ._state import WaveSnapshot, WaveState, check_engine_index
 from .protocol import IDLE_LOAD, EngineLoad
 
 __all__ = ["FrontendState"]
@@ -53,7 +53,7 @@ class FrontendState:
         "_opened_at",
         "_publishes_received",
         "_rejected",
-        "_snapshot",
+        "_wave",
     )
 
     def __init__(
@@ -67,7 +67,8 @@ class FrontendState:
         self._client_count = client_count
         self._engine_count = engine_count
         self._opened_at = now
-        self._snapshot = WaveSnapshot()
+        self._wave = WaveState()
+        """The latest publish's wave, and the claim rule the coordinator's handle uses."""
         self._counts: tuple[EngineLoad, ...] | None = None
         self._chooser: EngineChooser | None = None
         self._publishes_received = 0
@@ -101,7 +102,7 @@ class FrontendState:
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
-        return self._snapshot
+        return self._wave.snapshot
 
     def engine_loads(self) -> tuple[EngineLoad, ...]:
         """Per engine load from the latest publish with counts; before one, zeros for
@@ -140,9 +141,9 @@ class FrontendState:
         if latest is None:
             return rejects
         self._last_publish_time = now
-        old = self._snapshot
-        self._snapshot = WaveSnapshot(latest.current_wave, latest.engines_running)
-        if self._snapshot != old:
+        old = self._wave.snapshot
+        self._wave = WaveState(WaveSnapshot(latest.current_wave, latest.engines_running))
+        if self._wave.snapshot != old:
             logger.debug(
                 "publish: wave %d -> %d, running %s -> %s",
                 old.current_wave,
@@ -180,21 +181,11 @@ class FrontendState:
         the latest publish says paused (the snapshot says running from now on, so
         concurrent requests send one notice), else None. ``TypeError`` for a non-int,
         ``ValueError`` for an index outside the engines (when their count is known)."""
-        if type(engine_index) is not int:
-            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
-        count = len(self.engine_loads())
-        if engine_index < 0 or (count and engine_index >= count):
-            raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
-        snap = self._snapshot
-        if snap.engines_running:
+        check_engine_index(engine_index, len(self.engine_loads()) or None)
+        claim = self._wave.claim_first_request(engine_index)
+        if claim is None:
             return None
-        self._snapshot = WaveSnapshot(snap.current_wave, True)
-        logger.debug(
-            "first request for engine %d at paused wave %d: FIRST_REQ sent",
-            engine_index,
-            snap.current_wave,
-        )
-        return protocol.encode_legacy_first_request(engine_index, snap.current_wave)
+        return protocol.encode_legacy_first_request(engine_index, claim.wave)
 
     @staticmethod
     def scale_request(engine_count: int) -> bytes:

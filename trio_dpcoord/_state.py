@@ -25,12 +25,23 @@ __all__ = [
     "WaveSnapshot",
     "WaveStart",
     "WaveState",
+    "check_engine_index",
 ]
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL: Final = 5.0
 """Front-ends get a publish at least this often, news or not (vLLM's heartbeat)."""
+
+
+def check_engine_index(engine_index: int, engine_count: int | None) -> None:
+    """A caller's engine index: ``TypeError`` if not an int, ``ValueError`` if outside
+    ``0 <= engine_index < engine_count`` (only below 0 while the count is unknown, None).
+    The embedded handle and a front-end check the same way."""
+    if type(engine_index) is not int:
+        raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
+    if engine_index < 0 or (engine_count is not None and engine_index >= engine_count):
+        raise ValueError(f"engine_index {engine_index} out of range for {engine_count} engines")
 
 @dataclass(frozen=True, slots=True)
 class WaveSnapshot:
