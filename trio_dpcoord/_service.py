@@ -84,6 +84,7 @@ _SOCKETS: Final[dict[str, tuple[int, dict[int, int | bytes], bool, str]]] = {
     "front": (zmq.XPUB, _XPUB_OPTIONS, False, "front"),
 }
 
+
 class _Pumps:
     """The core, its lock, and the tasks that feed it and carry out what it returns."""
 
@@ -216,12 +217,19 @@ class _Pumps:
     ) -> None:
         """Engines (un)subscribing on the broadcast socket: the start-up gate (§5.2)."""
         task_status.started()
+        await self._apply_each_frame(xpub, self.core.receive_engine_subscription)
+
+    async def _apply_each_frame(
+        self, socket: AsyncSocket, receive: Callable[[bytes, float], Sequence[Effect]]
+    ) -> None:
+        """For ever: a batch from ``socket``, each frame given to the core's ``receive``
+        under the lock once per batch, its effects dispatched, the timer rescheduled."""
         while True:
-            frames = await xpub.recv_batch()
+            frames = await socket.recv_batch()
             with self.lock:
                 now = trio.current_time()
                 for frame in frames:
-                    self.dispatch(self.core.receive_engine_subscription(frame, now))
+                    self.dispatch(receive(frame, now))
                 self.reschedule()
             self.changed()
 
@@ -278,14 +286,7 @@ class _Pumps:
         """The front socket: front-ends' subscriptions and their commands, FIRST_REQ and
         SCALE_ELASTIC_EP, applied by the core as they are read (§5.3, §5.8, §4.9)."""
         task_status.started()
-        while True:
-            frames = await front.recv_batch()
-            with self.lock:
-                now = trio.current_time()
-                for frame in frames:
-                    self.dispatch(self.core.receive_front_frame(frame, now))
-                self.reschedule()
-            self.changed()
+        await self._apply_each_frame(front, self.core.receive_front_frame)
 
     async def peer_watcher(
         self, peers: PeerMonitor, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
