@@ -71,6 +71,19 @@ def thread_cpu_ns(pid: int | str) -> tuple[int, int]:
     return int(main * 1e6), int(other * 1e6)
 
 
+def run_delay_ns(pid: int) -> int:
+    """How long ``pid``'s main thread has waited, runnable, for a CPU (schedstat's second
+    field): the direct measure of being starved by other work on a shared machine."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1])
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot (``/proc/stat``)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -171,6 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             measuring = True
             cpu0 = thread_cpu_ns(args.observe_pid)
             own0 = thread_cpu_ns("self")
+            delay0 = run_delay_ns(args.observe_pid)
+            busy0 = machine_busy()
             sent_at_measure = sent
             wall0 = now
         if now >= t_end:
@@ -231,6 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     assert cpu0 is not None and own0 is not None
     cpu1 = thread_cpu_ns(args.observe_pid)
     own1 = thread_cpu_ns("self")
+    delay1 = run_delay_ns(args.observe_pid)
+    busy1 = machine_busy()
     wall = time.monotonic() - wall0
     undelivered = 0
     if waiting_wave is not None:  # give the last one as long as the kept-up limit
@@ -266,6 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "main_cpu_s": (cpu1[0] - cpu0[0]) / 1e9,
         "other_cpu_s": (cpu1[1] - cpu0[1]) / 1e9,
         "generator_cpu_s": (own1[0] + own1[1] - own0[0] - own0[1]) / 1e9,
+        "generator_main_cpu_s": (own1[0] - own0[0]) / 1e9,
+        "main_run_delay_s": (delay1 - delay0) / 1e9,
+        "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
         "peak_rss_mib": peak / 2**20,
         "publishes": publishes,
         "bad_publishes": bad_publishes,
