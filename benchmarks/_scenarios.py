@@ -624,7 +624,7 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
     with serving(env, kind, engines) as (child, info):
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         context.set(zmq.MAX_SOCKETS, 2 * engines + 64)
-        subs = []
+        subs, pushes = [], []
         poller = zmq.Poller()
         for index in range(engines):
             sub = context.socket(zmq.XSUB)
@@ -638,6 +638,7 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
             push.setsockopt(zmq.LINGER, 0)
             push.connect(info["back_out"])
             push.send(stats_frame(index, 1, 1))
+            pushes.append(push)  # referenced: a collected socket closes at once
         pending = set(range(engines))
         index_of = {sub: i for i, sub in enumerate(subs)}
         deadline = time.monotonic() + 120
