@@ -90,7 +90,7 @@ QUICK = Sizes(
     vllm_ingest_total=40_000,
     vllm_scale_engines=(8, 256, 1024),
     vllm_scale_rounds=2,
-    saturation_points=((20, 512), (20, 1024), (20, 1536), (100, 2048)),
+    saturation_points=((20, 512), (20, 1024), (100, 2048)),
     saturation_seconds=3,
     flood_engines=2000,
 )
