@@ -48,8 +48,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from trio_dpcoord import open_coordinator
-from trio_dpcoord._tasks import cancel_at_stdin_eof
+from trio_dpcoord import cancel_at_stdin_eof, open_coordinator
 from trio_dpcoord.metrics import CoordinatorCollector
 from trio_dpcoord.sim import ClusterConfig, SimFrontend, open_engine_fleet, open_sim_frontend
 

@@ -2,7 +2,9 @@
 
 Embed it in a trio front-end with :func:`open_coordinator`, or run it standalone with
 ``python -m trio_dpcoord serve`` and follow it from trio front-ends with
-:func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`.
+:func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`; the sans-IO
+core's whole vocabulary (its commands, effects and views, beside :class:`CoordinatorCore`)
+in :mod:`trio_dpcoord.core`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ if TYPE_CHECKING:
     from ._core import SubscriptionView as SubscriptionView
     from ._core import WaveStartCause as WaveStartCause
     from ._endpoints import Liveness as Liveness
+    from ._endpoints import PrivateIpcDirectory as PrivateIpcDirectory
     from ._errors import CoordinatorClosedError as CoordinatorClosedError
     from ._errors import CoordinatorError as CoordinatorError
     from ._errors import ReadyTimeoutError as ReadyTimeoutError
     from ._frontend import Frontend as Frontend
     from ._frontend import open_frontend as open_frontend
+    from ._frontend_state import FrontendState as FrontendState
+    from ._monitor import ConnectionMonitor as ConnectionMonitor
+    from ._monitor import open_connection_monitor as open_connection_monitor
     from ._service import Coordinator as Coordinator
     from ._service import open_coordinator as open_coordinator
     from ._state import WaveSnapshot as WaveSnapshot
     from ._state import WaveStart as WaveStart
+    from ._tasks import cancel_at_stdin_eof as cancel_at_stdin_eof
     from ._view import CoordinatorView as CoordinatorView
     from .protocol import EngineLoad as EngineLoad
     from .protocol import ProtocolError as ProtocolError
@@ -35,6 +42,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConnectionMonitor",
     "Coordinator",
     "CoordinatorClosedError",
     "CoordinatorCore",
@@ -44,15 +52,19 @@ __all__ = [
     "EngineChooser",
     "EngineLoad",
     "Frontend",
+    "FrontendState",
     "HistogramSnapshot",
     "Liveness",
+    "PrivateIpcDirectory",
     "ProtocolError",
     "ReadyTimeoutError",
     "SubscriptionView",
     "WaveSnapshot",
     "WaveStart",
     "WaveStartCause",
+    "cancel_at_stdin_eof",
     "engine_score",
+    "open_connection_monitor",
     "open_coordinator",
     "open_frontend",
 ]
@@ -61,6 +73,7 @@ __all__ = [
 # vLLM does with the plugin in every one of its processes, costs only that submodule: not
 # trio, pyzmq and the whole service. ``from trio_dpcoord import X`` works as usual.
 _EXPORTS: dict[str, str] = {
+    "ConnectionMonitor": "._monitor",
     "Coordinator": "._service",
     "CoordinatorClosedError": "._errors",
     "CoordinatorCore": "._core",
@@ -70,20 +83,26 @@ _EXPORTS: dict[str, str] = {
     "EngineChooser": "._balance",
     "EngineLoad": ".protocol",
     "Frontend": "._frontend",
+    "FrontendState": "._frontend_state",
     "HistogramSnapshot": "._core",
     "Liveness": "._endpoints",
+    "PrivateIpcDirectory": "._endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
     "SubscriptionView": "._core",
     "WaveSnapshot": "._state",
     "WaveStart": "._state",
     "WaveStartCause": "._core",
+    "cancel_at_stdin_eof": "._tasks",
     "engine_score": "._balance",
+    "open_connection_monitor": "._monitor",
     "open_coordinator": "._service",
     "open_frontend": "._frontend",
 }
 
-_SUBMODULES = frozenset({"cli", "metrics", "protocol", "sim", "testing", "trio_zmq", "vllm"})
+_SUBMODULES = frozenset(
+    {"cli", "core", "metrics", "protocol", "sim", "testing", "trio_zmq", "vllm"}
+)
 
 
 if not TYPE_CHECKING:  # for type checkers, the imports above are the package
