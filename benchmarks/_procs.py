@@ -18,6 +18,9 @@
   as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
   or paced (``--rate``) until SIGTERM.
 * ``exec``: set the parent-death signal, then exec the given command line.
+* ``serve-msgpack``: ``trio-dpcoord serve`` with msgspec made unimportable, as on a
+  machine without the ``fast`` extra (the decoder's msgpack path, msgpack-python's
+  encoder for front publishes).
 """
 
 from __future__ import annotations
@@ -307,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pusher.add_argument("--markers", type=int, help="bracket --count frames with start_wave")
     runner = roles.add_parser("exec")
     runner.add_argument("command", nargs=argparse.REMAINDER)
+    serve_msgpack = roles.add_parser("serve-msgpack")
+    serve_msgpack.add_argument("options", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
@@ -323,6 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _forwarder_main(args)
         elif args.role == "pusher":
             _pusher_main(args)
+        elif args.role == "serve-msgpack":
+            sys.modules["msgspec"] = None  # type: ignore[assignment]  # import fails
+            from trio_dpcoord import cli
+
+            options = args.options[1:] if args.options[:1] == ["--"] else args.options
+            return cli.main(["serve", *options])
         else:
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             _exec_main(command)

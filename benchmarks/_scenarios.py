@@ -33,8 +33,10 @@ from benchmarks._util import (
     Child,
     cpu_ns,
     procs,
+    python_module,
     rss_bytes,
     spawn,
+    stats_frame,
     summarize_us,
     with_death_signal,
 )
@@ -50,6 +52,8 @@ STANDALONE = "standalone"
 STANDALONE_NO_HEARTBEATS = "standalone-no-heartbeats"
 """``trio-dpcoord serve`` without its ZMTP heartbeats (vLLM's coordinator has none): at
 1,024 engines the default PING per connection per second is a visible share of CPU."""
+STANDALONE_MSGPACK = "standalone-msgpack"
+"""``trio-dpcoord serve`` with msgspec unimportable: a machine without the ``fast`` extra."""
 TRIO_FLOOR = "trio-floor"
 TRIO_FLOOR_RAW = "trio-floor-raw"
 TRIO_FLOORS = (TRIO_FLOOR, TRIO_FLOOR_RAW)
@@ -129,6 +133,8 @@ def serving(
                 *(["--heartbeat-interval", "0"] if kind == STANDALONE_NO_HEARTBEATS else []),
             )
         )
+    elif kind == STANDALONE_MSGPACK:
+        argv = procs("serve-msgpack", "--", *sockets, "--front", front, "--log-level", "WARNING")
     elif kind in TRIO_FLOORS:
         argv = procs(
             "trio-floor",
@@ -503,7 +509,6 @@ def scale_point(env: Env, kind: str, engines: int, waves: int) -> dict[str, floa
 def front_publish_cost(engines: int, calls: int) -> dict[str, float]:
     """ns per timed front publish (lock, counts, encode: what the front publisher does
     before its send) against ``msgpack.packb`` of the same message."""
-    from benchmarks._util import stats_frame
 
     core = CoordinatorCore(engines, publish_to_front_ends=True)
     for index in range(engines):
@@ -550,6 +555,129 @@ def vllm_front_publish_cost(env: Env, engines: int, calls: int) -> dict[str, flo
         raise RuntimeError(f"vLLM publish runner failed: {result.stderr[-500:]}")
     value: dict[str, float] = json.loads(lines[-1])
     return value
+
+
+# --- 7. saturation: a fleet's stats at a cadence, waves timed through it -------------------
+
+
+def saturation_point(
+    env: Env, kind: str, engines: int, interval_ms: float, seconds: float, warmup: float = 1.0
+) -> dict[str, Any]:
+    """One point of the sweep: ``engines`` engines (:mod:`benchmarks._fleet`) each
+    reporting every ``interval_ms``, a rotating engine's ``start_wave`` every 250 ms,
+    for ``warmup`` + ``seconds`` s against ``kind``; the fleet's JSON report, plus the
+    WARNING lines the coordinator wrote (vLLM's out-of-order stats warnings among them)."""
+    with serving(env, kind, engines) as (child, info):
+        argv = python_module(
+            "benchmarks._fleet",
+            "--back-pub",
+            info["back_pub"],
+            "--back-out",
+            info["back_out"],
+            "--front",
+            info["front"],
+            "--engines",
+            str(engines),
+            "--interval-ms",
+            str(interval_ms),
+            "--seconds",
+            str(seconds),
+            "--warmup",
+            str(warmup),
+            "--observe-pid",
+            str(child.pid),
+        )
+        name = f"fleet-{kind}-{engines}-{interval_ms:g}ms-{next(env._counter)}"
+        with spawn(name, argv, env.log_dir) as fleet:
+            report = fleet.read_json(180 + warmup + seconds)
+        # vLLM's warning for a report older than the last one it read, from any engine
+        report["out_of_order_warnings"] = _count_warnings(child.log_path, "out-of-order")
+    return report
+
+
+def _count_warnings(log_path: Path, text: str = "WARNING") -> int:
+    with contextlib.suppress(OSError):
+        return log_path.read_text(errors="replace").count(text)
+    return 0
+
+
+def kept_up(report: dict[str, Any], lag_limit_ms: float = 100.0) -> bool:
+    """Every wave delivered (no 250 ms slot skipped because the last was not), wake lag
+    p99 under ``lag_limit_ms`` and not growing (the last third's median at most 25 ms
+    above the first third's: past the limit it grows by 0.4-1 s per second), and the
+    fleet sent at least 90 % of its target rate (else the generator, not the
+    coordinator, was the limit)."""
+    return bool(
+        report["waves"] > 0
+        and report["undelivered"] == 0
+        and report["late_slots"] == 0
+        and report["lag_p99_ms"] < lag_limit_ms
+        and report["lag_last_third_p50_ms"] < report["lag_first_third_p50_ms"] + 25
+        and report["sent_rate"] >= 0.9 * report["target_rate"]
+    )
+
+
+# --- 8. SIGTERM in a flood of disconnects --------------------------------------------------
+
+
+def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
+    """``engines`` engines (XSUB + PUSH) subscribe and each send one stats report; once
+    READY reached them all, every socket is closed at once and SIGTERM follows at once.
+    Time from the signal to the exit, the exit status, the WARNING lines written after
+    the engines left, and whether the counters line was printed (ours only)."""
+    from trio_dpcoord.testing import rank_identity
+
+    with serving(env, kind, engines) as (child, info):
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        context.set(zmq.MAX_SOCKETS, 2 * engines + 64)
+        subs, pushes = [], []
+        poller = zmq.Poller()
+        for index in range(engines):
+            sub = context.socket(zmq.XSUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+            sub.connect(info["back_pub"])
+            sub.send(b"\x01")
+            poller.register(sub, zmq.POLLIN)
+            subs.append(sub)
+            push = context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(info["back_out"])
+            push.send(stats_frame(index, 1, 1))
+            pushes.append(push)  # referenced: a collected socket closes at once
+        pending = set(range(engines))
+        index_of = {sub: i for i, sub in enumerate(subs)}
+        deadline = time.monotonic() + 120
+        while pending and time.monotonic() < deadline:
+            for sock, _ in poller.poll(1000):
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        if sock.recv_multipart(zmq.NOBLOCK)[0] == b"READY":
+                            pending.discard(index_of[sock])
+        if pending:
+            raise TimeoutError(f"READY reached {engines - len(pending)} of {engines} engines")
+        time.sleep(0.5)  # whatever start-up wrote is written
+        before = _count_warnings(child.log_path)
+        context.destroy(linger=0)  # every engine gone at once
+        t0 = time.monotonic()
+        child.popen.send_signal(signal.SIGTERM)
+        try:
+            status: int | None = child.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            status = None
+        exit_s = time.monotonic() - t0 if status is not None else math.inf
+        counters = False
+        if status is not None and kind != VLLM:
+            with contextlib.suppress(RuntimeError, TimeoutError):
+                counters = "counters" in child.read_json(5)
+        warnings = _count_warnings(child.log_path) - before
+    return {
+        "engines": engines,
+        "status": status,
+        "exit_s": exit_s,
+        "warnings": warnings,
+        "counters_printed": counters,
+    }
 
 
 # --- 6. end to end -------------------------------------------------------------------------

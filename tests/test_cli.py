@@ -29,6 +29,7 @@ from trio_dpcoord.testing import (
     ServeProcess,
     connect_engines,
     open_serve,
+    rank_identity,
     serve_command,
 )
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
@@ -500,6 +501,51 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     summed = sum(int(n) for n in re.findall(r"(\d+) more engines unsubscribed", stderr))
     assert 1 <= told <= 20 and told + summed <= count, stderr
     assert stderr.count("WARNING") <= 60, stderr  # not a line per engine and socket
+
+
+async def test_sigterm_right_after_2000_engines_leave_at_once() -> None:
+    """Issue 25's flood: 2,000 engines (an XSUB and a PUSH each, one stats report sent)
+    pass the start-up gate, then every socket closes at once and SIGTERM follows at
+    once: exit status 0, the counters line, and at most 20 WARNING lines for the whole
+    event (a few losses told one by one, then summaries). How fast it exits is a
+    benchmark row (``python -m benchmarks --only flood``), never asserted here."""
+    count = 2000
+    with trio.fail_after(10 * GUARD):
+        async with open_serve("--engines", str(count)) as coordinator:
+            context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            engines: list[zmq.Socket[bytes]] = []  # referenced until they all go at once
+            try:
+                context.set(zmq.MAX_SOCKETS, 2 * count + 64)  # libzmq's default: 1,023
+                for index in range(count):
+                    sub = context.socket(zmq.XSUB)
+                    sub.setsockopt(zmq.LINGER, 0)
+                    sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+                    sub.connect(coordinator.endpoints["back_pub"])
+                    sub.send(protocol.SUBSCRIBE, zmq.NOBLOCK)  # queued: sent once connected
+                    push = context.socket(zmq.PUSH)
+                    push.setsockopt(zmq.LINGER, 0)
+                    push.connect(coordinator.endpoints["back_out"])
+                    push.send(stats_report(index), zmq.NOBLOCK)
+                    engines += (sub, push)
+                await coordinator.logged(f"all {count} engines subscribed")
+                before = coordinator.stderr.count("WARNING")
+            finally:
+                context.destroy(linger=0)  # every engine gone at once
+            counters = await stop_cleanly(coordinator)  # the signal follows at once
+    assert counters["ready_broadcasts"] == 1
+    assert counters["errors"] == 0
+    assert counters["engine_messages"] <= count  # the reports read before the signal
+    warnings = coordinator.stderr.count("WARNING") - before
+    assert warnings <= 20, coordinator.stderr[-6000:]
+
+
+def stats_report(engine: int) -> bytes:
+    return protocol.encode_engine_core_outputs(
+        protocol.EngineCoreOutputs(
+            engine_index=engine,
+            scheduler_stats=protocol.SchedulerStats(num_running_reqs=1, step_counter=1),
+        )
+    )
 
 
 async def test_an_event_storm_while_serving_stalls_no_other_socket() -> None:
