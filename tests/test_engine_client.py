@@ -4,7 +4,7 @@ Each ``_Engine`` speaks vLLM's engine side of the engine-core protocol as 0.32.0
 ``EngineCoreProc`` does (docs/protocol.md §14): HELLO on a DEALER with its two-byte
 identity, the answer's addresses used as given (a DEALER to the input with the ready
 response first, a PUSH to its output, the coordinator's XSUB and PUSH), READY; then it
-answers ADD with one token per step, ABORT with finish reason ``abort``, UTILITY with
+answers ADD with one token per step, ABORT with nothing (as vLLM), UTILITY with
 ``[call_id, None, [None, result]]``. Real vLLM engines run in test_engine_client_real.py.
 """
 
@@ -98,10 +98,9 @@ class _Engine:
             elif kind == b"\x01":
                 for rid in body:
                     if self.requests.pop(rid, None) is not None:
-                        self.aborted.append(rid)
+                        self.aborted.append(rid)  # vLLM sends nothing back
                         self._aborts.set()
                         self._aborts = trio.Event()
-                        await out.send(_outputs(self.rank, [[rid, [], None, None, None, 2]]))
             elif kind == b"\x03":
                 _, call_id, method, args = body
                 if method == "echo":
@@ -168,12 +167,13 @@ async def test_requests_stream_utility_calls_and_aborts() -> None:
             assert client.in_flight() == []
             with trio.fail_after(TIMEOUT):
                 await engines[0].wait_aborted(stream.request_id)
-            # abort by id: the engine's confirmation ends the stream
+            # abort by id: the stream ends at once, the engine drops the request
             async with client.generate([5], SamplingParams(max_tokens=1000)) as stream:
                 async for output in stream:
                     if not output.finished:
                         await client.abort(stream.request_id)
             assert stream.finish_reason == "abort"
+            await engines[stream.rank or 0].wait_aborted(stream.request_id)
             # a reader that falls behind is aborted, not buffered without end
             async with client.generate([5], SamplingParams(max_tokens=1000), buffer=2) as slow:
                 await engines[slow.rank or 0].wait_aborted(slow.request_id)

@@ -139,7 +139,7 @@ async def test_engine_client_drives_real_engines(headless: tuple[VllmProcess, in
             assert client.in_flight() == []
             await _wait_idle(client)  # the engines dropped it: nothing runs
 
-            # aborted by id: the engine confirms with finish reason "abort"
+            # aborted by id: the stream ends with finish reason "abort", the engine drops it
             async with client.generate(PROMPTS[2], LONG) as stream:
                 async for output in stream:
                     if not output.finished:

@@ -300,11 +300,19 @@ class EngineClient:
         return Completion(stream.request_id, tuple(tokens), stream.finish_reason, stream.rank)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request in flight (its stream then ends with finish reason ``abort``
-        when the engine confirms it); nothing happens for an unknown id."""
+        """Abort a request in flight: its stream ends at once with a last output of
+        finish reason ``abort`` (the engine sends nothing for an aborted request, as
+        vLLM's own front-end knows: it ends the request itself); nothing happens for an
+        unknown id."""
         rank = self._table.rank_of(request_id)
-        if rank is not None:
-            self._queue(rank, encode_abort([request_id]))
+        if rank is None:
+            return
+        stream = self._streams.get(request_id)
+        self._finish(request_id, rank)
+        self.requests_aborted += 1
+        self._queue(rank, encode_abort([request_id]))
+        if stream is not None and not stream._deliver(RequestOutput(request_id, (), "abort")):
+            stream._fail(RequestAbortedError(f"request {request_id} aborted"))
 
     async def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
         """Call ``EngineCore.<method>(*args)`` on ``rank`` and return its result.
