@@ -228,3 +228,48 @@ async def test_startup_timeout_names_the_missing_ranks() -> None:
                     pass
             assert err.value.missing == [0, 1, 2]  # rank 1 waits for the gate of all 3
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_http_frontend_serves_engines_through_the_client() -> None:
+    """examples/http_frontend.py --engine-client: an HTTP completion with token-id prompt
+    reaches the engines (their token ids come back), a stream ends with [DONE], SIGTERM
+    exits 0."""
+    import json
+    import signal
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from trio_dpcoord.testing import open_child
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "http_frontend.py"
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engines = [_Engine(rank, address) for rank in range(2)]
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                await nursery.start(engine.run)
+            command = [sys.executable, str(example), "--port=0", "--exit-on-stdin-eof"]
+            command += ["--engines=2", f"--engine-client={address}"]
+            async with open_child(command) as child:
+                url = json.loads(await child.line(0))["url"]
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    body = {"prompt": [3, 4, 5], "max_tokens": 4}
+                    response = await http.post("/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    choice = response.json()["choices"][0]
+                    assert choice["finish_reason"] == "length"
+                    assert choice["token_ids"] in ([10] * 4, [11] * 4)
+                    events = []
+                    body = {"prompt": "text", "max_tokens": 3, "stream": True}
+                    async with http.stream("POST", "/v1/completions", json=body) as sse:
+                        async for line in sse.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line[6:])
+                    assert events[-1] == "[DONE]" and len(events) == 4
+                child.process.send_signal(signal.SIGTERM)
+                await child.process.wait()
+                assert child.process.returncode == 0, child.stderr
+            nursery.cancel_scope.cancel()
