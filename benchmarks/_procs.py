@@ -8,7 +8,7 @@
 * ``forwarder``: the baseline, a plain blocking pyzmq PULL -> ``msgpack.unpackb`` ->
   XPUB loop in one thread, no trio: it turns every ``start_wave`` into START_DP_WAVE.
   With ``--ingest N`` it also times how fast it took in the last 95% of N messages.
-* ``trio-floor``: the least a trio program does per wave in the design card's shape: the
+* ``trio-floor``: the least a trio program does per wave in the coordinator's shape: the
   engine-output socket read by one task, a memory channel, a second task that sends
   START_DP_WAVE and the front publishes; READY once ``--engines`` have subscribed. No
   validation, no load table, no counters: what is left is trio's run loop, the task hop
@@ -106,7 +106,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
                     coordinator.notify_first_request(0)
                 _emit({"t0_ns": starts})
             elif words and words[0] == "counters":
-                counters = coordinator.counters
+                counters = coordinator.counters()
                 _emit(
                     {
                         "engine_messages": counters.engine_messages,

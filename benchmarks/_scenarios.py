@@ -39,13 +39,13 @@ from benchmarks._util import (
     with_death_signal,
 )
 from benchmarks._wake import WakeProbe
-from trio_dpcoord import open_coordinator, protocol
-from trio_dpcoord._core import CoordinatorCore
-from trio_dpcoord._endpoints import PrivateIpcDirectory
+from trio_dpcoord import CoordinatorCore, PrivateIpcDirectory, open_coordinator, protocol
+from trio_dpcoord.core import Publish
 from trio_dpcoord.testing import connect_engines, serve_command
 
 COORDINATOR_KINDS = ("inproc", "standalone")
 VLLM = "vllm"
+"""vLLM 0.33.0's real ``DPCoordinatorProc`` (tests/vllm_reference), torch-free."""
 STANDALONE = "standalone"
 STANDALONE_NO_HEARTBEATS = "standalone-no-heartbeats"
 """``trio-dpcoord serve`` without its ZMTP heartbeats (vLLM's coordinator has none): at
@@ -53,9 +53,9 @@ STANDALONE_NO_HEARTBEATS = "standalone-no-heartbeats"
 TRIO_FLOOR = "trio-floor"
 TRIO_FLOOR_RAW = "trio-floor-raw"
 TRIO_FLOORS = (TRIO_FLOOR, TRIO_FLOOR_RAW)
-"""The least a trio program in the design card's shape does per wave (with our shim, and
-waiting on the FD directly): not coordinators, the reference below which none can go."""
-"""vLLM 0.33.0's real ``DPCoordinatorProc`` (tests/vllm_reference), torch-free."""
+"""The least a trio program in the coordinator's shape (a receiving task, a memory channel,
+a sending task) does per wave, with our shim and waiting on the FD directly: not
+coordinators, the reference below which none can go."""
 
 
 @dataclass
@@ -507,12 +507,18 @@ def front_publish_cost(engines: int, calls: int) -> dict[str, float]:
 
     core = CoordinatorCore(engines, publish_to_front_ends=True)
     for index in range(engines):
+        core.receive_engine_subscription(protocol.SUBSCRIBE, 0.0)
         core.receive_engine_output([stats_frame(index, index, 1)], 0.0)
     lock = threading.Lock()
+    clock = [0.0]
 
     def publish() -> bytes:
+        # the timer's call: a tick at a clock reading where the heartbeat is due
         with lock:
-            return core.timed_publish(1.0)
+            clock[0] += 10.0
+            effect = core.tick(clock[0])[0]
+            assert isinstance(effect, Publish)
+            return effect.payload
 
     counts = [[index, 4, 0.25] for index in range(engines)]
     message = [counts, 3, True]

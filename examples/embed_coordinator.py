@@ -53,7 +53,7 @@ async def main() -> None:
                 print(f"  engine {engine.index} got {message}")
             await coordinator.wait_for(lambda c: c.snapshot().engines_running)
             print(f"engine-started wave: now {coordinator.snapshot()}")
-            print(f"counters: {coordinator.counters}")
+            print(f"counters: {coordinator.counters()}")
 
 
 if __name__ == "__main__":

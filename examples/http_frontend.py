@@ -60,10 +60,10 @@ from trio_dpcoord import (
     EngineClient,
     EngineClientError,
     SamplingParams,
+    cancel_at_stdin_eof,
     open_coordinator,
     open_engine_client,
 )
-from trio_dpcoord._tasks import cancel_at_stdin_eof
 from trio_dpcoord.metrics import CoordinatorCollector
 from trio_dpcoord.sim import ClusterConfig, SimFrontend, open_engine_fleet, open_sim_frontend
 

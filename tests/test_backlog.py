@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
+# private import (documented exception): the unit test of the private module itself
 from trio_dpcoord._backlog import BacklogNews, IngestBacklog
-from trio_dpcoord._core import CoordinatorCore
+from trio_dpcoord.core import CoordinatorCore
 
 
 def test_keeping_up_says_nothing_and_reads_zero() -> None:

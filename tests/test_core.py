@@ -18,21 +18,24 @@ from dataclasses import replace
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_dpcoord import CoordinatorCore, WaveSnapshot, WaveStartCause, protocol
-from trio_dpcoord._core import (
+from trio_dpcoord import protocol
+from trio_dpcoord.core import (
     MAX_ENGINES,
     MAX_WAVE,
-    ArmWakeDeadline,
     Broadcast,
+    CoordinatorCore,
     Effect,
+    FirstRequest,
     Publish,
     Reject,
-    RescheduleTimedPublish,
     ScaleRequest,
+    WaveSnapshot,
+    WaveStart,
+    WaveStartCause,
+    WaveState,
 )
-from trio_dpcoord._state import FirstRequest, WaveStart, WaveState
 from trio_dpcoord.protocol import EngineCoreOutputs, EngineLoad, SchedulerStats
 
 SUB = protocol.SUBSCRIBE
@@ -75,6 +78,13 @@ def publishes(effects: Sequence[Effect]) -> list[protocol.FrontPublish]:
     return [protocol.decode_front_publish(e.payload) for e in effects if isinstance(e, Publish)]
 
 
+def timed_publish(core: CoordinatorCore, now: float) -> protocol.FrontPublish:
+    """The timed publish the clock reaching ``now`` brings (the tick's only effect)."""
+    effects = core.tick(now)
+    assert len(effects) == 1 and isinstance(effects[0], Publish), effects
+    return protocol.decode_front_publish(effects[0].payload)
+
+
 # --- the start-up gate ---------------------------------------------------------------------
 
 
@@ -88,12 +98,12 @@ def test_nothing_leaves_before_the_gate_and_ready_goes_first() -> None:
     assert claim is None  # already running
     assert core.receive_command(ScaleRequest(3), 0.6) == ()  # waits for the gate
     assert core.engine_count == 2
-    assert core.next_publish_due() == float("inf")
+    assert core.next_deadline() == float("inf")
     effects = core.receive_engine_subscription(SUB, 1.0)
     assert isinstance(effects[0], Broadcast) and effects[0].frames == [protocol.READY]
     assert starts(effects) == [(0, 1)]
     assert [p.current_wave for p in publishes(effects)] == [0]
-    assert any(isinstance(e, RescheduleTimedPublish) for e in effects)
+    assert core.next_deadline() == float("-inf")  # the first timed publish: at once
     assert core.engine_count == 3  # the deferred resize, applied behind READY
     assert core.gate_open and core.subscriptions().gate_open
 
@@ -151,7 +161,7 @@ def test_stale_first_request_wakes_everyone_at_the_current_wave() -> None:
     assert core.snapshot() == WaveSnapshot(1, False)
     effects = core.receive_command(claim, 1.5)
     assert starts(effects) == [(1, None)]
-    assert effects[-1] == ArmWakeDeadline(1, 1.5 + core.wake_confirm_timeout)
+    assert core.next_deadline() == 1.5 + core.wake_confirm_timeout
     assert core.snapshot() == WaveSnapshot(1, True)
 
 
@@ -162,13 +172,13 @@ def test_a_current_first_request_excludes_its_target_and_is_counted_by_cause() -
     effects = core.receive_command(claim, 2.0)
     assert starts(effects) == [(0, 2)]
     legacy = core.receive_front_frame(protocol.encode_legacy_first_request(1, 0), 2.1)
-    assert legacy == (FirstRequest(1, 0, legacy=True),)
+    assert legacy == ()  # applied at once: the wave already runs
     for effect in effects:
         if isinstance(effect, Broadcast):
             core.broadcast_sent(effect, 2.0004)
     counters = core.counters()
     assert counters.wave_starts_by_cause == {WaveStartCause.FIRST_REQUEST: 1}
-    assert counters.commands == 1
+    assert counters.commands == 2
     latency = counters.wake_latency
     assert latency.count == 1 and latency.sum == pytest.approx(0.0004)
     assert latency.counts[latency.bounds.index(0.0005)] == 1
@@ -184,7 +194,7 @@ def test_claim_checks_the_index_and_non_wave_mode_ignores_waves() -> None:
     assert core.receive_command(FirstRequest(0, 0, legacy=True), 1.0) == ()
     core.receive_engine_output(stats(1, 2, 3, current_wave=7, step_counter=1), 1.1)
     assert core.snapshot() == WaveSnapshot(0, False)
-    timed = protocol.decode_front_publish(core.timed_publish(1.2))
+    timed = timed_publish(core, 1.2)
     assert (timed.current_wave, timed.engines_running) == (0, False)
     assert timed.counts is not None and timed.counts[1] == EngineLoad(2, 3, 0.0)
 
@@ -196,16 +206,16 @@ def test_an_unconfirmed_start_goes_back_to_paused_at_its_deadline() -> None:
     core, _ = open_core(2, wake_confirm_timeout=30.0, publish_to_front_ends=True)
     claim = core.claim_first_request(0)
     assert claim is not None
-    effects = core.receive_command(claim, 10.0)
-    deadline = next(e for e in effects if isinstance(e, ArmWakeDeadline))
-    assert deadline == ArmWakeDeadline(0, 40.0)
-    expired = core.wake_deadline_passed(0, 40.0)
+    core.receive_command(claim, 10.0)
+    assert timed_publish(core, 39.9).engines_running  # a heartbeat: still believed running
+    assert core.next_deadline() == 40.0  # before the next heartbeat, at 44.9
+    expired = core.tick(40.0)
     assert core.snapshot() == WaveSnapshot(0, False)
     assert [(p.counts, p.current_wave, p.engines_running) for p in publishes(expired)] == [
         (None, 0, False)
     ]
     assert core.counters().unconfirmed_expiries == 1
-    assert core.wake_deadline_passed(0, 41.0) == ()  # once
+    assert core.tick(41.0) == ()  # once
 
 
 def test_an_engine_report_confirms_the_start() -> None:
@@ -214,7 +224,7 @@ def test_an_engine_report_confirms_the_start() -> None:
     assert claim is not None
     core.receive_command(claim, 10.0)
     core.receive_engine_output(output(0, start_wave=0), 10.01)  # rank 0's mirror (R8)
-    assert core.wake_deadline_passed(0, 40.0) == ()
+    assert core.tick(40.0) == ()
     assert core.snapshot() == WaveSnapshot(0, True)
     assert core.counters().unconfirmed_expiries == 0
 
@@ -283,18 +293,18 @@ def test_constructor_refuses_nonsense() -> None:
 
 def test_publish_timing_follows_the_clock_passed_in() -> None:
     core, _ = open_core(2, stats_interval=0.1, heartbeat_interval=5.0, publish_to_front_ends=True)
-    assert core.next_publish_due() == float("-inf")  # the first one at once
-    first = protocol.decode_front_publish(core.timed_publish(100.0))
+    assert core.next_deadline() == float("-inf")  # the first one at once
+    first = timed_publish(core, 100.0)
     assert first.counts == (EngineLoad(0, 0, 0.0),) * 2
-    assert core.next_publish_due() == pytest.approx(105.0)  # heartbeat: no news
-    # news while the publisher sleeps until the heartbeat: it must ask again, once
-    nudge = core.receive_engine_output(stats(1, 4, 2, 0.5), 100.5)
-    assert len(nudge) == 1 and isinstance(nudge[0], RescheduleTimedPublish)
-    assert core.next_publish_due() == pytest.approx(100.1)
-    assert core.receive_engine_output(stats(0, 1, 1), 100.55) == ()  # it already knows
-    second = protocol.decode_front_publish(core.timed_publish(100.6))
+    assert core.next_deadline() == pytest.approx(105.0)  # heartbeat: no news
+    assert core.tick(104.9) == ()  # not due yet
+    # news moves the deadline earlier (the shell asks again after every input)
+    assert core.receive_engine_output(stats(1, 4, 2, 0.5), 104.95) == ()
+    assert core.next_deadline() == pytest.approx(100.1)
+    assert core.receive_engine_output(stats(0, 1, 1), 104.96) == ()
+    second = timed_publish(core, 105.0)
     assert second.counts == (EngineLoad(1, 1, 0.0), EngineLoad(4, 2, 0.5))
-    assert core.next_publish_due() == pytest.approx(105.6)
+    assert core.next_deadline() == pytest.approx(110.0)
 
 
 def test_a_new_front_end_gets_the_counts_at_once() -> None:
@@ -320,8 +330,8 @@ def test_a_front_end_before_the_gate_sees_no_state_older_than_the_gate() -> None
     assert [(p.counts, p.current_wave, p.engines_running) for p in publishes(effects)] == [
         (None, 0, True)
     ]
-    assert core.next_publish_due() <= 0.4
-    timed = protocol.decode_front_publish(core.timed_publish(0.4))
+    assert core.next_deadline() <= 0.4
+    timed = timed_publish(core, 0.4)
     assert (timed.counts, timed.current_wave, timed.engines_running) == (
         (EngineLoad(0, 0, 0.0),) * 2,
         0,
@@ -333,7 +343,8 @@ def test_without_a_front_socket_nothing_is_published() -> None:
     core, _ = open_core(2)
     effects = core.receive_engine_output(output(1, start_wave=0), 1.0)
     assert publishes(effects) == [] and starts(effects) == [(0, 1)]
-    assert core.next_publish_due() == float("inf")
+    assert core.next_deadline() == float("inf")
+    assert core.tick(100.0) == ()
 
 
 # --- the whole core, driven by random peers --------------------------------------------------
@@ -359,11 +370,11 @@ class CoreRules(RuleBasedStateMachine):
         self.now = 0.0
         self.subscribed = 0
         self.gate_open = False
-        self.commands: list[FirstRequest | ScaleRequest] = []
-        """The command channel (handle claims and front commands), FIFO."""
         self.deferred_commands: list[FirstRequest | ScaleRequest] = []
         self.deferred_starts: list[WaveStart] = []
-        self.deadlines: list[ArmWakeDeadline] = []
+        self.deadlines: list[tuple[float, int]] = []
+        """(deadline, wave) of each first-request start, as the core must schedule them."""
+        self.last_timed_publish = 0.0
         self.engine_messages = 0
         self.rejects = 0
         self.highest_wave = 0
@@ -374,7 +385,7 @@ class CoreRules(RuleBasedStateMachine):
     def _apply(self, effects: Sequence[Effect], expected_starts: list[WaveStart]) -> None:
         seen_starts: list[WaveStart] = []
         for effect in effects:
-            assert self.gate_open or isinstance(effect, (Reject, FirstRequest, ScaleRequest)), (
+            assert self.gate_open or isinstance(effect, Reject), (
                 f"{effect!r} left before the gate opened"
             )
             if isinstance(effect, Broadcast):
@@ -389,13 +400,9 @@ class CoreRules(RuleBasedStateMachine):
                 self.core.broadcast_sent(effect, self.now)
             elif isinstance(effect, Publish):
                 protocol.decode_front_publish(effect.payload)
-            elif isinstance(effect, ArmWakeDeadline):
-                assert effect.deadline == self.now + TIMEOUT
-                self.deadlines.append(effect)
-            elif isinstance(effect, Reject):
+                self.core.publish_sent()
+            else:
                 self.rejects += 1
-            elif isinstance(effect, (FirstRequest, ScaleRequest)):
-                self.commands.append(effect)
         assert seen_starts == expected_starts
 
     def _oracle_command(self, command: FirstRequest | ScaleRequest) -> list[WaveStart]:
@@ -403,7 +410,18 @@ class CoreRules(RuleBasedStateMachine):
             self.engine_count = command.engine_count
             return []
         start = self.oracle.start_wave_for_first_request(command.wave, command.engine)
-        return [] if start is None else [start]
+        if start is None:
+            return []
+        self.deadlines.append((self.now + TIMEOUT, start.wave))
+        return [start]
+
+    def _command(self, command: FirstRequest | ScaleRequest, effects: Sequence[Effect]) -> None:
+        expected: list[WaveStart] = []
+        if self.gate_open:
+            expected = self._oracle_command(command)
+        else:
+            self.deferred_commands.append(command)
+        self._apply(effects, expected)
 
     # -- the rules --
 
@@ -477,57 +495,47 @@ class CoreRules(RuleBasedStateMachine):
         claim = self.core.claim_first_request(engine)
         expected = self.oracle.claim_first_request(engine)
         assert claim == expected
-        if claim is not None:
-            self.commands.append(claim)
+        if claim is not None:  # applied at once, in the caller's task, as the handle does
+            self._command(claim, self.core.receive_command(claim, self.now))
 
     @rule(engine=st.integers(0, ENGINES - 1), wave=st.integers(0, 8))
     def legacy_first_request(self, engine: int, wave: int) -> None:
         frame = protocol.encode_legacy_first_request(engine, wave)
-        self._apply(self.core.receive_front_frame(frame, self.now), [])
+        effects = self.core.receive_front_frame(frame, self.now)
+        self._command(FirstRequest(engine, wave, legacy=True), effects)
 
     @rule(count=st.integers(0, 6))
     def scale(self, count: int) -> None:
-        self._apply(
-            self.core.receive_front_frame(protocol.encode_scale_elastic_ep(count), self.now), []
-        )
-
-    @precondition(lambda self: bool(self.commands))
-    @rule()
-    def command_receiver(self) -> None:
-        command = self.commands.pop(0)
-        effects = self.core.receive_command(command, self.now)
-        expected: list[WaveStart] = []
-        if self.gate_open:
-            expected = self._oracle_command(command)
+        frame = protocol.encode_scale_elastic_ep(count)
+        effects = self.core.receive_front_frame(frame, self.now)
+        if count == 0:
+            self._apply(effects, [])  # rejected
         else:
-            self.deferred_commands.append(command)
-        self._apply(effects, expected)
+            self._command(ScaleRequest(count), effects)
 
-    @precondition(lambda self: bool(self.deadlines))
-    @rule()
-    def wake_watchdog(self) -> None:
-        deadline = self.deadlines.pop(0)
-        self.now = max(self.now, deadline.deadline)
-        self.oracle.expire_unconfirmed_start(deadline.wave)
-        self._apply(self.core.wake_deadline_passed(deadline.wave, self.now), [])
-
-    @rule()
-    def front_publisher(self) -> None:
-        due = self.core.next_publish_due()
-        if not self.gate_open:
-            assert due == float("inf")
-            return
-        if due <= self.now:
-            payload = protocol.decode_front_publish(self.core.timed_publish(self.now))
-            snap = self.oracle.snapshot
+    @rule(jump=st.booleans())
+    def clock_ticks(self, jump: bool) -> None:
+        """The timer: at its next deadline (``jump``) or whenever it happens to wake."""
+        due = self.core.next_deadline()
+        if self.deadlines:
+            assert due <= self.deadlines[0][0]
+        if self.gate_open:  # a heartbeat at the latest
+            assert due <= max(self.now, self.last_timed_publish) + 5.0
+        if jump and due != float("inf"):
+            self.now = max(self.now, due)
+        while self.deadlines and self.deadlines[0][0] <= self.now:
+            self.oracle.expire_unconfirmed_start(self.deadlines.pop(0)[1])
+        effects = self.core.tick(self.now)
+        self._apply(effects, [])
+        snap = self.oracle.snapshot
+        for payload in publishes(effects):
             assert (payload.current_wave, payload.engines_running) == (
                 snap.current_wave,
                 snap.engines_running,
             )
-            assert payload.counts is not None and len(payload.counts) == self.engine_count
-            self.core.publish_sent()
-        else:
-            assert due <= self.now + 5.0
+            if payload.counts is not None:  # the timed one (an expiry's carries no counts)
+                assert len(payload.counts) == self.engine_count
+                self.last_timed_publish = self.now
 
     @invariant()
     def agrees_with_the_oracle_and_counts_right(self) -> None:
@@ -570,11 +578,6 @@ def engine_messages(engines: int) -> st.SearchStrategy[list[bytes]]:
     )
 
 
-def without_reschedules(effects: Sequence[Effect]) -> tuple[list[Effect], int]:
-    kept: list[Effect] = [e for e in effects if not isinstance(e, RescheduleTimedPublish)]
-    return kept, len(effects) - len(kept)
-
-
 class HeldStatsRules(RuleBasedStateMachine):
     """Two cores take the same inputs; one applies each engine output at once, the other
     takes batches as the listener does (stats held, the piece ended by a broadcast, then
@@ -609,7 +612,7 @@ class HeldStatsRules(RuleBasedStateMachine):
                 if any(isinstance(e, Broadcast) for e in effects):
                     break
             got.extend(self.batched.apply_held_stats())
-            assert without_reschedules(got) == without_reschedules(expected)
+            assert got == expected
             self.same_state()
 
     @rule(engines=st.integers(1, 4))
@@ -628,10 +631,9 @@ class HeldStatsRules(RuleBasedStateMachine):
     @rule(later=st.floats(0.0, 6.0))
     def timed_publish(self, later: float) -> None:
         self.now += later
-        due = self.one_by_one.next_publish_due()
-        assert self.batched.next_publish_due() == due
-        if due <= self.now:
-            assert self.batched.timed_publish(self.now) == self.one_by_one.timed_publish(self.now)
+        due = self.one_by_one.next_deadline()
+        assert self.batched.next_deadline() == due
+        assert self.batched.tick(self.now) == self.one_by_one.tick(self.now)
 
     @invariant()
     def same_state(self) -> None:
@@ -691,7 +693,7 @@ def test_an_expected_shutdown_is_told_at_info_and_a_mass_rejoin_is_summed_up(
         "16 more late engine subscriptions in 0.1 s, each sent READY again (logged at DEBUG); "
         "20 subscribed"
     ]  # the one at 1.5 s and four more were told one by one
-    assert core.log_summary_due() == math.inf
+    assert core.next_deadline() == math.inf  # nothing held: nothing scheduled
     core.log_summaries(10.0, final=True)
     core.expect_shutdown()  # the fleet is stopped on purpose
     for _ in range(20):

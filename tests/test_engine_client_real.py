@@ -101,7 +101,7 @@ async def _bursts(client: EngineClient) -> dict[tuple[int, ...], tuple[int, ...]
     waves.append(client.coordinator.snapshot().current_wave)
     assert ranks == {0, 1}, "the chooser used both engines"
     assert waves == sorted(set(waves)), f"each burst ran in a wave of its own: {waves}"
-    assert client.coordinator.counters.waves_completed >= 3
+    assert client.coordinator.counters().waves_completed >= 3
     return seen
 
 

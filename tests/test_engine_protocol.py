@@ -7,6 +7,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+# private import (documented exception): the unit test of the private module itself
 from trio_dpcoord._engine_protocol import (
     ENGINE_CORE_DEAD,
     EngineDead,

@@ -147,7 +147,7 @@ async def test_scale_resizes_the_coordinator_table() -> None:
                 await frontend.wait_for(lambda f: f.engine_loads() == grown)
                 with pytest.raises(ValueError):
                     frontend.scale(0)
-                assert coordinator.counters.commands == 2
+                assert coordinator.counters().commands == 2
 
 
 async def test_notify_first_request_wakes_the_engines_with_exact_bytes(
@@ -165,7 +165,7 @@ async def test_notify_first_request_wakes_the_engines_with_exact_bytes(
                 # START_DP_WAVE wave 3, exclude engine 1, exactly vLLM's bytes
                 await expect_broadcast(engines, vector_frames(vectors, "start_dp_wave_exclude_int"))
                 await coordinator.wait_for(lambda c: c.snapshot() == WaveSnapshot(3, True))
-                assert coordinator.counters.commands == 1
+                assert coordinator.counters().commands == 1
                 # the next wave-state publish confirms it; then a marker proves nothing
                 # else was broadcast in between
                 await engines[0].wave_complete(3)

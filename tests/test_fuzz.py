@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from trio_dpcoord import Coordinator, WaveSnapshot, open_coordinator, protocol
-from trio_dpcoord._state import WaveState
+from trio_dpcoord.core import WaveState
 from trio_dpcoord.testing import EnginePeer, connect_engines, parse_endpoints, serve_command
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
@@ -284,11 +284,11 @@ async def expect_broadcast(engines: list[EnginePeer], frames: list[bytes]) -> No
 
 
 def _front_outcomes(c: Coordinator) -> int:
-    rejected = c.counters.rejected
+    rejected = c.counters().rejected
     return (
         rejected.get("undecodable_front_message", 0)
         + rejected.get("bad_scale_request", 0)
-        + c.counters.commands
+        + c.counters().commands
     )
 
 
@@ -298,22 +298,22 @@ async def wait_processed(
     """Wait until the coordinator has taken the ``count`` messages just sent on ``socket``."""
     if socket == BACK_OUT:
         target = before[BACK_OUT] + count
-        await coordinator.wait_for(lambda c: c.counters.engine_messages == target)
+        await coordinator.wait_for(lambda c: c.counters().engine_messages == target)
     elif socket == FRONT:
         target = before[FRONT] + count
         await coordinator.wait_for(lambda c: _front_outcomes(c) == target)
     else:
         target = before[BACK_PUB] + count
         await coordinator.wait_for(
-            lambda c: c.counters.rejected.get("unexpected_broadcast_socket_frame", 0) == target
+            lambda c: c.counters().rejected.get("unexpected_broadcast_socket_frame", 0) == target
         )
 
 
 def progress(coordinator: Coordinator) -> dict[str, int]:
     return {
-        BACK_OUT: coordinator.counters.engine_messages,
+        BACK_OUT: coordinator.counters().engine_messages,
         FRONT: _front_outcomes(coordinator),
-        BACK_PUB: coordinator.counters.rejected.get("unexpected_broadcast_socket_frame", 0),
+        BACK_PUB: coordinator.counters().rejected.get("unexpected_broadcast_socket_frame", 0),
     }
 
 
@@ -394,17 +394,17 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
                 event(f"{oracle.commands} front commands accepted")
                 for frames in oracle.broadcasts:
                     await expect_broadcast(engines, frames)
-                assert coordinator.counters.rejected == dict(oracle.rejected)
-                assert coordinator.counters.errors == sum(oracle.rejected.values())
-                assert coordinator.counters.commands == oracle.commands
-                assert coordinator.counters.stats_applied == oracle.stats_applied
+                assert coordinator.counters().rejected == dict(oracle.rejected)
+                assert coordinator.counters().errors == sum(oracle.rejected.values())
+                assert coordinator.counters().commands == oracle.commands
+                assert coordinator.counters().stats_applied == oracle.stats_applied
                 assert coordinator.engine_count == oracle.engine_count
                 assert coordinator.snapshot() == oracle.state.snapshot
 
                 # back to two engines, then a valid wave sequence, byte-exact
-                commands = coordinator.counters.commands
+                commands = coordinator.counters().commands
                 await front.send(protocol.encode_scale_elastic_ep(ENGINES))
-                await coordinator.wait_for(lambda c: c.counters.commands == commands + 1)
+                await coordinator.wait_for(lambda c: c.counters().commands == commands + 1)
 
                 async def wait_state(snapshot: WaveSnapshot) -> None:
                     await coordinator.wait_for(lambda c: c.snapshot() == snapshot)
@@ -412,7 +412,7 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
                 await valid_wave_sequence(
                     engines, front, coordinator.snapshot().current_wave, wait_state
                 )
-                assert coordinator.counters.errors == sum(oracle.rejected.values())
+                assert coordinator.counters().errors == sum(oracle.rejected.values())
 
 
 async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
@@ -434,7 +434,7 @@ async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
                 await front.send(protocol.encode_scale_elastic_ep(10**12))
                 await coordinator.wait_for(
                     lambda c: (
-                        c.counters.rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
+                        c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
                     )
                 )
                 assert coordinator.snapshot() == WaveSnapshot(0, False)
@@ -444,7 +444,7 @@ async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
                     assert await engine.next_broadcast_frames() == [protocol.READY]
                 await expect_broadcast(engines, start_dp_wave(MAX_WAVE, 1))
                 await engines[0].wave_complete(MAX_WAVE)  # and can never end
-                await coordinator.wait_for(lambda c: c.counters.errors == 3)
+                await coordinator.wait_for(lambda c: c.counters().errors == 3)
                 assert coordinator.snapshot() == WaveSnapshot(MAX_WAVE, True)
 
 

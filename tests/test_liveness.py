@@ -121,7 +121,7 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
                 await coordinator.wait_for(lambda c: c.subscriptions().current == 0)
                 noticed_after = trio.current_time() - stopped_at
                 await coordinator.wait_for(
-                    lambda c: c.counters.connections_lost.get("engine_output") == 1
+                    lambda c: c.counters().connections_lost.get("engine_output") == 1
                 )
                 view = coordinator.subscriptions()
                 assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
@@ -148,10 +148,10 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
                 os.kill(engine.pid, signal.SIGCONT)
                 await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
                 assert await _broadcasts(engine, 1) == ["READY"]
-                await coordinator.wait_for(lambda c: c.counters.ready_broadcasts == 2)
+                await coordinator.wait_for(lambda c: c.counters().ready_broadcasts == 2)
                 view = coordinator.subscriptions()
                 assert (view.current, view.connections) == (1, 1)
-                assert coordinator.counters.errors == 0
+                assert coordinator.counters().errors == 0
 
 
 async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
@@ -173,7 +173,7 @@ async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
                     await trio.sleep(0.5)
                 view = coordinator.subscriptions()
                 assert (view.current, view.unsubscribed, view.connections_lost) == (1, 0, 0)
-                assert not any(coordinator.counters.connections_lost.values())
+                assert not any(coordinator.counters().connections_lost.values())
 
 
 def test_liveness_settings_become_socket_options() -> None:
@@ -213,14 +213,16 @@ def test_heartbeats_only_where_they_help() -> None:
 
 
 def test_the_core_counts_connections_per_socket() -> None:
-    """Connection changes are inputs of the sans-IO core: they cause no effect, and show
-    in subscriptions() (the broadcast socket) and counters (every socket)."""
+    """Connection changes are inputs of the sans-IO core that cause no effect (they
+    return nothing), and show in subscriptions() (the broadcast socket) and counters
+    (every socket)."""
     core = CoordinatorCore(2)
-    assert core.connection_opened("engine_broadcast", 1.0) == ()
-    assert core.connection_opened("engine_broadcast", 1.0) == ()
-    assert core.connection_opened("engine_output", 1.0) == ()
-    assert core.connection_lost("engine_broadcast", 5.0) == ()
-    assert core.connection_lost("engine_output", 6.0) == ()
+    core.connection_opened("engine_broadcast", 1.0)
+    core.connection_opened("engine_broadcast", 1.0)
+    core.connection_opened("engine_output", 1.0)
+    core.connection_lost("engine_broadcast", 5.0)
+    core.connection_lost("engine_output", 6.0)
+    assert core.next_deadline() == float("inf")
     view = core.subscriptions()
     assert (view.connections, view.connections_lost, view.last_connection_lost_at) == (1, 1, 5.0)
     assert core.counters().connections_lost == {"engine_broadcast": 1, "engine_output": 1}

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+# private import (documented exception): the unit test of the private module itself
 from trio_dpcoord._pacing import BurstSummary, ProgressPacer
 
 

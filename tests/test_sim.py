@@ -310,7 +310,7 @@ async def test_two_phase_pause_and_resume_with_a_kept_request(tmp_path: Path) ->
                     await fe.resume_engines([1])  # engine 1 wakes the group
                     await fe.wait_for(lambda f: f.completed == 2)
                     await coord.wait_for(lambda c: c.snapshot() == WaveSnapshot(3, False))
-                    assert coord.counters.errors == 0
+                    assert coord.counters().errors == 0
                     assert fe.wave_regressions == 0
                     nursery.cancel_scope.cancel()
     assert failures == {}
@@ -372,8 +372,10 @@ class NeverBroadcastingCoordinator:
         self._ready = trio.Event()
         self.engine_input_address = xpub.last_endpoint or ""
         self.engine_output_address = pull.last_endpoint or ""
-        self.counters = _Counters()
         self.start_waves: list[int] = []
+
+    def counters(self) -> _Counters:
+        return _Counters()
 
     def snapshot(self) -> WaveSnapshot:
         return WaveSnapshot(0, False)

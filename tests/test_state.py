@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+# private import (documented exception): the unit test of the private module itself
 from trio_dpcoord._state import (
     FirstRequest,
     LoadTable,

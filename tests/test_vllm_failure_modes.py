@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from trio_dpcoord import ReadyTimeoutError, WaveSnapshot, open_coordinator, open_frontend
-from trio_dpcoord._service import Coordinator
+from trio_dpcoord import (
+    Coordinator,
+    ReadyTimeoutError,
+    WaveSnapshot,
+    open_coordinator,
+    open_frontend,
+)
 from trio_dpcoord.sim import EngineConfig, SimEngine, SimFrontend, open_sim_frontend
 from trio_dpcoord.sim.engine import run_sim_engine
 
@@ -107,7 +112,7 @@ async def test_start_dp_wave_during_a_pause_neither_rearms_nor_latches(tmp_path:
             await fe.wait_for(lambda f: f.completed == 2)
             await coord.wait_for(lambda c: c.snapshot() == WaveSnapshot(3, False))
             assert fe.wave_regressions == 0
-            assert coord.counters.errors == 0
+            assert coord.counters().errors == 0
 
 
 @pytest.mark.parametrize("wake_path", ["engine", "frontend"])

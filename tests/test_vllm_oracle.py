@@ -43,8 +43,7 @@ import trio
 import zmq
 
 from tests.vllm_reference import open_vllm_coordinator
-from trio_dpcoord import protocol
-from trio_dpcoord._monitor import open_connection_monitor
+from trio_dpcoord import open_connection_monitor, protocol
 from trio_dpcoord.testing import EnginePeer, connect_engines, open_serve
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 

@@ -2,7 +2,9 @@
 
 Embed it in a trio front-end with :func:`open_coordinator`, or run it standalone with
 ``python -m trio_dpcoord serve`` and follow it from trio front-ends with
-:func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`.
+:func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`; the sans-IO
+core's whole vocabulary (its commands, effects and views, beside :class:`CoordinatorCore`)
+in :mod:`trio_dpcoord.core`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from ._core import SubscriptionView as SubscriptionView
     from ._core import WaveStartCause as WaveStartCause
     from ._endpoints import Liveness as Liveness
+    from ._endpoints import PrivateIpcDirectory as PrivateIpcDirectory
     from ._engine_client import Completion as Completion
     from ._engine_client import EngineClient as EngineClient
     from ._engine_client import RequestOutput as RequestOutput
@@ -36,10 +39,14 @@ if TYPE_CHECKING:
     from ._errors import UtilityCallError as UtilityCallError
     from ._frontend import Frontend as Frontend
     from ._frontend import open_frontend as open_frontend
+    from ._frontend_state import FrontendState as FrontendState
+    from ._monitor import ConnectionMonitor as ConnectionMonitor
+    from ._monitor import open_connection_monitor as open_connection_monitor
     from ._service import Coordinator as Coordinator
     from ._service import open_coordinator as open_coordinator
     from ._state import WaveSnapshot as WaveSnapshot
     from ._state import WaveStart as WaveStart
+    from ._tasks import cancel_at_stdin_eof as cancel_at_stdin_eof
     from ._view import CoordinatorView as CoordinatorView
     from .protocol import EngineLoad as EngineLoad
     from .protocol import ProtocolError as ProtocolError
@@ -48,6 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Completion",
+    "ConnectionMonitor",
     "Coordinator",
     "CoordinatorClosedError",
     "CoordinatorCore",
@@ -62,8 +70,10 @@ __all__ = [
     "EngineLoad",
     "EngineStartupError",
     "Frontend",
+    "FrontendState",
     "HistogramSnapshot",
     "Liveness",
+    "PrivateIpcDirectory",
     "ProtocolError",
     "ReadyTimeoutError",
     "RequestAbortedError",
@@ -75,7 +85,9 @@ __all__ = [
     "WaveSnapshot",
     "WaveStart",
     "WaveStartCause",
+    "cancel_at_stdin_eof",
     "engine_score",
+    "open_connection_monitor",
     "open_coordinator",
     "open_engine_client",
     "open_frontend",
@@ -86,6 +98,7 @@ __all__ = [
 # trio, pyzmq and the whole service. ``from trio_dpcoord import X`` works as usual.
 _EXPORTS: dict[str, str] = {
     "Completion": "._engine_client",
+    "ConnectionMonitor": "._monitor",
     "Coordinator": "._service",
     "CoordinatorClosedError": "._errors",
     "CoordinatorCore": "._core",
@@ -100,8 +113,10 @@ _EXPORTS: dict[str, str] = {
     "EngineLoad": ".protocol",
     "EngineStartupError": "._errors",
     "Frontend": "._frontend",
+    "FrontendState": "._frontend_state",
     "HistogramSnapshot": "._core",
     "Liveness": "._endpoints",
+    "PrivateIpcDirectory": "._endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
     "RequestAbortedError": "._errors",
@@ -113,13 +128,17 @@ _EXPORTS: dict[str, str] = {
     "WaveSnapshot": "._state",
     "WaveStart": "._state",
     "WaveStartCause": "._core",
+    "cancel_at_stdin_eof": "._tasks",
     "engine_score": "._balance",
+    "open_connection_monitor": "._monitor",
     "open_coordinator": "._service",
     "open_engine_client": "._engine_client",
     "open_frontend": "._frontend",
 }
 
-_SUBMODULES = frozenset({"cli", "metrics", "protocol", "sim", "testing", "trio_zmq", "vllm"})
+_SUBMODULES = frozenset(
+    {"cli", "core", "metrics", "protocol", "sim", "testing", "trio_zmq", "vllm"}
+)
 
 
 if not TYPE_CHECKING:  # for type checkers, the imports above are the package

@@ -4,20 +4,9 @@
 takes what arrived (raw frames from a socket, a command, a clock reading) and returns
 the *effects* that must follow, in order; it never awaits, never touches a socket and
 never reads a clock. The trio service (``_service.py``) only moves bytes: each pump
-reads one socket or channel, calls the core under the coordinator's lock and hands each
-effect to the one task that owns where it goes:
-
-===========================  =======================================================
-effect                       owner
-===========================  =======================================================
-:class:`Broadcast`           the broadcaster, the only sender on the engine XPUB
-:class:`Publish`             the broadcaster too, the only sender on the front XPUB
-:class:`RescheduleTimedPublish`  the broadcaster (its next timed publish moved earlier)
-:class:`ArmWakeDeadline`     the wake watchdog (call :meth:`CoordinatorCore.wake_deadline_passed`)
-:class:`Reject`              the log (the core has already counted it)
-:class:`FirstRequest`, :class:`ScaleRequest`  the command receiver (call
-                             :meth:`CoordinatorCore.receive_command`)
-===========================  =======================================================
+reads one socket, calls the core under the coordinator's lock and hands each effect to
+the one task that owns where it goes. The names that go in and come out, and who owns
+each effect, are documented in the public :mod:`trio_dpcoord.core`.
 
 The rules it owns (docs/protocol.md §5 and §13): the start-up gate and READY, late
 subscriptions, the wave state machine with vLLM PR #46833's rule, the wave-coordination
@@ -31,10 +20,9 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final, final
 
 from . import protocol
@@ -54,9 +42,8 @@ from ._state import (
 from .protocol import EngineLoad
 
 __all__ = [
-    "HEARTBEAT_INTERVAL",
     "MAX_ENGINES",
-    "ArmWakeDeadline",
+    "MAX_WAVE",
     "Broadcast",
     "Command",
     "CoordinatorCore",
@@ -65,7 +52,6 @@ __all__ = [
     "HistogramSnapshot",
     "Publish",
     "Reject",
-    "RescheduleTimedPublish",
     "ScaleRequest",
     "SubscriptionView",
     "WaveStartCause",
@@ -104,7 +90,8 @@ class ScaleRequest:
 
 
 Command = FirstRequest | ScaleRequest
-"""What the command receiver applies, in order, with :meth:`CoordinatorCore.receive_command`."""
+"""What :meth:`CoordinatorCore.receive_command` applies: the handle's claims, and the
+front-ends' FIRST_REQ and SCALE_ELASTIC_EP (applied by ``receive_front_frame``)."""
 
 
 # --- effects -------------------------------------------------------------------------------
@@ -131,24 +118,6 @@ class Publish:
     payload: bytes
 
 
-@final
-class RescheduleTimedPublish:
-    """The next timed publish is due sooner than the publisher last asked: ask again."""
-
-    __slots__ = ()
-
-
-RESCHEDULE: Final = RescheduleTimedPublish()
-
-
-@dataclass(frozen=True, slots=True)
-class ArmWakeDeadline:
-    """Call :meth:`CoordinatorCore.wake_deadline_passed` for ``wave`` at clock ``deadline``."""
-
-    wave: int
-    deadline: float
-
-
 @dataclass(frozen=True, slots=True)
 class Reject:
     """An input was rejected (already counted under ``reason``); log ``detail``."""
@@ -157,7 +126,8 @@ class Reject:
     detail: str
 
 
-Effect = Broadcast | Publish | RescheduleTimedPublish | ArmWakeDeadline | Reject | Command
+Effect = Broadcast | Publish | Reject
+"""What the core returns: every effect goes out on a socket or to the log."""
 
 _NOTHING: Final[tuple[Effect, ...]] = ()
 
@@ -206,7 +176,7 @@ class CoordinatorCounters:
     """Rejected inputs by reason, e.g. ``{"undecodable_engine_output": 2}``."""
     wake_latency: HistogramSnapshot
     """Seconds from a START_DP_WAVE decision until it was handed to ZeroMQ."""
-    connections_lost: dict[str, int] = field(default_factory=dict)
+    connections_lost: dict[str, int]
     """Peer connections lost, by socket (``engine_broadcast``, ``engine_output``,
     ``front``): closed by the peer, or silent past the heartbeat timeout."""
 
@@ -231,14 +201,14 @@ class SubscriptionView:
     unsubscribed: int
     late_subscriptions: int
     gate_open: bool
-    front_ends: int = 0
+    front_ends: int
     """Front-ends subscribed to the front socket (standalone mode)."""
-    connections: int = 0
+    connections: int
     """Peer connections open on the engine broadcast socket now."""
-    connections_lost: int = 0
+    connections_lost: int
     """Connections the engine broadcast socket lost: a peer that dies or stays silent
     past the heartbeat timeout shows here, and as an unsubscription."""
-    last_connection_lost_at: float | None = None
+    last_connection_lost_at: float | None
     """The clock reading (``now``) of the latest such loss."""
 
 
@@ -257,6 +227,38 @@ class _LatencyHistogram:
         return HistogramSnapshot(
             WAKE_LATENCY_BOUNDS, tuple(self._counts), self._sum, sum(self._counts)
         )
+
+
+@final
+class _Tally:
+    """The core's running counts (what :meth:`CoordinatorCore.counters` copies out)."""
+
+    __slots__ = (
+        "commands",
+        "engine_messages",
+        "front_publishes",
+        "ready_broadcasts",
+        "rejected",
+        "stats_applied",
+        "stats_coalesced",
+        "unconfirmed_expiries",
+        "wake_latency",
+        "wave_starts",
+        "waves_completed",
+    )
+
+    def __init__(self) -> None:
+        self.engine_messages = 0
+        self.stats_applied = 0
+        self.stats_coalesced = 0
+        self.waves_completed = 0
+        self.wave_starts: Counter[str] = Counter()
+        self.ready_broadcasts = 0
+        self.front_publishes = 0
+        self.commands = 0
+        self.unconfirmed_expiries = 0
+        self.rejected: Counter[str] = Counter()
+        self.wake_latency = _LatencyHistogram()
 
 
 _STATS: Final = protocol.OutputKind.STATS
@@ -297,16 +299,12 @@ class CoordinatorCore:
         "_backlog",
         "_backlog_at_last_read",
         "_coalesced_at_last_read",
-        "_commands",
         "_connections",
         "_connections_lost",
-        "_counters_rejected",
         "_deferred",
         "_deferred_commands",
-        "_engine_messages",
         "_expected_engines",
         "_front_ends",
-        "_front_publishes",
         "_gate_open",
         "_heard_from",
         "_last_connection_lost_at",
@@ -314,23 +312,17 @@ class CoordinatorCore:
         "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
-        "_publisher_waiting_long",
-        "_ready_broadcasts",
         "_schedule",
         "_shutdown_expected",
-        "_stats_applied",
-        "_stats_coalesced",
         "_stats_held",
         "_subscribed",
-        "_unconfirmed_expiries",
+        "_tally",
         "_unsubscribed",
         "_unsubscription_burst",
         "_wake_confirm_timeout",
-        "_wake_latency",
+        "_wake_deadlines",
         "_wave",
         "_wave_coordination",
-        "_wave_starts",
-        "_waves_completed",
     )
 
     def __init__(
@@ -342,14 +334,14 @@ class CoordinatorCore:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         wake_confirm_timeout: float = 30.0,
         publish_to_front_ends: bool = False,
-        wave_state: WaveState | None = None,
     ) -> None:
-        """``wave_state`` starts the core from a known wave (a fresh one by default)."""
         if type(engine_count) is not int or not 1 <= engine_count <= MAX_ENGINES:
             raise ValueError(
                 f"engine_count must be a positive int (at most {MAX_ENGINES}), "
                 f"got {engine_count!r}"
             )
+        if not stats_interval > 0:
+            raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
         if wake_confirm_timeout <= 0:
             raise ValueError(
                 f"wake_confirm_timeout must be positive, got {wake_confirm_timeout!r}"
@@ -358,13 +350,15 @@ class CoordinatorCore:
         self._wave_coordination = wave_coordination
         self._wake_confirm_timeout = wake_confirm_timeout
         self._publish_to_front_ends = publish_to_front_ends
-        self._wave = wave_state if wave_state is not None else WaveState()
+        self._wave = WaveState()
         self._loads = LoadTable(engine_count, lockstep=wave_coordination)
         self._schedule = PublishSchedule(interval=stats_interval, heartbeat=heartbeat_interval)
         self._gate_open = False
         self._deferred: list[Effect] = []
         self._deferred_commands: list[Command] = []
-        self._publisher_waiting_long = False
+        # (deadline, wave) of each first-request start no engine confirmed yet, in order
+        # (one timeout for all)
+        self._wake_deadlines: deque[tuple[float, int]] = deque()
         self._heard_from: set[int] = set()
         self._subscribed = 0
         self._unsubscribed = 0
@@ -376,21 +370,11 @@ class CoordinatorCore:
         self._connections: Counter[str] = Counter()
         self._connections_lost: Counter[str] = Counter()
         self._last_connection_lost_at: dict[str, float] = {}
-        self._engine_messages = 0
-        self._stats_applied = 0
-        self._stats_coalesced = 0
         self._stats_held: list[tuple[int, protocol.StatsReport]] = []
         self._backlog = IngestBacklog()
+        self._tally = _Tally()
         self._coalesced_at_last_read = 0
         self._backlog_at_last_read = 0.0
-        self._waves_completed = 0
-        self._wave_starts: Counter[str] = Counter()
-        self._ready_broadcasts = 0
-        self._front_publishes = 0
-        self._commands = 0
-        self._unconfirmed_expiries = 0
-        self._counters_rejected: Counter[str] = Counter()
-        self._wake_latency = _LatencyHistogram()
 
     # --- reading it ------------------------------------------------------------------------
 
@@ -416,16 +400,6 @@ class CoordinatorCore:
     @property
     def wake_confirm_timeout(self) -> float:
         return self._wake_confirm_timeout
-
-    @property
-    def first_request_pending(self) -> bool:
-        """A handle's claim is queued and not yet handled (the snapshot says running)."""
-        return self._wave.first_request_pending
-
-    @property
-    def unconfirmed_wave(self) -> int | None:
-        """The wave a first-request start began that no engine has reported on yet."""
-        return self._wave.unconfirmed_wave
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
@@ -454,33 +428,36 @@ class CoordinatorCore:
 
     def counters(self) -> CoordinatorCounters:
         return CoordinatorCounters(
-            engine_messages=self._engine_messages,
-            stats_applied=self._stats_applied,
-            stats_coalesced=self._stats_coalesced,
+            engine_messages=self._tally.engine_messages,
+            stats_applied=self._tally.stats_applied,
+            stats_coalesced=self._tally.stats_coalesced,
             engine_output_backlog=self._backlog_at_last_read,
-            waves_completed=self._waves_completed,
-            wave_starts=sum(self._wave_starts.values()),
-            wave_starts_by_cause=dict(self._wave_starts),
-            ready_broadcasts=self._ready_broadcasts,
-            front_publishes=self._front_publishes,
-            commands=self._commands,
-            unconfirmed_expiries=self._unconfirmed_expiries,
-            rejected=dict(self._counters_rejected),
-            wake_latency=self._wake_latency.snapshot(),
+            waves_completed=self._tally.waves_completed,
+            wave_starts=sum(self._tally.wave_starts.values()),
+            wave_starts_by_cause=dict(self._tally.wave_starts),
+            ready_broadcasts=self._tally.ready_broadcasts,
+            front_publishes=self._tally.front_publishes,
+            commands=self._tally.commands,
+            unconfirmed_expiries=self._tally.unconfirmed_expiries,
+            rejected=dict(self._tally.rejected),
+            wake_latency=self._tally.wake_latency.snapshot(),
             connections_lost=dict(self._connections_lost),
         )
 
-    # --- inputs: the embedded handle --------------------------------------------------------
+    # --- inputs: commands ----------------------------------------------------------------
 
     def claim_first_request(self, engine_index: int) -> FirstRequest | None:
-        """The handle routes a request to ``engine_index``: claim the wake-up, synchronously.
+        """The embedding front-end routes a request to ``engine_index``: claim the
+        wake-up, synchronously, then apply the claim with :meth:`receive_command`.
 
-        Returns the :class:`FirstRequest` command to queue for the command receiver when
-        the engines looked paused (the snapshot says running from now on, so concurrent
-        callers coalesce behind one broadcast); None when they already run, a claim is
-        pending, or waves are not coordinated. An index outside the table is the
-        caller's mistake: ``ValueError``.
+        Returns the :class:`FirstRequest` to apply when the engines looked paused (the
+        snapshot says running from now on, so concurrent callers coalesce behind one
+        broadcast); None when they already run, a claim is pending, or waves are not
+        coordinated. An index that is not an int in the table is the caller's mistake:
+        ``TypeError`` or ``ValueError``.
         """
+        if type(engine_index) is not int:
+            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
         count = self._loads.engine_count
         if not 0 <= engine_index < count:
             raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
@@ -488,34 +465,31 @@ class CoordinatorCore:
             return None
         return self._wave.claim_first_request(engine_index)
 
-    # --- inputs: the command receiver ------------------------------------------------------
-
     def receive_command(self, command: Command, now: float) -> Sequence[Effect]:
-        """Apply a first-request notice or an elastic-EP resize (after the gate opens)."""
+        """Apply a first-request notice or an elastic-EP resize: the one path of every
+        command, from the handle or decoded off the front socket. Before the gate opens
+        it waits, and is applied behind READY (vLLM's coordinator reads nothing earlier)."""
         if not self._gate_open:
             self._deferred_commands.append(command)
             return _NOTHING
-        self._commands += 1
+        self._tally.commands += 1
         if isinstance(command, ScaleRequest):
             old = self._loads.engine_count
             self._loads.resize(command.engine_count)
             logger.info("elastic EP: load table %d -> %d engines", old, command.engine_count)
-            return self._news()
+            return _NOTHING
         if not self._wave_coordination:
             return _NOTHING
         # _state logs every transition (old and new wave) at DEBUG
         start = self._wave.start_wave_for_first_request(command.wave, command.engine)
         if start is None:
             return _NOTHING
+        # rank 0 reports every start it joins: one nobody confirms in time was dropped
+        self._wake_deadlines.append((now + self._wake_confirm_timeout, start.wave))
         cause = (
             WaveStartCause.LEGACY_FIRST_REQUEST if command.legacy else WaveStartCause.FIRST_REQUEST
         )
-        return self._emit(
-            [
-                *self._wave_start(start, cause, now),
-                ArmWakeDeadline(start.wave, now + self._wake_confirm_timeout),
-            ]
-        )
+        return self._wave_start(start, cause, now)
 
     # --- inputs: the engine sockets ---------------------------------------------------------
 
@@ -525,8 +499,8 @@ class CoordinatorCore:
         was read (it was short). Logs one WARNING when the coordinator has
         stayed behind for seconds (then at most one per half minute), one INFO once it
         has caught up (see ``_backlog.py``)."""
-        coalesced = self._stats_coalesced - self._coalesced_at_last_read
-        self._coalesced_at_last_read = self._stats_coalesced
+        coalesced = self._tally.stats_coalesced - self._coalesced_at_last_read
+        self._coalesced_at_last_read = self._tally.stats_coalesced
         news = self._backlog.batch_read(drained=drained, coalesced=coalesced, now=now)
         self._backlog_at_last_read = self._backlog.behind_for(now)
         if news is None:
@@ -564,7 +538,7 @@ class CoordinatorCore:
         every publish are then the same as with each report applied at once, and wave
         reports behind the stats in the batch are not kept waiting for them.
         """
-        self._engine_messages += 1
+        self._tally.engine_messages += 1
         if len(frames) != 1:
             return self._reject(
                 "multipart_engine_output",
@@ -593,8 +567,7 @@ class CoordinatorCore:
         told at INFO (still counted, still summed up in a burst), not WARNING."""
         self._shutdown_expected = True
 
-    def log_summary_due(self) -> float:
-        """When :meth:`log_summaries` has a summary to write (``inf``: none is held)."""
+    def _log_summary_due(self) -> float:
         return min(
             self._unsubscription_burst.summary_due(), self._late_subscription_burst.summary_due()
         )
@@ -680,27 +653,25 @@ class CoordinatorCore:
 
     # --- inputs: the sockets' connections ---------------------------------------------------
 
-    def connection_opened(self, socket: str, now: float) -> Sequence[Effect]:
+    def connection_opened(self, socket: str, now: float) -> None:
         """A peer connected to ``socket`` (``engine_broadcast``, ``engine_output``,
         ``front``): counted only; its subscription, if any, comes as its own input."""
         self._connections[socket] += 1
-        return _NOTHING
 
-    def connection_lost(self, socket: str, now: float) -> Sequence[Effect]:
+    def connection_lost(self, socket: str, now: float) -> None:
         """A peer's connection to ``socket`` dropped: it closed it, died, or stayed silent
         past the heartbeat timeout. Counted; on the broadcast socket the XPUB also
         reports the unsubscription, which is the input that matters to the gate."""
         self._connections[socket] = max(0, self._connections[socket] - 1)
         self._connections_lost[socket] += 1
         self._last_connection_lost_at[socket] = now
-        return _NOTHING
 
     # --- inputs: the front socket -----------------------------------------------------------
 
     def receive_front_frame(self, frame: bytes, now: float) -> Sequence[Effect]:
         """A frame the front XPUB read: a front-end (un)subscribed, SCALE_ELASTIC_EP or a
-        legacy FIRST_REQ (§5.3, §5.8, §4.9). Commands come back as effects for the command
-        receiver."""
+        legacy FIRST_REQ (§5.3, §5.8, §4.9); a command is applied with
+        :meth:`receive_command`."""
         sub = protocol.decode_subscription(frame)
         if sub is not None:
             self._front_ends += 1 if sub.subscribe else -1
@@ -713,7 +684,7 @@ class CoordinatorCore:
                 # before the gate, the first timed publish (due as it opens) serves it
                 return _NOTHING
             # a newcomer gets the current counts now, not at the next heartbeat
-            return (Publish(self.timed_publish(now)),)
+            return (self._timed_publish(now),)
         try:
             message = protocol.decode_front_message(frame)
         except protocol.ProtocolError as exc:
@@ -723,38 +694,59 @@ class CoordinatorCore:
                 return self._reject(
                     "bad_scale_request", f"SCALE_ELASTIC_EP to {message.new_engine_count}"
                 )
-            return (ScaleRequest(message.new_engine_count),)
-        return (FirstRequest(message.engine, message.wave, legacy=True),)
+            return self.receive_command(ScaleRequest(message.new_engine_count), now)
+        return self.receive_command(FirstRequest(message.engine, message.wave, legacy=True), now)
 
     # --- inputs: the passage of time and what was sent --------------------------------------
 
-    def next_publish_due(self) -> float:
-        """The clock reading at which :meth:`timed_publish` is due (``inf``: not yet)."""
-        if not (self._gate_open and self._publish_to_front_ends):
-            return math.inf
-        loads = self._loads
-        self._publisher_waiting_long = not (loads.stats_changed or loads.pending_snapshot)
-        return self._schedule.next_due(loads)
+    def next_deadline(self) -> float:
+        """The clock reading at which :meth:`tick` has something to do (``inf``: nothing
+        is scheduled): the next timed publish, wake-confirmation deadline or burst summary
+        line. A pure query; any input may move it earlier, so the shell asks again after
+        each one."""
+        due = self._log_summary_due()
+        if self._wake_deadlines:
+            due = min(due, self._wake_deadlines[0][0])
+        if self._gate_open and self._publish_to_front_ends:
+            due = min(due, self._schedule.next_due(self._loads))
+        return due
 
-    def timed_publish(self, now: float) -> bytes:
-        """The timed publish due now: counts (or the pending lock-step snapshot), wave."""
+    def tick(self, now: float) -> Sequence[Effect]:
+        """The clock reached ``now``: whatever :meth:`next_deadline` scheduled up to it.
+
+        A first-request start no engine has reported on by its deadline (rank 0 mirrors
+        every start it joins, or a ``wave_complete``) was dropped by paused engines
+        (§6.8): believe them paused rather than leave ``engines_running`` latched (vLLM
+        #51476/#51481), and publish that. Then the timed publish, if due: the counts (or
+        the pending lock-step snapshot) and the wave as they are now, a :class:`Publish`
+        like every other, so it leaves behind whatever was decided before it.
+        """
+        effects: list[Effect] = []
+        deadlines = self._wake_deadlines
+        while deadlines and deadlines[0][0] <= now:
+            effects.extend(self._wake_deadline_passed(deadlines.popleft()[1]))
+        if self._log_summary_due() <= now:
+            self.log_summaries(now)
+        if (
+            self._gate_open
+            and self._publish_to_front_ends
+            and self._schedule.next_due(self._loads) <= now
+        ):
+            effects.append(self._timed_publish(now))
+        return effects if effects else _NOTHING
+
+    def _timed_publish(self, now: float) -> Publish:
         counts = self._loads.take_publish_counts()
         self._schedule.published(now)
         snap = self._wave.snapshot if self._wave_coordination else WaveSnapshot()
-        return protocol.encode_front_publish_trusted(
-            counts, snap.current_wave, snap.engines_running
+        return Publish(
+            protocol.encode_front_publish_trusted(counts, snap.current_wave, snap.engines_running)
         )
 
-    def wake_deadline_passed(self, wave: int, now: float) -> Sequence[Effect]:
-        """The wake-confirmation deadline of ``wave`` passed (see ArmWakeDeadline).
-
-        If no engine has reported on the wave (rank 0 mirrors every start it joins, or a
-        ``wave_complete``), paused engines dropped the START_DP_WAVE (§6.8): believe them
-        paused rather than leave ``engines_running`` latched (vLLM #51476/#51481).
-        """
+    def _wake_deadline_passed(self, wave: int) -> Sequence[Effect]:
         if not self._wave.expire_unconfirmed_start(wave):
             return _NOTHING
-        self._unconfirmed_expiries += 1
+        self._tally.unconfirmed_expiries += 1
         logger.warning(
             "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused engines "
             "drop it): wave %d is paused again",
@@ -764,17 +756,21 @@ class CoordinatorCore:
         )
         return self._emit(self._wave_publish())
 
+    def ready_sent(self) -> bool:
+        """Whether READY has been handed to ZeroMQ (see :meth:`broadcast_sent`)."""
+        return self._tally.ready_broadcasts > 0
+
     def broadcast_sent(self, broadcast: Broadcast, now: float) -> None:
         """The broadcaster handed ``broadcast`` to ZeroMQ at ``now``."""
         if broadcast.wave_start is None:
-            self._ready_broadcasts += 1
+            self._tally.ready_broadcasts += 1
             return
-        self._wave_starts[broadcast.cause or WaveStartCause.ENGINE_START_WAVE] += 1
-        self._wake_latency.observe(max(0.0, now - broadcast.decided_at))
+        self._tally.wave_starts[broadcast.cause or WaveStartCause.ENGINE_START_WAVE] += 1
+        self._tally.wake_latency.observe(max(0.0, now - broadcast.decided_at))
 
     def publish_sent(self) -> None:
         """The broadcaster sent one publish on the front socket."""
-        self._front_publishes += 1
+        self._tally.front_publishes += 1
 
     # --- the rules ------------------------------------------------------------------------
 
@@ -784,14 +780,14 @@ class CoordinatorCore:
             return self._unknown_engine_stats(engine_index)
         if outcome is StatsOutcome.OUT_OF_ORDER:
             self._log_out_of_order(engine_index, report)
-        self._stats_applied += 1
-        return self._news()
+        self._tally.stats_applied += 1
+        return _NOTHING
 
     def _hold_stats(self, engine_index: int, report: protocol.StatsReport) -> Sequence[Effect]:
         if not 0 <= engine_index < self._loads.engine_count:
             return self._unknown_engine_stats(engine_index)
         self._stats_held.append((engine_index, report))
-        self._stats_applied += 1
+        self._tally.stats_applied += 1
         return _NOTHING
 
     def apply_held_stats(self) -> Sequence[Effect]:
@@ -805,17 +801,17 @@ class CoordinatorCore:
         count = self._loads.engine_count
         if any(engine_index >= count for engine_index, _ in held):  # a resize came between
             rejected = [self._unknown_engine_stats(e)[0] for e, _ in held if e >= count]
-            self._stats_applied -= len(rejected)
+            self._tally.stats_applied -= len(rejected)
             held = [(e, report) for e, report in held if e < count]
             return (*rejected, *self._apply_held(held))
         return self._apply_held(held)
 
     def _apply_held(self, held: list[tuple[int, protocol.StatsReport]]) -> Sequence[Effect]:
         superseded, out_of_order = self._loads.apply_stats_batch(held)
-        self._stats_coalesced += superseded
+        self._tally.stats_coalesced += superseded
         for engine_index, report in out_of_order:
             self._log_out_of_order(engine_index, report)
-        return self._news() if held else _NOTHING
+        return _NOTHING
 
     def _unknown_engine_stats(self, engine_index: int) -> tuple[Effect, ...]:
         return self._reject(
@@ -852,7 +848,7 @@ class CoordinatorCore:
                 )
             if not self._wave.wave_complete(wave):
                 return _NOTHING
-            self._waves_completed += 1
+            self._tally.waves_completed += 1
             return self._emit(self._wave_publish())
         start = self._wave.engine_start_wave(wave, engine_index)
         if start is None:
@@ -876,13 +872,6 @@ class CoordinatorCore:
             )
         ]
 
-    def _news(self) -> Sequence[Effect]:
-        # The load table changed: a publisher sleeping until the heartbeat must wake sooner.
-        if self._publisher_waiting_long:
-            self._publisher_waiting_long = False
-            return (RESCHEDULE,)
-        return _NOTHING
-
     def _emit(self, effects: list[Effect]) -> Sequence[Effect]:
         # Before the gate opens nothing leaves: decisions wait, in order, behind READY.
         if self._gate_open:
@@ -894,13 +883,11 @@ class CoordinatorCore:
         self._gate_open = True
         effects: list[Effect] = [Broadcast(_READY_FRAMES, None, now), *self._deferred]
         self._deferred.clear()
-        if self._publish_to_front_ends:
-            effects.append(RESCHEDULE)  # the first timed publish is due at once
         commands, self._deferred_commands = self._deferred_commands, []
         for command in commands:
             effects.extend(self.receive_command(command, now))
         return effects
 
     def _reject(self, reason: str, detail: str) -> tuple[Effect, ...]:
-        self._counters_rejected[reason] += 1
+        self._tally.rejected[reason] += 1
         return (Reject(reason, detail),)

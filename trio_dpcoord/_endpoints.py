@@ -25,8 +25,15 @@ from pathlib import Path
 import zmq
 
 from ._errors import CoordinatorError
+from .trio_zmq import AsyncSocket
 
-__all__ = ["DEFAULT_LIVENESS", "Liveness", "PrivateIpcDirectory", "check_bind_address"]
+__all__ = [
+    "DEFAULT_LIVENESS",
+    "Liveness",
+    "PrivateIpcDirectory",
+    "bind_socket",
+    "check_bind_address",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -184,3 +191,17 @@ class Liveness:
 
 DEFAULT_LIVENESS = Liveness()
 """What the coordinator's sockets and our own engines and front-ends use by default."""
+
+
+def bind_socket(socket: AsyncSocket, address: str, *, allow_remote: bool, what: str) -> str:
+    """Bind ``socket`` (the ``what`` socket, for the error) to ``address`` once
+    :func:`check_bind_address` allows it, with IPv6 enabled for a bracketed host (as
+    vLLM's ``make_zmq_socket`` does). Returns the address bound (a TCP port 0
+    resolved); :class:`CoordinatorError` if ZeroMQ refuses it."""
+    check_bind_address(address, allow_remote=allow_remote)
+    try:
+        if address.startswith("tcp://["):
+            socket.setsockopt(zmq.IPV6, 1)
+        return socket.bind(address)
+    except zmq.ZMQError as exc:
+        raise CoordinatorError(f"cannot bind the {what} socket to {address!r}: {exc}") from exc

@@ -34,13 +34,12 @@ import trio
 import zmq
 
 from . import protocol
-from ._balance import EngineChooser
-from ._core import HEARTBEAT_INTERVAL
 from ._errors import CoordinatorClosedError, CoordinatorError
+from ._frontend_state import FrontendState
 from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
-from ._state import WaveSnapshot
+from ._state import HEARTBEAT_INTERVAL, WaveSnapshot
 from ._tasks import RejectLog, open_task_nursery
-from .protocol import IDLE_LOAD, EngineLoad
+from .protocol import EngineLoad
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -59,26 +58,11 @@ class Frontend:
     """
 
     def __init__(
-        self,
-        front_address: str,
-        monitor: ConnectionMonitor,
-        *,
-        client_index: int,
-        client_count: int,
-        engine_count: int | None,
+        self, front_address: str, monitor: ConnectionMonitor, state: FrontendState
     ) -> None:
         self._front_address = front_address
-        self._client_index = client_index
-        self._client_count = client_count
-        self.publishes_received = 0
-        """Valid publishes received (each one, even if a later one superseded it)."""
-        self.last_publish_time: float | None = None
-        """``trio.current_time()`` when the latest publish arrived, or None before any."""
-        self._engine_count = engine_count
-        self._opened_at = trio.current_time()
-        self._snapshot = WaveSnapshot()
-        self._counts: tuple[EngineLoad, ...] | None = None
-        self._chooser: EngineChooser | None = None
+        self._state = state
+        """Every rule: what the publishes said, the claim, the engine choice (sans-IO)."""
         self._closed = False
         self._reject = RejectLog(logger)
         self._observers = trio.lowlevel.ParkingLot()
@@ -93,17 +77,27 @@ class Frontend:
 
     @property
     def client_index(self) -> int:
-        return self._client_index
+        return self._state.client_index
 
     @property
     def client_count(self) -> int:
-        return self._client_count
+        return self._state.client_count
+
+    @property
+    def publishes_received(self) -> int:
+        """Valid publishes received (each one, even if a later one superseded it)."""
+        return self._state.publishes_received
+
+    @property
+    def last_publish_time(self) -> float | None:
+        """``trio.current_time()`` when the latest publish arrived, or None before any."""
+        return self._state.last_publish_time
 
     # --- reading the coordinator's state ---------------------------------------------
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
-        return self._snapshot
+        return self._state.snapshot()
 
     def engine_loads(self) -> tuple[EngineLoad, ...]:
         """Per engine ``(waiting, running, kv_cache_usage)`` from the latest publish.
@@ -111,9 +105,7 @@ class Frontend:
         Before the first publish with counts: zeros for ``engine_count`` engines (empty
         if that was not given).
         """
-        if self._counts is not None:
-            return self._counts
-        return (IDLE_LOAD,) * (self._engine_count or 0)
+        return self._state.engine_loads()
 
     @property
     def engine_count(self) -> int:
@@ -123,7 +115,7 @@ class Frontend:
     @property
     def rejected(self) -> dict[str, int]:
         """Publishes that could not be decoded, by reason (logged at WARNING)."""
-        return dict(self._reject.counts)
+        return self._state.rejected()
 
     def coordinator_silent_for(self) -> float:
         """Seconds since the latest publish (since opening, before the first one).
@@ -131,8 +123,7 @@ class Frontend:
         The coordinator sends a heartbeat every 5 s at the latest, so much more than
         that means it is gone or unreachable.
         """
-        since = self.last_publish_time if self.last_publish_time is not None else self._opened_at
-        return trio.current_time() - since
+        return trio.current_time() - self._state.silent_since()
 
     @property
     def connected(self) -> bool:
@@ -164,35 +155,22 @@ class Frontend:
         Before any load report the in-flight counts alone spread requests over the
         engines.
         """
-        loads = self.engine_loads()
-        if not loads:
-            raise CoordinatorError(
-                "engine count unknown: pass engine_count= to open_frontend or wait for "
-                "the first publish (wait_for(lambda f: f.engine_count > 0))"
-            )
-        if self._chooser is None:
-            self._chooser = EngineChooser(
-                len(loads), client_index=self.client_index, client_count=self.client_count
-            )
-        return self._chooser.choose(loads)
+        return self._state.choose_engine()
 
     def request_finished(self, engine_index: int) -> None:
         """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
-        if self._chooser is not None:
-            self._chooser.finished(engine_index)
+        self._state.request_finished(engine_index)
 
     @property
     def inflight(self) -> tuple[int, ...]:
         """This front-end's unfinished requests per engine."""
-        return self._chooser.inflight if self._chooser is not None else ()
+        return self._state.inflight()
 
     # --- commands to the coordinator -------------------------------------------------
 
     def scale(self, engine_count: int) -> None:
         """Elastic EP: ask the coordinator to resize its load table (``SCALE_ELASTIC_EP``)."""
-        if type(engine_count) is not int or engine_count < 1:
-            raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")
-        self._queue(protocol.encode_scale_elastic_ep(engine_count))
+        self._queue(FrontendState.scale_request(engine_count))
         logger.info("asking the coordinator to scale to %d engines", engine_count)
 
     def notify_first_request(self, engine_index: int) -> None:
@@ -206,23 +184,11 @@ class Frontend:
         ``ValueError`` for an index outside the engines (when their count is known),
         :class:`CoordinatorClosedError` once stopped, as the embedded handle.
         """
-        if type(engine_index) is not int:
-            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
-        count = self.engine_count
-        if engine_index < 0 or (count and engine_index >= count):
-            raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
         if self._closed:
             raise CoordinatorClosedError("the front-end has stopped")
-        snap = self._snapshot
-        if snap.engines_running:
-            return
-        self._queue(protocol.encode_legacy_first_request(engine_index, snap.current_wave))
-        self._snapshot = WaveSnapshot(snap.current_wave, True)
-        logger.debug(
-            "first request for engine %d at paused wave %d: FIRST_REQ sent",
-            engine_index,
-            snap.current_wave,
-        )
+        frame = self._state.claim_first_request(engine_index)
+        if frame is not None:
+            self._queue(frame)
 
     def _queue(self, frame: bytes) -> None:
         if self._closed:
@@ -253,33 +219,8 @@ class Frontend:
         task_status.started()
         while True:
             frames = await sub.recv_batch()
-            latest: protocol.FrontPublish | None = None
-            latest_counts: tuple[EngineLoad, ...] | None = None
-            for frame in frames:
-                try:
-                    publish = protocol.decode_front_publish(frame)
-                except protocol.ProtocolError as exc:
-                    self._reject("undecodable_front_publish", str(exc))
-                    continue
-                self.publishes_received += 1
-                latest = publish
-                if publish.counts is not None:
-                    latest_counts = publish.counts
-            if latest is None:
-                continue
-            self.last_publish_time = trio.current_time()
-            old = self._snapshot
-            self._snapshot = WaveSnapshot(latest.current_wave, latest.engines_running)
-            if self._snapshot != old:
-                logger.debug(
-                    "publish: wave %d -> %d, running %s -> %s",
-                    old.current_wave,
-                    latest.current_wave,
-                    old.engines_running,
-                    latest.engines_running,
-                )
-            if latest_counts is not None:
-                self._counts = latest_counts
+            for reject in self._state.receive_publishes(frames, trio.current_time()):
+                self._reject(reject.reason, reject.detail)
             self._observers.unpark_all()
 
     def _give_up_at(self, monitor: ConnectionMonitor, timeout: float | None) -> float:
@@ -287,8 +228,7 @@ class Frontend:
             return math.inf
         if monitor.down_since is not None:
             return monitor.down_since + timeout
-        since = self.last_publish_time or self._opened_at
-        return since + max(timeout, 2 * HEARTBEAT_INTERVAL)
+        return self._state.silent_since() + max(timeout, 2 * HEARTBEAT_INTERVAL)
 
     async def _watch_connection(
         self,
@@ -311,7 +251,7 @@ class Frontend:
                     logger.warning(
                         "lost the connection to the coordinator at %s (last wave %d); reconnecting",
                         self.front_address,
-                        self._snapshot.current_wave,
+                        self._state.snapshot().current_wave,
                     )
                 elif monitor.connected:
                     logger.info("connected to the coordinator at %s", self.front_address)
@@ -386,44 +326,19 @@ async def open_frontend(
     :class:`CoordinatorError` with the original exceptions as its cause; an exception
     from the block itself propagates unchanged.
     """
-    if client_count < 1 or not 0 <= client_index < client_count:
-        raise ValueError("need client_count >= 1 and 0 <= client_index < client_count")
-    if engine_count is not None and engine_count < 1:
-        raise ValueError(f"engine_count must be positive, got {engine_count!r}")
     if coordinator_timeout is not None and not coordinator_timeout > 0:
         raise ValueError(f"coordinator_timeout must be positive, got {coordinator_timeout!r}")
+    state = FrontendState(
+        client_index=client_index,
+        client_count=client_count,
+        engine_count=engine_count,
+        now=trio.current_time(),
+    )
     handle: Frontend | None = None
     try:
         async with AsyncExitStack() as stack:
-            context = await stack.enter_async_context(open_context())
-            try:
-                sub = await stack.enter_async_context(
-                    open_socket(
-                        context,
-                        zmq.XSUB,
-                        options={
-                            zmq.LINGER: 0,
-                            **HEARTBEAT_OPTIONS,
-                            **curve_client_options(curve_server_key),
-                        },
-                    )
-                )
-                # Monitored before connecting, so that the first handshake is seen.
-                monitor = await stack.enter_async_context(
-                    open_connection_monitor(context, sub, "front-end coordinator link")
-                )
-                sub.connect(front_address)
-            except zmq.ZMQError as exc:
-                raise CoordinatorError(
-                    f"cannot connect to the coordinator's front socket {front_address!r}: {exc}"
-                ) from exc
-            handle = Frontend(
-                front_address,
-                monitor,
-                client_index=client_index,
-                client_count=client_count,
-                engine_count=engine_count,
-            )
+            sub, monitor = await _connect_front_socket(stack, front_address, curve_server_key)
+            handle = Frontend(front_address, monitor, state)
             async with open_task_nursery(on_exit=handle._close, failure=handle._failure) as nursery:
                 await nursery.start(handle._publish_receiver, sub)
                 await nursery.start(handle._sender, sub)
@@ -439,3 +354,33 @@ async def open_frontend(
     finally:
         if handle is not None:
             handle._close()
+
+
+async def _connect_front_socket(
+    stack: AsyncExitStack, front_address: str, curve_server_key: bytes | None
+) -> tuple[AsyncSocket, ConnectionMonitor]:
+    """The XSUB connected to ``front_address`` and its connection monitor, both closed
+    with ``stack``; :class:`CoordinatorError` if ZeroMQ refuses the address."""
+    context = await stack.enter_async_context(open_context())
+    try:
+        sub = await stack.enter_async_context(
+            open_socket(
+                context,
+                zmq.XSUB,
+                options={
+                    zmq.LINGER: 0,
+                    **HEARTBEAT_OPTIONS,
+                    **curve_client_options(curve_server_key),
+                },
+            )
+        )
+        # Monitored before connecting, so that the first handshake is seen.
+        monitor = await stack.enter_async_context(
+            open_connection_monitor(context, sub, "front-end coordinator link")
+        )
+        sub.connect(front_address)
+    except zmq.ZMQError as exc:
+        raise CoordinatorError(
+            f"cannot connect to the coordinator's front socket {front_address!r}: {exc}"
+        ) from exc
+    return sub, monitor

@@ -1,25 +1,26 @@
 """The coordinator service: the sans-IO core wired to ZeroMQ by a handful of trio pumps.
 
-One nursery runs, per the design card::
+One nursery runs::
 
     handle.notify_first_request (claim and apply, in the caller's task) ────────────┐
-    front receiver (FIRST_REQ, SCALE) ─► [command channel] ─► command receiver ─────┤
+    front XPUB ─► command receiver (front-ends' subscriptions, FIRST_REQ, SCALE) ────┤
     engine PUSH ─► PULL ─► engine-output listener (batch receive) ──────────────────┤
     back XPUB subscriptions ─► subscription watcher ────────────────────────────────┤
-    wake deadlines ─► wake watchdog ────────────────────────────────────────────────┤
+    core.next_deadline() ─► timer (timed publishes, wake deadlines) ─► core.tick() ─┤
     socket monitors (peers connected, lost) ─► peer watchers ───────────────────────┤
                  every pump: core.<input>(..., now) under the lock, effects dispatched
                                          in the same critical section
-          [broadcast channel] ─► broadcaster ─┬► back XPUB ─► engines  (READY, START_DP_WAVE)
-                                              └► front XPUB ─► front-ends (publishes)
+          [memory channel] ─► broadcaster ─┬► back XPUB ─► engines  (READY, START_DP_WAVE)
+                                           └► front XPUB ─► front-ends (publishes)
 
-Every rule lives in :class:`~trio_dpcoord._core.CoordinatorCore`; the pumps only move
+Every rule lives in :class:`~trio_dpcoord.core.CoordinatorCore`; the pumps only move
 bytes. Data flows one way and every socket has exactly one sending task (the
 broadcaster sends on both XPUBs: what one wave decides, START_DP_WAVE then the publish
 of the new state, leaves in one scheduler pass, engines first). The core is
 called under a plain :class:`threading.Lock`, never held across an ``await``, and its
 effects are enqueued in the same critical section, so broadcasts and publishes leave in
-the order they were decided, and other threads may read the snapshot.
+the order they were decided, and other threads may read the snapshot. The one timer
+waits for the core's next deadline; an input that moves it earlier moves the wait.
 """
 
 from __future__ import annotations
@@ -29,24 +30,22 @@ import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Final, TypeAlias, final
 
 import trio
 import zmq
 
 from ._core import (
-    ArmWakeDeadline,
     Broadcast,
-    Command,
     CoordinatorCore,
     CoordinatorCounters,
     Effect,
     Publish,
     Reject,
-    RescheduleTimedPublish,
     SubscriptionView,
 )
-from ._endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, check_bind_address
+from ._endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, bind_socket
 from ._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
 from ._monitor import PeerMonitor, open_peer_monitor
 from ._state import WaveSnapshot
@@ -65,7 +64,7 @@ reports/s, next to vLLM's coordinator under the same load) took 23 ms at the med
 21x vLLM's; with 64, 4 ms (1.4x) and a p99 below vLLM's. Ingest throughput stayed
 within the noise of interleaved rounds."""
 
-Outgoing: TypeAlias = Broadcast | Publish | RescheduleTimedPublish
+Outgoing: TypeAlias = Broadcast | Publish
 """What the broadcaster carries out: the core's effects that go out on a socket."""
 
 _XPUB_OPTIONS: Final[dict[int, int | bytes]] = {
@@ -76,6 +75,14 @@ _XPUB_OPTIONS: Final[dict[int, int | bytes]] = {
     zmq.LINGER: 0,
 }
 
+
+_SOCKETS: Final[dict[str, tuple[int, dict[int, int | bytes], bool, str]]] = {
+    # key (in counters and logs): socket type, options, exclusive, private ipc name
+    "engine_broadcast": (zmq.XPUB, _XPUB_OPTIONS, False, "engine-input"),
+    # the listener alone receives on it
+    "engine_output": (zmq.PULL, {zmq.RCVHWM: 0, zmq.LINGER: 0}, True, "engine-output"),
+    "front": (zmq.XPUB, _XPUB_OPTIONS, False, "front"),
+}
 
 class _Pumps:
     """The core, its lock, and the tasks that feed it and carry out what it returns."""
@@ -91,13 +98,11 @@ class _Pumps:
         # The listener waits here after a wave start under load (see engine_output_listener)
         self.drained = trio.lowlevel.ParkingLot()
         self.reject_log = RejectLog(logger)
-        self.broadcasts, self._broadcast_queue = trio.open_memory_channel[Sequence[Outgoing]](
+        self.outgoing, self._outgoing_queue = trio.open_memory_channel[list[Outgoing]](
             math.inf
         )
-        self.commands, self._command_queue = trio.open_memory_channel[Command](math.inf)
-        self._deadlines, self._deadline_queue = trio.open_memory_channel[ArmWakeDeadline](
-            math.inf
-        )
+        self._timer: trio.CancelScope | None = None
+        """The timer task's wait, until the core's next deadline."""
 
     def changed(self) -> None:
         if self.observers:
@@ -110,18 +115,23 @@ class _Pumps:
         outgoing: list[Outgoing] = []
         broadcast = False
         for effect in effects:
-            if isinstance(effect, (Broadcast, Publish, RescheduleTimedPublish)):
-                outgoing.append(effect)
-                broadcast = broadcast or type(effect) is Broadcast
-            elif isinstance(effect, ArmWakeDeadline):
-                self._deadlines.send_nowait(effect)
-            elif isinstance(effect, Reject):
+            if isinstance(effect, Reject):
                 self.reject_log(effect.reason, effect.detail)
             else:
-                self.commands.send_nowait(effect)
+                outgoing.append(effect)
+                broadcast = broadcast or type(effect) is Broadcast
         if outgoing:
-            self.broadcasts.send_nowait(outgoing)
+            self.outgoing.send_nowait(outgoing)
         return broadcast
+
+    def reschedule(self) -> None:
+        """Under the lock, after an input: if it moved the core's next deadline earlier,
+        wake the timer task sooner (a later one it finds by itself when it wakes)."""
+        timer = self._timer
+        if timer is not None:
+            due = self.core.next_deadline()
+            if due < timer.deadline:
+                timer.deadline = due
 
     # --- the pumps ------------------------------------------------------------------------
 
@@ -133,72 +143,38 @@ class _Pumps:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """The only code that sends: on the engine broadcast socket and, in standalone
-        mode, on the front socket (the publishes the core decided, in order with the
-        broadcasts, and a timed publish whenever one is due).
+        mode, on the front socket, whatever the core decided, in the order it decided it.
 
         One task for both sockets: a wave's START_DP_WAVE and its publish take one task
         step, not two, and the engines' message always goes first (two tasks woken in one
         scheduler pass run in either order). Each send is first tried synchronously:
-        the channel's receive is the loop's checkpoint. One cancel scope per *timed*
-        publish, not per item: its deadline follows the core's schedule.
+        the channel's receive is the loop's checkpoint.
         """
         task_status.started()
-        while True:
-            with self.lock:
-                due = self.core.next_publish_due()
-            with trio.CancelScope(deadline=due) as timer:
-                async for items in self._broadcast_queue:
-                    due = await self._send_queued(items, xpub, front, timer)
-                    if due != timer.deadline:
-                        # (trio re-registers a scope's deadline on every assignment)
-                        timer.deadline = due
-            # The deadline passed: the timed publish (only ever due with a front socket).
-            # It carries the state as of when it is built, so what was decided before it
-            # and is still queued goes out first (a receive past its deadline does not
-            # look at the queue): otherwise a queued wave publish would follow it with an
-            # older wave, and front-ends would see the wave go back or a stale "paused".
-            await self._send_queued((), xpub, front, None)
-            assert front is not None
-            with self.lock:
-                payload = self.core.timed_publish(trio.current_time())
-            await front.send(payload)
-            with self.lock:
-                self.core.publish_sent()
+        async for items in self._outgoing_queue:
+            await self._send_queued(items, xpub, front)
 
     async def _send_queued(
-        self,
-        items: Sequence[Outgoing],
-        xpub: AsyncSocket,
-        front: AsyncSocket | None,
-        timer: trio.CancelScope | None,
-    ) -> float:
+        self, items: list[Outgoing], xpub: AsyncSocket, front: AsyncSocket | None
+    ) -> None:
         """Send ``items`` and whatever is already queued behind them, in this task step (a
         second receive would cost a scheduler pass of its own), then tell the core what
-        went out, under the lock once. Returns when the next timed publish is due.
-
-        Each send is first tried synchronously; one that must wait is not cut short by
-        ``timer`` (the timed publish's scope): a decided send always completes.
-        """
+        went out, under the lock once."""
         sent_broadcasts: list[Broadcast] = []
         publishes = 0
         while True:
             for item in items:
-                if type(item) is Broadcast:
+                if isinstance(item, Broadcast):
                     if not xpub.send_nowait(item.frames):
-                        if timer is not None:
-                            timer.deadline = math.inf
                         await xpub.send_multipart(item.frames)
                     sent_broadcasts.append(item)
-                elif type(item) is Publish:
+                else:
                     assert front is not None, "publishes need a front socket"
                     if not front.send_nowait((item.payload,)):
-                        if timer is not None:
-                            timer.deadline = math.inf
                         await front.send(item.payload)
                     publishes += 1
-                # a RescheduleTimedPublish only asks for the schedule to be read again
             try:
-                items = self._broadcast_queue.receive_nowait()
+                items = self._outgoing_queue.receive_nowait()
             except trio.WouldBlock:
                 break
         if self.drained:
@@ -209,34 +185,45 @@ class _Pumps:
                 self.core.broadcast_sent(broadcast, now)
             for _ in range(publishes):
                 self.core.publish_sent()
-            due = self.core.next_publish_due()
+            ready = sent_broadcasts and not self.ready.is_set() and self.core.ready_sent()
+        if ready:
+            logger.info("READY sent to %d engines", self.core.subscriptions().current)
+            self.ready.set()
         if sent_broadcasts:
-            if not self.ready.is_set() and any(b.wave_start is None for b in sent_broadcasts):
-                logger.info("READY sent to %d engines", self.core.subscriptions().current)
-                self.ready.set()
             self.changed()
-        return due
+
+    async def timer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The one timer: sleeps until the core's next deadline (timed publishes, wake
+        confirmations, burst summaries), then tells the core the time. An input that moves
+        the deadline earlier moves this wait's deadline too (:meth:`reschedule`)."""
+        task_status.started()
+        try:
+            while True:
+                with self.lock:
+                    due = self.core.next_deadline()
+                with trio.move_on_at(due) as self._timer:
+                    await trio.sleep_forever()
+                with self.lock:
+                    self.dispatch(self.core.tick(trio.current_time()))
+                self.changed()
+        finally:
+            self._timer = None
+            with self.lock:
+                self.core.log_summaries(trio.current_time(), final=True)
 
     async def subscription_watcher(
         self, xpub: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Engines (un)subscribing on the broadcast socket: the start-up gate (§5.2)."""
         task_status.started()
-        try:
-            while True:
-                frames: Sequence[bytes] = ()
-                with trio.move_on_at(self.core.log_summary_due()):  # a burst's summary line
-                    frames = await xpub.recv_batch()
-                with self.lock:
-                    now = trio.current_time()
-                    for frame in frames:
-                        self.dispatch(self.core.receive_engine_subscription(frame, now))
-                    self.core.log_summaries(now)
-                if frames:
-                    self.changed()
-        finally:
+        while True:
+            frames = await xpub.recv_batch()
             with self.lock:
-                self.core.log_summaries(trio.current_time(), final=True)
+                now = trio.current_time()
+                for frame in frames:
+                    self.dispatch(self.core.receive_engine_subscription(frame, now))
+                self.reschedule()
+            self.changed()
 
     async def engine_output_listener(
         self, pull: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -280,30 +267,24 @@ class _Pumps:
                             urgent = True
                             break
                     self.dispatch(core.apply_held_stats())
+                    self.reschedule()
                 self.changed()
                 if urgent and count > 1:
                     await self.drained.park()
 
     async def command_receiver(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self, front: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """First-request notices and resizes, in order."""
+        """The front socket: front-ends' subscriptions and their commands, FIRST_REQ and
+        SCALE_ELASTIC_EP, applied by the core as they are read (§5.3, §5.8, §4.9)."""
         task_status.started()
-        async for command in self._command_queue:
+        while True:
+            frames = await front.recv_batch()
             with self.lock:
-                self.dispatch(self.core.receive_command(command, trio.current_time()))
-            self.changed()
-
-    async def wake_watchdog(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Tells the core when a wake-confirmation deadline passes. Deadlines arrive in
-        order (one timeout for all), so one sleep at a time serves."""
-        task_status.started()
-        async for deadline in self._deadline_queue:
-            await trio.sleep_until(deadline.deadline)
-            with self.lock:
-                self.dispatch(self.core.wake_deadline_passed(deadline.wave, trio.current_time()))
+                now = trio.current_time()
+                for frame in frames:
+                    self.dispatch(self.core.receive_front_frame(frame, now))
+                self.reschedule()
             self.changed()
 
     async def peer_watcher(
@@ -315,26 +296,25 @@ class _Pumps:
             with self.lock:
                 now = trio.current_time()
                 if opened:
-                    self.dispatch(self.core.connection_opened(peers.key, now))
+                    self.core.connection_opened(peers.key, now)
                 else:
-                    self.dispatch(self.core.connection_lost(peers.key, now))
+                    self.core.connection_lost(peers.key, now)
             self.changed()
 
-    async def front_receiver(
-        self, front: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Front-end subscriptions and messages (§5.3, §5.8, §4.9)."""
-        task_status.started()
-        while True:
-            frames = await front.recv_batch()
-            with self.lock:
-                now = trio.current_time()
-                for frame in frames:
-                    self.dispatch(self.core.receive_front_frame(frame, now))
+    def notify_first_request(self, engine_index: int) -> None:
+        """The handle's claim, applied in the caller's task (see the handle)."""
+        with self.lock:
+            if self.closed:
+                raise CoordinatorClosedError("the coordinator has stopped")
+            claim = self.core.claim_first_request(engine_index)
+            if claim is not None:
+                self.dispatch(self.core.receive_command(claim, trio.current_time()))
+                self.reschedule()
+        if claim is not None:
             self.changed()
 
     def close(self) -> None:
-        # The channels stay open: a task that already holds received frames when the
+        # The channel stays open: a task that already holds received frames when the
         # nursery is cancelled still enqueues what they cause (the cancel stops it at its
         # next checkpoint); a closed channel would fail it with ClosedResourceError.
         with self.lock:
@@ -354,19 +334,18 @@ class Coordinator:
     def __init__(
         self,
         pumps: _Pumps,
+        addresses: dict[str, str | None],
         *,
-        engine_input_address: str,
-        engine_output_address: str,
-        front_address: str | None,
         curve_public_key: bytes | None,
         ready_timeout: float | None,
     ) -> None:
+        """``addresses``: the bound address of each socket, by its key in the counters."""
         self._pumps = pumps
         self._core = pumps.core
         self._lock = pumps.lock
-        self._engine_input_address = engine_input_address
-        self._engine_output_address = engine_output_address
-        self._front_address = front_address
+        self._engine_input_address = addresses["engine_broadcast"] or ""
+        self._engine_output_address = addresses["engine_output"] or ""
+        self._front_address = addresses["front"]
         self._curve_public_key = curve_public_key
         self._ready_timeout = ready_timeout
         self._ready_deadline = (
@@ -428,22 +407,12 @@ class Coordinator:
         Synchronous and non-blocking; call it from a trio task. If the snapshot says
         paused, it flips to running at once and the first-request notice is applied in
         the same critical section (vLLM PR #46833's rule), its START_DP_WAVE handed to the
-        broadcaster's channel: one scheduler pass less than through the command receiver,
-        which still takes the front-ends' FIRST_REQ and SCALE. If the engines already run
+        broadcaster's channel. If the engines already run
         (or a wake-up is already claimed) nothing happens, so concurrent callers coalesce
         behind one broadcast. ``TypeError`` for a non-int, ``ValueError`` for an index
         outside the table, :class:`CoordinatorClosedError` once stopped.
         """
-        if type(engine_index) is not int:
-            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
-        with self._lock:
-            if self._pumps.closed:
-                raise CoordinatorClosedError("the coordinator has stopped")
-            claim = self._core.claim_first_request(engine_index)
-            if claim is not None:
-                self._pumps.dispatch(self._core.receive_command(claim, trio.current_time()))
-        if claim is not None:
-            self._pumps.changed()
+        self._pumps.notify_first_request(engine_index)
 
     def subscriptions(self) -> SubscriptionView:
         """The engines' subscriptions as seen on the broadcast socket."""
@@ -466,7 +435,6 @@ class Coordinator:
             for monitor in self._pumps.monitors:
                 monitor.shutdown_expected = True
 
-    @property
     def counters(self) -> CoordinatorCounters:
         """A copy of the counters of received, decided, sent and rejected messages."""
         with self._lock:
@@ -498,16 +466,6 @@ class Coordinator:
             await self._pumps.observers.park()
 
 
-def _bind(socket: AsyncSocket, address: str, *, allow_remote: bool, what: str) -> str:
-    check_bind_address(address, allow_remote=allow_remote)
-    try:
-        if address.startswith("tcp://["):
-            socket.setsockopt(zmq.IPV6, 1)  # an IPv6 host, as vLLM's make_zmq_socket does
-        return socket.bind(address)
-    except zmq.ZMQError as exc:
-        raise CoordinatorError(f"cannot bind the {what} socket to {address!r}: {exc}") from exc
-
-
 def _curve_server(curve_secret_key: bytes | None) -> tuple[bytes | None, dict[int, int | bytes]]:
     """The public key and socket options of a CURVE server, or no security at all."""
     if curve_secret_key is None:
@@ -519,6 +477,67 @@ def _curve_server(curve_secret_key: bytes | None) -> tuple[bytes | None, dict[in
     except (zmq.ZMQError, ValueError, TypeError) as exc:
         raise CoordinatorError(f"bad CURVE secret key: {exc}") from exc
     return public_key, {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: curve_secret_key}
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """The coordinator's sockets, bound, with the addresses peers connect to."""
+
+    engine_broadcast: AsyncSocket
+    engine_output: AsyncSocket
+    front: AsyncSocket | None
+    addresses: dict[str, str | None]
+
+
+async def _bind_sockets(
+    sockets: AsyncExitStack,
+    pumps: _Pumps,
+    requested: dict[str, str | None],
+    private_dir: PrivateIpcDirectory,
+    curve_options: dict[int, int | bytes],
+    liveness: Liveness,
+    allow_remote: bool,
+) -> _Bound:
+    """Open, monitor and bind each socket ``requested`` names (None: not wanted, ``""``:
+    a private ``ipc://`` path); each monitor is entered before its bind, so that no
+    connection goes unseen. Heartbeats where they help (``Liveness.for_address``)."""
+    context = await sockets.enter_async_context(open_context())
+    bound: dict[str, AsyncSocket] = {}
+    addresses: dict[str, str | None] = dict.fromkeys(requested)
+    for key, address in requested.items():
+        if address is None:
+            continue
+        socket_type, options, exclusive, ipc_name = _SOCKETS[key]
+        address = address or private_dir.address(ipc_name)
+        socket_liveness = liveness.for_address(address)
+        options = {**options, **curve_options, **socket_liveness.socket_options()}
+        socket = await sockets.enter_async_context(
+            open_socket(context, socket_type, options=options, exclusive=exclusive)
+        )
+        monitor = await sockets.enter_async_context(
+            open_peer_monitor(context, socket, key, socket_liveness)
+        )
+        pumps.monitors.append(monitor)
+        what = key.replace("_", " ")
+        monitor.address = bind_socket(socket, address, allow_remote=allow_remote, what=what)
+        bound[key], addresses[key] = socket, monitor.address
+    return _Bound(bound["engine_broadcast"], bound["engine_output"], bound.get("front"), addresses)
+
+
+async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> None:
+    await nursery.start(pumps.broadcaster, bound.engine_broadcast, bound.front)
+    await nursery.start(pumps.timer)
+    await nursery.start(pumps.subscription_watcher, bound.engine_broadcast)
+    await nursery.start(pumps.engine_output_listener, bound.engine_output)
+    for monitor in pumps.monitors:
+        await nursery.start(pumps.peer_watcher, monitor)
+    if bound.front is not None:
+        await nursery.start(pumps.command_receiver, bound.front)
+    logger.info(
+        "coordinator for %d engines: broadcast %s, outputs %s, front %s",
+        pumps.core.expected_engines,
+        *bound.addresses.values(),
+    )
 
 
 @asynccontextmanager
@@ -538,40 +557,27 @@ async def open_coordinator(
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
-    Binds the engine broadcast socket (XPUB, vLLM's "back-pub", what engines connect
-    their XSUB to: ``engine_input_address``) and the engine output socket (PULL,
-    "back-out", ``engine_output_address``). Both default to ``ipc://`` paths in a
+    Binds the engine broadcast socket (XPUB, vLLM's back-pub: ``engine_input_address``),
+    the engine output socket (PULL, back-out: ``engine_output_address``) and, with
+    ``front_address``, vLLM's front publish socket (XPUB) as the standalone process does.
+    None (or ``""``; for the front socket only ``""``) means an ``ipc://`` path in a
     private directory removed on exit; ``tcp://127.0.0.1:0`` is resolved to its port.
-    With ``front_address`` it also binds vLLM's front-end publish socket (XPUB), as the
-    standalone process does (``""`` means a private ``ipc://`` path, like the others).
-    Yields the :class:`Coordinator` handle once every socket is bound and every task
-    runs; the engines get READY when ``engine_count`` of them have subscribed.
+    Yields the :class:`Coordinator` once every socket is bound and every task runs;
+    engines get READY when ``engine_count`` of them have subscribed. Leaving the block in
+    any way stops every task and closes every socket; a failure inside the service raises
+    :class:`CoordinatorError` (the original exceptions as its cause), an exception from
+    the block itself propagates unchanged.
 
-    Leaving the block, normally, by an error or by cancellation, stops every task and
-    closes every socket. A failure inside the service raises :class:`CoordinatorError`
-    (with the original exceptions as its cause); an exception from the block itself
-    propagates unchanged.
-
-    ``wake_confirm_timeout``: a wave started by a first-request notice that no engine
-    confirms within this many seconds (rank 0 reports every start it joins) is taken as
-    dropped by paused engines, and ``engines_running`` goes back to False rather than
-    staying latched (vLLM issues #51476/#51481). Real engines confirm within one step.
-
-    ``curve_secret_key`` (Z85, e.g. from ``zmq.curve_keypair()``; off by default, since
-    vLLM's engines cannot use it): every socket becomes a CURVE server, so only peers
-    that know :attr:`Coordinator.curve_public_key` can connect, and the traffic is
-    encrypted. For our own simulated engines and front-ends.
-
-    ``liveness``: ZMTP heartbeats and TCP keepalive on every socket, so that a peer that
-    goes silent without closing its connection (a partition, a node that lost power) is
-    dropped within about ``liveness.notice_within`` seconds (4 s by default) instead of
-    staying subscribed for good; vLLM's engines answer heartbeats without any setting of
-    their own. A dropped peer shows in :meth:`Coordinator.subscriptions` (an
-    unsubscription, a lost connection) and ``counters.connections_lost``, and is logged
-    with its socket and address; when it comes back it subscribes again and gets READY.
+    ``wake_confirm_timeout``: a first-request start no engine confirms within it (rank 0
+    reports every start it joins) was dropped by paused engines: ``engines_running`` goes
+    back to False instead of staying latched (vLLM #51476/#51481). ``curve_secret_key``
+    (Z85; off by default, vLLM's engines cannot use it): every socket a CURVE server,
+    only peers that know :attr:`Coordinator.curve_public_key` connect, encrypted.
+    ``liveness``: ZMTP heartbeats and TCP keepalive on every socket, so a peer gone
+    silent (a partition, a dead node) is dropped within about ``liveness.notice_within``
+    seconds (4 by default), shown as an unsubscription and in ``connections_lost``, and
+    logged; when it comes back it subscribes again and gets READY.
     """
-    if stats_interval <= 0:
-        raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
     core = CoordinatorCore(
         engine_count,
         wave_coordination=wave_coordination,
@@ -580,86 +586,24 @@ async def open_coordinator(
         publish_to_front_ends=front_address is not None,
     )
     curve_public_key, curve_options = _curve_server(curve_secret_key)
-    private_dir = PrivateIpcDirectory()
     pumps = _Pumps(core)
-    try:
-        async with AsyncExitStack() as sockets:
-            context = await sockets.enter_async_context(open_context())
-            monitors = pumps.monitors
-
-            async def bound_socket(
-                socket_type: int,
-                options: dict[int, int | bytes],
-                address: str,
-                key: str,
-                exclusive: bool = False,
-            ) -> tuple[AsyncSocket, str]:
-                # heartbeats where they help (Liveness.for_address); the monitor is entered
-                # before the bind, so that no connection goes unseen
-                socket_liveness = liveness.for_address(address)
-                options = {**options, **curve_options, **socket_liveness.socket_options()}
-                socket = await sockets.enter_async_context(
-                    open_socket(context, socket_type, options=options, exclusive=exclusive)
-                )
-                monitor = await sockets.enter_async_context(
-                    open_peer_monitor(context, socket, key, socket_liveness)
-                )
-                monitors.append(monitor)
-                what = key.replace("_", " ")
-                monitor.address = _bind(socket, address, allow_remote=allow_remote, what=what)
-                return socket, monitor.address
-
-            back_pub, bound_input = await bound_socket(
-                zmq.XPUB,
-                dict(_XPUB_OPTIONS),
-                engine_input_address or private_dir.address("engine-input"),
-                "engine_broadcast",
-            )
-            back_out, bound_output = await bound_socket(
-                zmq.PULL,
-                {zmq.RCVHWM: 0, zmq.LINGER: 0},
-                engine_output_address or private_dir.address("engine-output"),
-                "engine_output",
-                exclusive=True,  # the listener alone receives on it
-            )
-            front: AsyncSocket | None = None
-            bound_front: str | None = None
-            if front_address is not None:
-                front, bound_front = await bound_socket(
-                    zmq.XPUB,
-                    dict(_XPUB_OPTIONS),
-                    front_address or private_dir.address("front"),
-                    "front",
-                )
-            handle = Coordinator(
-                pumps,
-                engine_input_address=bound_input,
-                engine_output_address=bound_output,
-                front_address=bound_front,
-                curve_public_key=curve_public_key,
-                ready_timeout=ready_timeout,
-            )
-            async with open_task_nursery(
-                on_exit=pumps.close,
-                failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
-            ) as nursery:
-                await nursery.start(pumps.broadcaster, back_pub, front)
-                await nursery.start(pumps.subscription_watcher, back_pub)
-                await nursery.start(pumps.command_receiver)
-                await nursery.start(pumps.wake_watchdog)
-                await nursery.start(pumps.engine_output_listener, back_out)
-                for monitor in monitors:
-                    await nursery.start(pumps.peer_watcher, monitor)
-                if front is not None:
-                    await nursery.start(pumps.front_receiver, front)
-                logger.info(
-                    "coordinator for %d engines: broadcast %s, outputs %s, front %s",
-                    engine_count,
-                    bound_input,
-                    bound_output,
-                    bound_front,
-                )
-                yield handle
-    finally:
-        pumps.close()
-        private_dir.cleanup()
+    requested = {
+        "engine_broadcast": engine_input_address or "",
+        "engine_output": engine_output_address or "",
+        "front": front_address,
+    }
+    async with AsyncExitStack() as sockets:
+        private_dir = PrivateIpcDirectory()
+        sockets.callback(private_dir.cleanup)  # once every socket is closed
+        bound = await _bind_sockets(
+            sockets, pumps, requested, private_dir, curve_options, liveness, allow_remote
+        )
+        handle = Coordinator(
+            pumps, bound.addresses, curve_public_key=curve_public_key, ready_timeout=ready_timeout
+        )
+        async with open_task_nursery(
+            on_exit=pumps.close,
+            failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
+        ) as nursery:
+            await _start_pumps(nursery, pumps, bound)
+            yield handle

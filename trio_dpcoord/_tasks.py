@@ -67,18 +67,17 @@ async def open_task_nursery(
 
 
 class RejectLog:
-    """Counts rejected inputs by reason and logs them at WARNING, rate-limited per reason."""
+    """Logs rejected inputs at WARNING, rate-limited per reason (the caller counts them:
+    the coordinator's core, the front-end's ``rejected()``)."""
 
     INTERVAL: Final = 5.0
 
     def __init__(self, logger: logging.Logger) -> None:
-        self.counts: Counter[str] = Counter()
         self._logger = logger
         self._last_logged: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
     def __call__(self, reason: str, detail: str) -> None:
-        self.counts[reason] += 1
         now = time.monotonic()
         if now - self._last_logged.get(reason, -math.inf) >= self.INTERVAL:
             suppressed = self._suppressed.pop(reason, 0)

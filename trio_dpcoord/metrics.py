@@ -101,7 +101,7 @@ class CoordinatorCollector(Collector):
     def _families(self) -> Iterator[Metric]:
         coordinator = self._coordinator
         snapshot = coordinator.snapshot()
-        counters = coordinator.counters
+        counters = coordinator.counters()
         view = coordinator.subscriptions()
         name = self._name
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import trio
 
-from .._tasks import cancel_at_stdin_eof
+from .. import cancel_at_stdin_eof
 from .collective import CollectiveTimeoutError
 from .engine import (
     EXIT_COLLECTIVE_TIMEOUT,

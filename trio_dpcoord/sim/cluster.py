@@ -47,8 +47,7 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from .. import CoordinatorView, open_coordinator, open_frontend
-from .._endpoints import PrivateIpcDirectory
+from .. import CoordinatorView, PrivateIpcDirectory, open_coordinator, open_frontend
 from ..testing import ServeProcess, open_serve, read_lines
 from .engine import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
@@ -91,7 +90,6 @@ class EmbeddedCoordinator(CoordinatorView, Protocol):
 
     async def wait_ready(self) -> None: ...
 
-    @property
     def counters(self) -> _Counters: ...
 
     def expect_shutdown(self) -> None: ...
@@ -847,4 +845,4 @@ def _collect(
     report.wake_latencies = list(frontend.wake_latencies)
     report.resubmitted = frontend.resubmitted
     if coordinator is not None:
-        report.coordinator_errors = coordinator.counters.errors
+        report.coordinator_errors = coordinator.counters().errors

@@ -46,8 +46,7 @@ import msgpack
 import trio
 import zmq
 
-from .. import protocol
-from .._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
+from .. import ConnectionMonitor, Liveness, open_connection_monitor, protocol
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from . import messages
@@ -71,6 +70,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_OPTIONS: Final = Liveness().socket_options()
+"""The coordinator's own heartbeat and keepalive options, on the engine's side."""
 
 _FINISH_LENGTH = 1
 _FINISH_ABORT = 2

@@ -21,8 +21,7 @@ from typing import Any
 
 import trio
 
-from .. import open_frontend
-from .._endpoints import PrivateIpcDirectory
+from .. import PrivateIpcDirectory, open_frontend
 from ..testing import connect_engines
 from .cluster import ClusterConfig, ClusterReport, _engine_fleet, _serve_process
 from .frontend import LoadPlan, open_sim_frontend

@@ -1,0 +1,204 @@
+"""The front-end's sans-IO state: what :class:`~trio_dpcoord.Frontend` knows and decides.
+
+:class:`FrontendState` is to :class:`~trio_dpcoord.Frontend` what
+:class:`~trio_dpcoord.CoordinatorCore` is to :class:`~trio_dpcoord.Coordinator`: every
+rule of a front-end following a standalone coordinator, in a plain object that takes the
+frames that arrived and clock readings and returns what must go out. It never awaits and
+never touches a socket; the trio handle only moves bytes and calls it.
+
+The rules: the latest publish wins (its wave, and its counts when it has them, §7.1); a
+publish that does not decode is rejected, counted and the rest of the batch kept; the
+legacy first-request claim (§7.4: if the publish says paused, flip to running at once
+and send one FIRST_REQ, so concurrent requests coalesce behind it); the engine choice
+with vLLM's score and this front-end's in-flight counts (§7.2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import final
+
+from . import protocol
+from ._balance import EngineChooser
+from ._core import Reject
+from ._errors import CoordinatorError
+from ._state import WaveSnapshot
+from .protocol import IDLE_LOAD, EngineLoad
+
+__all__ = ["FrontendState"]
+
+logger = logging.getLogger(__name__)
+
+_UNDECODABLE = "undecodable_front_publish"
+
+
+@final
+class FrontendState:
+    """A front-end's view of the coordinator, and the requests it routed.
+
+    ``engine_count``, if known before the first publish, lets :meth:`choose_engine` work
+    at once; ``now`` is the clock reading at opening (a silence is measured from it until
+    the first publish arrives).
+    """
+
+    __slots__ = (
+        "_chooser",
+        "_client_count",
+        "_client_index",
+        "_counts",
+        "_engine_count",
+        "_last_publish_time",
+        "_opened_at",
+        "_publishes_received",
+        "_rejected",
+        "_snapshot",
+    )
+
+    def __init__(
+        self, *, client_index: int, client_count: int, engine_count: int | None, now: float
+    ) -> None:
+        if client_count < 1 or not 0 <= client_index < client_count:
+            raise ValueError("need client_count >= 1 and 0 <= client_index < client_count")
+        if engine_count is not None and engine_count < 1:
+            raise ValueError(f"engine_count must be positive, got {engine_count!r}")
+        self._client_index = client_index
+        self._client_count = client_count
+        self._engine_count = engine_count
+        self._opened_at = now
+        self._snapshot = WaveSnapshot()
+        self._counts: tuple[EngineLoad, ...] | None = None
+        self._chooser: EngineChooser | None = None
+        self._publishes_received = 0
+        self._last_publish_time: float | None = None
+        self._rejected: Counter[str] = Counter()
+
+    # --- reads ----------------------------------------------------------------------------
+
+    @property
+    def client_index(self) -> int:
+        return self._client_index
+
+    @property
+    def client_count(self) -> int:
+        return self._client_count
+
+    @property
+    def publishes_received(self) -> int:
+        """Valid publishes received (each one, even if a later one superseded it)."""
+        return self._publishes_received
+
+    @property
+    def last_publish_time(self) -> float | None:
+        """The clock reading when the latest publish arrived, or None before any."""
+        return self._last_publish_time
+
+    def silent_since(self) -> float:
+        """The clock reading of the latest publish (of opening, before the first one)."""
+        last = self._last_publish_time
+        return last if last is not None else self._opened_at
+
+    def snapshot(self) -> WaveSnapshot:
+        """The wave to stamp on a new request, and whether the engines run."""
+        return self._snapshot
+
+    def engine_loads(self) -> tuple[EngineLoad, ...]:
+        """Per engine load from the latest publish with counts; before one, zeros for
+        ``engine_count`` engines (empty if that was not given)."""
+        if self._counts is not None:
+            return self._counts
+        return (IDLE_LOAD,) * (self._engine_count or 0)
+
+    def rejected(self) -> dict[str, int]:
+        """Publishes that could not be decoded, by reason."""
+        return dict(self._rejected)
+
+    def inflight(self) -> tuple[int, ...]:
+        """This front-end's unfinished requests per engine."""
+        return self._chooser.inflight if self._chooser is not None else ()
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def receive_publishes(self, frames: Sequence[bytes], now: float) -> Sequence[Reject]:
+        """A batch of publishes arrived at ``now``: the latest wave and the latest counts
+        win. Returns what was rejected (already counted), for the log."""
+        rejects: list[Reject] = []
+        latest: protocol.FrontPublish | None = None
+        latest_counts: tuple[EngineLoad, ...] | None = None
+        for frame in frames:
+            try:
+                publish = protocol.decode_front_publish(frame)
+            except protocol.ProtocolError as exc:
+                self._rejected[_UNDECODABLE] += 1
+                rejects.append(Reject(_UNDECODABLE, str(exc)))
+                continue
+            self._publishes_received += 1
+            latest = publish
+            if publish.counts is not None:
+                latest_counts = publish.counts
+        if latest is None:
+            return rejects
+        self._last_publish_time = now
+        old = self._snapshot
+        self._snapshot = WaveSnapshot(latest.current_wave, latest.engines_running)
+        if self._snapshot != old:
+            logger.debug(
+                "publish: wave %d -> %d, running %s -> %s",
+                old.current_wave,
+                latest.current_wave,
+                old.engines_running,
+                latest.engines_running,
+            )
+        if latest_counts is not None:
+            self._counts = latest_counts
+        return rejects
+
+    def choose_engine(self) -> int:
+        """The engine for one new request, by vLLM 0.33.0's score with the latest loads;
+        counted in flight there until :meth:`request_finished`. :class:`CoordinatorError`
+        while the engine count is unknown."""
+        loads = self.engine_loads()
+        if not loads:
+            raise CoordinatorError(
+                "engine count unknown: pass engine_count= to open_frontend or wait for "
+                "the first publish (wait_for(lambda f: f.engine_count > 0))"
+            )
+        if self._chooser is None:
+            self._chooser = EngineChooser(
+                len(loads), client_index=self._client_index, client_count=self._client_count
+            )
+        return self._chooser.choose(loads)
+
+    def request_finished(self, engine_index: int) -> None:
+        """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
+        if self._chooser is not None:
+            self._chooser.finished(engine_index)
+
+    def claim_first_request(self, engine_index: int) -> bytes | None:
+        """A request is being routed to ``engine_index``: the FIRST_REQ frame to send if
+        the latest publish says paused (the snapshot says running from now on, so
+        concurrent requests send one notice), else None. ``TypeError`` for a non-int,
+        ``ValueError`` for an index outside the engines (when their count is known)."""
+        if type(engine_index) is not int:
+            raise TypeError(f"engine_index must be an int, got {type(engine_index).__name__}")
+        count = len(self.engine_loads())
+        if engine_index < 0 or (count and engine_index >= count):
+            raise ValueError(f"engine_index {engine_index} out of range for {count} engines")
+        snap = self._snapshot
+        if snap.engines_running:
+            return None
+        self._snapshot = WaveSnapshot(snap.current_wave, True)
+        logger.debug(
+            "first request for engine %d at paused wave %d: FIRST_REQ sent",
+            engine_index,
+            snap.current_wave,
+        )
+        return protocol.encode_legacy_first_request(engine_index, snap.current_wave)
+
+    @staticmethod
+    def scale_request(engine_count: int) -> bytes:
+        """The SCALE_ELASTIC_EP frame asking for ``engine_count`` engines (§5.8)."""
+        if type(engine_count) is not int or engine_count < 1:
+            raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")
+        return protocol.encode_scale_elastic_ep(engine_count)

@@ -1,0 +1,89 @@
+"""The sans-IO core's public vocabulary: what goes into :class:`CoordinatorCore` and what
+comes out of it (h11's ``_events.py`` plays this part for HTTP).
+
+An embedder that drives the core itself, a test, a benchmark or a model checker imports
+everything it needs from here; the private modules behind it may change shape freely.
+
+Inputs
+    Raw frames from a socket and clock readings (``receive_engine_output``,
+    ``receive_front_frame``, ``receive_engine_subscription``, ...), *commands*, and
+    the one timer input: :meth:`CoordinatorCore.next_deadline` (a pure query) and
+    :meth:`CoordinatorCore.tick` (timed publishes and wake-confirmation deadlines).
+    The commands are :class:`FirstRequest` (a front-end routed a request to paused
+    engines: the embedding front-end's comes from
+    :meth:`CoordinatorCore.claim_first_request`, a legacy front-end's off the front
+    socket) and :class:`ScaleRequest` (elastic EP); ``Command`` is their union, and
+    :meth:`CoordinatorCore.receive_command` the one path that applies them
+    (``receive_front_frame`` calls it itself).
+
+Outputs: *effects*, in the order they must be carried out
+    ===========================  ======================================================
+    effect                       what the shell does with it
+    ===========================  ======================================================
+    :class:`Broadcast`           send its frames on the engine broadcast socket, then
+                                 call :meth:`CoordinatorCore.broadcast_sent`
+    :class:`Publish`             send its payload on the front socket, then call
+                                 :meth:`CoordinatorCore.publish_sent`
+    :class:`Reject`              log it (the core has already counted it)
+    ===========================  ======================================================
+
+    ``Effect`` is their union. A :class:`Broadcast` carries its :class:`WaveStart`
+    (``None`` for READY).
+
+Reads (methods, like trio's ``statistics()``)
+    :meth:`CoordinatorCore.snapshot` (a :class:`WaveSnapshot`),
+    :meth:`CoordinatorCore.subscriptions` (a :class:`SubscriptionView`),
+    :meth:`CoordinatorCore.counters` (a :class:`CoordinatorCounters`, with its
+    :class:`HistogramSnapshot` of wake latency; the keys of ``wave_starts_by_cause`` are
+    :class:`WaveStartCause` values).
+
+:class:`FrontendState` is the same for a front-end following a standalone coordinator
+(what :class:`~trio_dpcoord.Frontend` knows and decides): the latest publish, the legacy
+first-request claim, the engine choice and its in-flight counts.
+
+:class:`WaveState` is the wave rule on its own (``(current_wave, engines_running)`` and
+vLLM PR #46833's stale-first-request rule), for oracles and model checkers that want to
+compare the whole core against it.
+"""
+
+from __future__ import annotations
+
+from ._core import (
+    MAX_ENGINES,
+    MAX_WAVE,
+    Broadcast,
+    Command,
+    CoordinatorCore,
+    CoordinatorCounters,
+    Effect,
+    HistogramSnapshot,
+    Publish,
+    Reject,
+    ScaleRequest,
+    SubscriptionView,
+    WaveStartCause,
+)
+from ._frontend_state import FrontendState
+from ._state import HEARTBEAT_INTERVAL, FirstRequest, WaveSnapshot, WaveStart, WaveState
+
+__all__ = [
+    "HEARTBEAT_INTERVAL",
+    "MAX_ENGINES",
+    "MAX_WAVE",
+    "Broadcast",
+    "Command",
+    "CoordinatorCore",
+    "CoordinatorCounters",
+    "Effect",
+    "FirstRequest",
+    "FrontendState",
+    "HistogramSnapshot",
+    "Publish",
+    "Reject",
+    "ScaleRequest",
+    "SubscriptionView",
+    "WaveSnapshot",
+    "WaveStart",
+    "WaveStartCause",
+    "WaveState",
+]
