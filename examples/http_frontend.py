@@ -20,6 +20,14 @@ coordinator's Prometheus metrics and this front-end's own, in one registry),
 ``GET /v1/models`` (the one model, as OpenAI clients list it first), ``GET /health``.
 Each completion also reports ``dp_wave``, the wave stamped on it.
 
+Real vLLM engines: ``--engine-client tcp://HOST:PORT`` serves ``--engines`` DP engine
+cores started elsewhere with ``vllm serve MODEL --headless --data-parallel-size N
+--data-parallel-address HOST --data-parallel-rpc-port PORT`` (on other hosts: bind HOST on
+an address they reach, ``--allow-remote``) through :func:`trio_dpcoord.open_engine_client`,
+the coordinator inside it; a prompt of token ids (``"prompt": [3, 4, 5]``) is sent as is,
+any other prompt as a fixed token-id prompt (the tiny test models have no tokenizer), and
+the completion's ``token_ids`` are in each choice.
+
 Once listening, the first stdout line is one JSON object:
 ``{"url": "http://127.0.0.1:8000", "pid": ..., "engine_pids": [...]}``.
 SIGINT/SIGTERM: new requests get 503, streams in flight may finish for
@@ -48,7 +56,14 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from trio_dpcoord import cancel_at_stdin_eof, open_coordinator
+from trio_dpcoord import (
+    EngineClient,
+    EngineClientError,
+    SamplingParams,
+    cancel_at_stdin_eof,
+    open_coordinator,
+    open_engine_client,
+)
 from trio_dpcoord.metrics import CoordinatorCollector
 from trio_dpcoord.sim import ClusterConfig, SimFrontend, open_engine_fleet, open_sim_frontend
 
@@ -71,14 +86,69 @@ def token_text(token_id: int) -> str:
     return f" tok{token_id}"
 
 
-class CompletionsApp:
-    """The ASGI application: completions routed to the simulated DP engines."""
+_FALLBACK_PROMPT = (3, 4, 5, 6)
+"""The token ids sent to real engines for a prompt that is not a list of token ids."""
 
-    def __init__(self, frontend: SimFrontend, registry: CollectorRegistry, model: str) -> None:
+
+class EngineClientFrontend:
+    """Real engines through the engine client, behind the simulated front-end's interface
+    (``submit``/``abort``/``view``/``pending``): one task per request reads its stream."""
+
+    def __init__(self, client: EngineClient, nursery: trio.Nursery) -> None:
+        self.client = client
+        self.view = client.coordinator
+        self._nursery = nursery
+
+    @property
+    def pending(self) -> int:
+        return len(self.client.in_flight())
+
+    async def submit(
+        self,
+        max_tokens: int,
+        *,
+        on_output: Callable[[tuple[int, ...], int | None], None],
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        stream = self.client.generate(prompt_token_ids or list(_FALLBACK_PROMPT), params)
+        await stream.__aenter__()
+        self._nursery.start_soon(self._pump, stream, on_output)
+        return stream.request_id
+
+    async def _pump(
+        self, stream: Any, on_output: Callable[[tuple[int, ...], int | None], None]
+    ) -> None:
+        reasons = {name: code for code, name in _FINISH_REASONS.items()}
+        try:
+            async for output in stream:
+                reason = output.finish_reason
+                on_output(output.new_token_ids, None if reason is None else reasons.get(reason, 3))
+        except EngineClientError as exc:
+            logger.warning("request %s failed: %s", stream.request_id, exc)
+            on_output((), 3)
+        finally:
+            await stream.__aexit__(None, None, None)
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.abort(request_id)
+
+
+class CompletionsApp:
+    """The ASGI application: completions routed to the simulated DP engines (or to real
+    ones through :class:`EngineClientFrontend`)."""
+
+    def __init__(
+        self,
+        frontend: SimFrontend | EngineClientFrontend,
+        registry: CollectorRegistry,
+        model: str,
+    ) -> None:
         self.frontend = frontend
         self.registry = registry
         self.model = model
         self.draining = False
+        self._token_ids = isinstance(frontend, EngineClientFrontend)
         self._drain_deadline = math.inf
         self._in_flight: set[trio.CancelScope] = set()
         self._requests = Counter(
@@ -160,10 +230,17 @@ class CompletionsApp:
             return
         chunks_send, chunks = trio.open_memory_channel[tuple[tuple[int, ...], int | None]](math.inf)
         wave = self.frontend.view.snapshot().current_wave
-        request_id = await self.frontend.submit(
-            request["max_tokens"],
-            on_output=lambda tokens, reason: chunks_send.send_nowait((tokens, reason)),
-        )
+        def on_output(tokens: tuple[int, ...], reason: int | None) -> None:
+            chunks_send.send_nowait((tokens, reason))
+
+        if isinstance(self.frontend, EngineClientFrontend):
+            request_id = await self.frontend.submit(
+                request["max_tokens"],
+                on_output=on_output,
+                prompt_token_ids=request.get("prompt_token_ids"),
+            )
+        else:
+            request_id = await self.frontend.submit(request["max_tokens"], on_output=on_output)
         completion_id = f"cmpl-{request_id}"
         header = {
             "id": completion_id,
@@ -212,6 +289,7 @@ class CompletionsApp:
                     "text": "".join(map(token_text, tokens)),
                     "logprobs": None,
                     "finish_reason": _FINISH_REASONS.get(reason, "error"),
+                    **({"token_ids": tokens} if self._token_ids else {}),
                 }
             ],
             "usage": _usage(len(tokens)),
@@ -264,6 +342,7 @@ class CompletionsApp:
                             "text": "".join(map(token_text, new)),
                             "logprobs": None,
                             "finish_reason": finished,
+                            **({"token_ids": list(new)} if self._token_ids else {}),
                         }
                     ],
                     "dp_wave": wave,
@@ -320,7 +399,10 @@ def _parse_completion(body: bytes) -> dict[str, Any]:
     stream = request.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false")
-    return {"max_tokens": max_tokens, "stream": stream}
+    parsed: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
+    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        parsed["prompt_token_ids"] = prompt
+    return parsed
 
 
 async def _respond(send: Send, status: int, content_type: str, body: bytes) -> None:
@@ -389,6 +471,23 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="shut down when standard input closes (the parent process is gone)",
     )
+    parser.add_argument(
+        "--engine-client",
+        metavar="tcp://HOST:PORT",
+        help="serve real vLLM engines (started with --headless and this address as "
+        "--data-parallel-address/--data-parallel-rpc-port) instead of simulated ones",
+    )
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="with --engine-client: bind on a host other than loopback (unauthenticated)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="with --engine-client: seconds to wait for every engine (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="WARNING", help="(default: %(default)s)")
     return parser
 
@@ -398,7 +497,50 @@ def _emit(record: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+async def run_engine_client(args: argparse.Namespace) -> int:
+    """The ``--engine-client`` mode: real engines, the coordinator inside the client."""
+    shutdown = trio.Event()
+    app: CompletionsApp | None = None
+
+    def stop(reason: str) -> None:
+        if not shutdown.is_set():
+            logger.info("stopping: %s", reason)
+            if app is not None:
+                app.begin_drain(args.drain_timeout)
+            shutdown.set()
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_engine_client(
+            args.engines,
+            args.engine_client,
+            allow_remote=args.allow_remote,
+            startup_timeout=args.startup_timeout,
+        ) as client, trio.open_nursery() as helpers:
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    stop(f"{signal.Signals(signum).name} received")
+
+            helpers.start_soon(on_signal)
+            if args.exit_on_stdin_eof:
+                helpers.start_soon(_stop_at_stdin_eof, stop)
+            registry = CollectorRegistry()
+            registry.register(CoordinatorCollector(client.coordinator))
+            app = CompletionsApp(EngineClientFrontend(client, helpers), registry, args.model)
+            hyper = Config()
+            hyper.bind = [f"{args.host}:{args.port}"]
+            hyper.graceful_timeout = args.drain_timeout + 5.0
+            hyper.loglevel = args.log_level.upper()
+            async with trio.open_nursery() as server:
+                binds = await server.start(_serve, app, hyper, shutdown)
+                _emit({"url": binds[0], "pid": os.getpid(), "engine_pids": []})
+            helpers.cancel_scope.cancel()
+    return 0
+
+
 async def run(args: argparse.Namespace) -> int:
+    if args.engine_client:
+        return await run_engine_client(args)
     config = ClusterConfig(
         engines=args.engines,
         step_time=args.step_time,

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 # private import (documented exception): the unit test of the private module itself
 from trio_dpcoord._engine_protocol import (
+    ENGINE_CORE_DEAD,
+    EngineDead,
     EngineHandshakeError,
     HandshakeState,
     RequestState,
     RequestTable,
+    SamplingParams,
+    SilenceWatch,
+    UtilityResult,
+    decode_engine_frames,
+    decode_utility_output,
+    encode_abort,
+    encode_add,
+    encode_utility,
     engine_identity,
     rank_of_identity,
 )
+from trio_dpcoord.protocol import ProtocolError
 
 METADATA = {"addresses": {"inputs": ["tcp://127.0.0.1:1"]}, "parallel_config": {}}
 
@@ -36,8 +48,15 @@ def test_hello_is_answered_and_ready_completes() -> None:
     assert not state.done
     state.receive(engine_identity(0), {"status": "HELLO"})
     state.receive(engine_identity(0), {"status": "READY"})
+    assert state.missing() == []
+    assert not state.done  # the ready responses on the input socket are still due
+    assert "no ready response on the input socket: ranks [0, 1]" in state.describe_missing()
+    state.receive_ready_response(engine_identity(0), {"data_parallel_rank": 0})
+    state.receive_ready_response(engine_identity(1), {"data_parallel_rank": 1})
     assert state.done
     assert state.ready[1]["num_gpu_blocks"] == 8
+    with pytest.raises(EngineHandshakeError, match="twice"):
+        state.receive_ready_response(engine_identity(1), {})
 
 
 @pytest.mark.parametrize(
@@ -127,3 +146,91 @@ class RequestTableMachine(RuleBasedStateMachine):
 
 
 TestRequestTableMachine = RequestTableMachine.TestCase
+
+
+def test_metadata_per_rank_and_a_missing_report_that_names_ranks() -> None:
+    state = HandshakeState([0, 1, 2], lambda rank: {"rank": rank})
+    assert state.receive(engine_identity(2), {"status": "HELLO"}) == {"rank": 2}
+    state.receive(engine_identity(2), {"status": "READY"})
+    state.receive(engine_identity(1), {"status": "HELLO"})
+    assert state.describe_missing() == (
+        "never said HELLO: ranks [0]; said HELLO but not READY: ranks [1]; "
+        "no ready response on the input socket: ranks [2]"
+    )
+
+
+def test_ranks_with_different_parallel_config_hashes_are_refused() -> None:
+    state = HandshakeState([0, 1], METADATA)
+    for rank in (0, 1):
+        state.receive(engine_identity(rank), {"status": "HELLO"})
+    state.receive(engine_identity(0), {"status": "READY", "parallel_config_hash": "aa"})
+    with pytest.raises(EngineHandshakeError, match="rank 1's parallel config hash 'bb'"):
+        state.receive(engine_identity(1), {"status": "READY", "parallel_config_hash": "bb"})
+
+
+def test_dead_rank_is_remembered_and_its_work_returned() -> None:
+    table = RequestTable()
+    table.add("a", 1)
+    table.add("b", 0)
+    assert table.busy_ranks() == {0, 1}
+    assert table.mark_dead(1) == (["a"], [])
+    assert table.dead == {1}
+    assert table.busy_ranks() == {0}
+
+
+def test_wire_messages() -> None:
+    assert encode_abort(["a", "b"]) == [b"\x01", msgpack.packb(["a", "b"])]
+    assert encode_utility(0, 7, "is_sleeping", ()) == [
+        b"\x03",
+        bytes.fromhex("940007ab69735f736c656570696e6790"),  # vLLM 0.32.0's bytes
+    ]
+    frames = encode_add(
+        "r", [1, 2], SamplingParams(max_tokens=3), arrival_time=2.0, current_wave=4,
+        data_parallel_rank=1,
+    )
+    items = msgpack.unpackb(frames[1])
+    assert frames[0] == b"\x00" and len(items) == 22
+    assert items[:2] == ["r", [1, 2]] and items[3]["max_tokens"] == 3
+    assert (items[8], items[12]) == (1, 4)
+    with pytest.raises(ValueError):
+        encode_add("r", [], SamplingParams(), arrival_time=0.0, current_wave=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0).to_wire()
+
+
+def test_engine_frames_and_utility_outputs_decode() -> None:
+    assert decode_engine_frames([ENGINE_CORE_DEAD]) == EngineDead()
+    output = ["r", [5, 6], None, None, None, 1]
+    outputs = decode_engine_frames(
+        [msgpack.packb([1, [output], None, 0.5, [3, None, [None, True]]])]
+    )
+    assert not isinstance(outputs, EngineDead)
+    assert outputs.engine_index == 1
+    assert outputs.outputs[0].new_token_ids == (5, 6) and outputs.outputs[0].finish_reason == 1
+    assert decode_utility_output(outputs.utility_output) == UtilityResult(3, None, True)
+    assert decode_utility_output([4, "boom", None]) == UtilityResult(4, "boom", None)
+    for bad in ([], ["x"], [1, 2]):
+        with pytest.raises(ProtocolError):
+            decode_utility_output(bad)
+    with pytest.raises(ProtocolError):
+        decode_engine_frames([])
+    with pytest.raises(ProtocolError):
+        decode_engine_frames([b"\xc1"])
+
+
+def test_silence_watch_only_times_out_busy_ranks() -> None:
+    watch = SilenceWatch(10.0)
+    watch.sent(0, now=0.0, idle_before=True)
+    assert watch.overdue(5.0, busy=[0]) == []
+    assert watch.next_check(5.0, busy=[0]) == 10.0
+    assert watch.overdue(10.5, busy=[0]) == [0]
+    assert watch.overdue(10.5, busy=[]) == []  # idle: never overdue
+    watch.heard(0, 10.5)
+    assert watch.overdue(15.0, busy=[0]) == []
+    watch.sent(0, now=100.0, idle_before=True)  # idle for long, then work: clock restarts
+    assert watch.overdue(105.0, busy=[0]) == []
+    watch.sent(0, now=108.0, idle_before=False)  # more work: the clock keeps running
+    assert watch.overdue(110.5, busy=[0]) == [0]
+    assert watch.next_check(0.0, busy=[]) == float("inf")
+    with pytest.raises(ValueError):
+        SilenceWatch(0)

@@ -22,9 +22,21 @@ if TYPE_CHECKING:
     from ._core import WaveStartCause as WaveStartCause
     from ._endpoints import Liveness as Liveness
     from ._endpoints import PrivateIpcDirectory as PrivateIpcDirectory
+    from ._engine_client import Completion as Completion
+    from ._engine_client import EngineClient as EngineClient
+    from ._engine_client import RequestOutput as RequestOutput
+    from ._engine_client import RequestStream as RequestStream
+    from ._engine_client import open_engine_client as open_engine_client
+    from ._engine_protocol import SamplingParams as SamplingParams
     from ._errors import CoordinatorClosedError as CoordinatorClosedError
     from ._errors import CoordinatorError as CoordinatorError
+    from ._errors import EngineClientClosedError as EngineClientClosedError
+    from ._errors import EngineClientError as EngineClientError
+    from ._errors import EngineDeadError as EngineDeadError
+    from ._errors import EngineStartupError as EngineStartupError
     from ._errors import ReadyTimeoutError as ReadyTimeoutError
+    from ._errors import RequestAbortedError as RequestAbortedError
+    from ._errors import UtilityCallError as UtilityCallError
     from ._frontend import Frontend as Frontend
     from ._frontend import open_frontend as open_frontend
     from ._frontend_state import FrontendState as FrontendState
@@ -42,6 +54,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Completion",
     "ConnectionMonitor",
     "Coordinator",
     "CoordinatorClosedError",
@@ -50,7 +63,12 @@ __all__ = [
     "CoordinatorError",
     "CoordinatorView",
     "EngineChooser",
+    "EngineClient",
+    "EngineClientClosedError",
+    "EngineClientError",
+    "EngineDeadError",
     "EngineLoad",
+    "EngineStartupError",
     "Frontend",
     "FrontendState",
     "HistogramSnapshot",
@@ -58,7 +76,12 @@ __all__ = [
     "PrivateIpcDirectory",
     "ProtocolError",
     "ReadyTimeoutError",
+    "RequestAbortedError",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
     "SubscriptionView",
+    "UtilityCallError",
     "WaveSnapshot",
     "WaveStart",
     "WaveStartCause",
@@ -66,6 +89,7 @@ __all__ = [
     "engine_score",
     "open_connection_monitor",
     "open_coordinator",
+    "open_engine_client",
     "open_frontend",
 ]
 
@@ -73,6 +97,7 @@ __all__ = [
 # vLLM does with the plugin in every one of its processes, costs only that submodule: not
 # trio, pyzmq and the whole service. ``from trio_dpcoord import X`` works as usual.
 _EXPORTS: dict[str, str] = {
+    "Completion": "._engine_client",
     "ConnectionMonitor": "._monitor",
     "Coordinator": "._service",
     "CoordinatorClosedError": "._errors",
@@ -81,7 +106,12 @@ _EXPORTS: dict[str, str] = {
     "CoordinatorError": "._errors",
     "CoordinatorView": "._view",
     "EngineChooser": "._balance",
+    "EngineClient": "._engine_client",
+    "EngineClientClosedError": "._errors",
+    "EngineClientError": "._errors",
+    "EngineDeadError": "._errors",
     "EngineLoad": ".protocol",
+    "EngineStartupError": "._errors",
     "Frontend": "._frontend",
     "FrontendState": "._frontend_state",
     "HistogramSnapshot": "._core",
@@ -89,7 +119,12 @@ _EXPORTS: dict[str, str] = {
     "PrivateIpcDirectory": "._endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
+    "RequestAbortedError": "._errors",
+    "RequestOutput": "._engine_client",
+    "RequestStream": "._engine_client",
+    "SamplingParams": "._engine_protocol",
     "SubscriptionView": "._core",
+    "UtilityCallError": "._errors",
     "WaveSnapshot": "._state",
     "WaveStart": "._state",
     "WaveStartCause": "._core",
@@ -97,6 +132,7 @@ _EXPORTS: dict[str, str] = {
     "engine_score": "._balance",
     "open_connection_monitor": "._monitor",
     "open_coordinator": "._service",
+    "open_engine_client": "._engine_client",
     "open_frontend": "._frontend",
 }
 

@@ -1,0 +1,784 @@
+"""A trio engine-core client for vLLM's DP engines, with the wave coordinator inside.
+
+:func:`open_engine_client` is the front-end side of vLLM's engine protocol (the part of
+``MPClient``/``DPLBAsyncMPClient`` that talks to engine cores, docs/protocol.md §14): it
+binds the handshake address that engines started with ``vllm serve MODEL --headless
+--data-parallel-address HOST --data-parallel-rpc-port PORT`` connect to, answers each
+HELLO with the addresses to use (the request input, an output socket of the rank's own,
+the embedded coordinator's two engine sockets), waits for every READY, then sends
+requests stamped with the coordinator's current wave to the engine the chooser picks,
+and streams each request's outputs to its own :class:`RequestStream`.
+
+The rules live in :mod:`._engine_protocol` (handshake state, request table, the wire);
+the tasks here only move bytes: one sender owns the request-input socket, one listener
+per rank reads that rank's output socket, one watcher per rank reads its connection
+events, so that an engine that dies or goes silent (ZMTP heartbeats drop the
+connection) fails exactly its own requests with :class:`EngineDeadError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, final
+
+import msgpack
+import trio
+import zmq
+
+from ._balance import EngineChooser
+from ._endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
+from ._engine_protocol import (
+    FINISH_REASONS,
+    EngineDead,
+    EngineHandshakeError,
+    HandshakeState,
+    RequestState,
+    RequestTable,
+    SamplingParams,
+    SilenceWatch,
+    decode_engine_frames,
+    decode_handshake,
+    decode_ready_response,
+    decode_utility_output,
+    encode_abort,
+    encode_add,
+    encode_utility,
+    engine_identity,
+)
+from ._errors import (
+    EngineClientClosedError,
+    EngineClientError,
+    EngineDeadError,
+    EngineStartupError,
+    RequestAbortedError,
+    UtilityCallError,
+)
+from ._service import Coordinator, open_coordinator
+from ._tasks import RejectLog, open_task_nursery
+from .protocol import EngineLoad, ProtocolError
+from .trio_zmq import AsyncSocket, open_context, open_monitor, open_socket, parse_monitor_event
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = [
+    "EngineClient",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "open_engine_client",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STARTUP_TIMEOUT = 600.0
+"""vLLM's own default (``VLLM_ENGINE_READY_TIMEOUT_S``): loading weights takes a while."""
+_UNAVAILABLE = EngineLoad(waiting=2**62, running=0, kv_cache_usage=1.0)
+"""The load a dead rank is given so that the chooser never picks it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One step's output of one request: its new token ids, and once it ends the
+    finish reason (vLLM's words: ``stop``, ``length``, ``abort``, ``error``,
+    ``repetition``) and stop reason (a stop token id or string, if one ended it)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole request's token ids and finish reason (:meth:`EngineClient.complete`)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    rank: int
+
+
+@final
+class RequestStream:
+    """One request's outputs, as an async iterator; enter it to send the request.
+
+    ``async with client.generate(prompt, params) as stream: async for out in stream:``.
+    The request goes to the engine when the block is entered; leaving the block before
+    the request finished (a ``break``, an error, a cancellation) aborts it on the engine.
+    Iteration ends after the output that carries the finish reason; it raises
+    :class:`EngineDeadError` if the engine goes, :class:`RequestAbortedError` if the
+    request was aborted under it (the caller fell ``buffer`` outputs behind, or the client
+    closed).
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        rank: int | None,
+        priority: int,
+        buffer: int,
+    ) -> None:
+        self._client = client
+        self.request_id = request_id
+        self._prompt = list(prompt_token_ids)
+        self._params = params
+        self._pinned = rank
+        self._priority = priority
+        self.rank: int | None = None
+        """The DP rank the request went to (set once entered)."""
+        self._send, self._receive = trio.open_memory_channel[RequestOutput](buffer)
+        self._error: BaseException | None = None
+        self._entered = False
+        self.finish_reason: str | None = None
+
+    async def __aenter__(self) -> RequestStream:
+        if self._entered:
+            raise RuntimeError("a RequestStream can be entered once")
+        self._entered = True
+        self._client._add(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._client._release(self)
+        self._receive.close()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._entered:
+            raise RuntimeError("enter the stream (async with) before reading it")
+        try:
+            output = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            if self._error is not None:
+                raise self._error from None
+            raise StopAsyncIteration from None
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+        return output
+
+    # called by the client's tasks (never block)
+    def _deliver(self, output: RequestOutput) -> bool:
+        """Queue one output; False when the reader is ``buffer`` outputs behind."""
+        try:
+            self._send.send_nowait(output)
+        except trio.WouldBlock:
+            return False
+        except trio.BrokenResourceError:  # the reader left; the release aborts it
+            return True
+        if output.finished:
+            self._send.close()
+        return True
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._send.close()
+
+
+@dataclass
+class _PendingCall:
+    rank: int
+    method: str
+    done: trio.Event
+    result: Any = None
+    error: BaseException | None = None
+
+
+@final
+class EngineClient:
+    """The handle :func:`open_engine_client` yields once every engine is ready."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        engine_count: int,
+        ready_responses: Mapping[int, Mapping[str, Any]],
+        send_channel: trio.MemorySendChannel[tuple[bytes, list[bytes]]],
+        client_index: int,
+        silence_timeout: float | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        """The embedded wave coordinator (its snapshot, loads and counters)."""
+        self.engine_count = engine_count
+        self.ready_responses: Mapping[int, Mapping[str, Any]] = ready_responses
+        """Each rank's ``EngineCoreReadyResponse`` (``max_model_len``, ``vllm_version``...)."""
+        self.client_index = client_index
+        self._send = send_channel
+        self._table = RequestTable()
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, _PendingCall] = {}
+        self._chooser = EngineChooser(engine_count)
+        self._closed = False
+        self._request_ids = (f"trio-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
+        self.reject = RejectLog(logger)
+        self._silence = SilenceWatch(silence_timeout) if silence_timeout is not None else None
+        self._work_sent = trio.Event()
+        self.requests_sent = 0
+        self.requests_aborted = 0
+
+    # --- public API -----------------------------------------------------------------
+    @property
+    def dead_ranks(self) -> frozenset[int]:
+        """Ranks taken as dead; nothing is sent to them any more."""
+        return frozenset(self._table.dead)
+
+    def in_flight(self, rank: int | None = None) -> list[str]:
+        """Request ids in flight (on ``rank`` only, if given)."""
+        return self._table.in_flight(rank)
+
+    def pending_calls(self) -> int:
+        """Utility calls sent and not answered yet."""
+        return len(self._calls)
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        rank: int | None = None,
+        priority: int = 0,
+        buffer: int = 1024,
+    ) -> RequestStream:
+        """A request for ``prompt_token_ids``; enter the returned stream to send it.
+
+        ``rank`` pins the request to that DP rank (vLLM's ``data_parallel_rank``);
+        otherwise the chooser picks the engine from the coordinator's live loads.
+        ``buffer``: how many outputs may wait unread before the request is aborted.
+        """
+        if rank is not None and not 0 <= rank < self.engine_count:
+            raise ValueError(f"rank must be in [0, {self.engine_count}), got {rank}")
+        if buffer < 1:
+            raise ValueError("buffer must be at least 1")
+        return RequestStream(
+            self,
+            request_id if request_id is not None else next(self._request_ids),
+            prompt_token_ids,
+            params or SamplingParams(),
+            rank,
+            priority,
+            buffer,
+        )
+
+    async def complete(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        rank: int | None = None,
+    ) -> Completion:
+        """Send one request and wait for all of it."""
+        tokens: list[int] = []
+        async with self.generate(prompt_token_ids, params, rank=rank) as stream:
+            async for output in stream:
+                tokens.extend(output.new_token_ids)
+        assert stream.finish_reason is not None and stream.rank is not None
+        return Completion(stream.request_id, tuple(tokens), stream.finish_reason, stream.rank)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request in flight: its stream ends at once with a last output of
+        finish reason ``abort`` (the engine sends nothing for an aborted request, as
+        vLLM's own front-end knows: it ends the request itself); nothing happens for an
+        unknown id."""
+        rank = self._table.rank_of(request_id)
+        if rank is None:
+            return
+        stream = self._streams.get(request_id)
+        self._finish(request_id, rank)
+        self.requests_aborted += 1
+        self._queue(rank, encode_abort([request_id]))
+        if stream is not None and not stream._deliver(RequestOutput(request_id, (), "abort")):
+            stream._fail(RequestAbortedError(f"request {request_id} aborted"))
+
+    async def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
+        """Call ``EngineCore.<method>(*args)`` on ``rank`` and return its result.
+
+        :class:`UtilityCallError` with vLLM's message if the call failed there;
+        :class:`EngineDeadError` if the engine goes first. Results are decoded msgpack
+        (vLLM sends typed results only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
+        self._check_usable()
+        if not 0 <= rank < self.engine_count:
+            raise ValueError(f"rank must be in [0, {self.engine_count}), got {rank}")
+        if rank in self._table.dead:
+            raise EngineDeadError(rank, "taken as dead earlier")
+        call_id = self._table.new_call(rank)
+        call = _PendingCall(rank, method, trio.Event())
+        self._calls[call_id] = call
+        try:
+            self._queue(rank, encode_utility(self.client_index, call_id, method, args))
+            await call.done.wait()
+        finally:
+            if self._calls.pop(call_id, None) is not None:
+                self._table.complete_call(call_id)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """The same utility call on every live rank, results in rank order."""
+        live = [r for r in range(self.engine_count) if r not in self._table.dead]
+        results: dict[int, Any] = {}
+
+        async def one(rank: int) -> None:
+            results[rank] = await self.call_utility(method, *args, rank=rank)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in live:
+                    nursery.start_soon(one, rank)
+        except BaseExceptionGroup as group:
+            first = group.exceptions[0]
+            if isinstance(first, EngineClientError):
+                raise first from None
+            raise
+        return [results[r] for r in live]
+
+    async def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's ``pause_scheduler`` on every live engine (``abort``, ``wait``, ``keep``)."""
+        await self.call_utility_all("pause_scheduler", mode, clear_cache)
+
+    async def resume_scheduler(self) -> None:
+        """vLLM's ``resume_scheduler`` on every live engine."""
+        await self.call_utility_all("resume_scheduler")
+
+    # --- what the streams call ------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineClientClosedError("the engine client has stopped")
+
+    def _busy_ranks(self) -> set[int]:
+        """Ranks with requests or utility calls in flight."""
+        return set(self._table.busy_ranks()) | {call.rank for call in self._calls.values()}
+
+    def _queue(self, rank: int, frames: list[bytes]) -> None:
+        if self._silence is not None and frames[0] != b"\x01":  # aborts expect nothing
+            idle = rank not in self._busy_ranks()
+            self._silence.sent(rank, trio.current_time(), idle)
+            self._work_sent.set()
+        try:
+            self._send.send_nowait((engine_identity(rank), frames))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise EngineClientClosedError("the engine client has stopped") from None
+
+    def _choose(self) -> int:
+        dead = self._table.dead
+        if len(dead) >= self.engine_count:
+            raise EngineDeadError(min(dead), "every engine is gone")
+        loads = list(self.coordinator.engine_loads())
+        loads += [EngineLoad(0, 0, 0.0)] * (self.engine_count - len(loads))
+        for rank in dead:
+            loads[rank] = _UNAVAILABLE
+        return self._chooser.choose(loads[: self.engine_count])
+
+    def _add(self, stream: RequestStream) -> None:
+        self._check_usable()
+        if stream._pinned is not None:
+            rank = stream._pinned
+            if rank in self._table.dead:
+                raise EngineDeadError(rank, "taken as dead earlier")
+        else:
+            rank = self._choose()
+        self._table.add(stream.request_id, rank)
+        stream.rank = rank
+        self._streams[stream.request_id] = stream
+        snapshot = self.coordinator.snapshot()
+        self._queue(
+            rank,
+            encode_add(
+                stream.request_id,
+                stream._prompt,
+                stream._params,
+                arrival_time=time.time(),
+                current_wave=snapshot.current_wave,
+                client_index=self.client_index,
+                data_parallel_rank=stream._pinned,
+                priority=stream._priority,
+            ),
+        )
+        self.requests_sent += 1
+        if not snapshot.engines_running:
+            # as DPAsyncMPClient: the request first, then the first-request notice
+            self.coordinator.notify_first_request(rank)
+
+    def _release(self, stream: RequestStream) -> None:
+        """The caller left the stream: abort the request if it is still live."""
+        rank = self._table.rank_of(stream.request_id)
+        if rank is None:
+            return
+        self._table.finish(stream.request_id, RequestState.ABORTED)
+        self._streams.pop(stream.request_id, None)
+        self._chooser.finished(rank)
+        self.requests_aborted += 1
+        if not self._closed:
+            with suppress(EngineClientClosedError):
+                self._queue(rank, encode_abort([stream.request_id]))
+        logger.debug("request %s on rank %d aborted by its caller", stream.request_id, rank)
+
+    # --- what the tasks call --------------------------------------------------------
+    def _receive_outputs(self, rank: int, frames: list[bytes]) -> None:
+        if self._silence is not None:
+            self._silence.heard(rank, trio.current_time())
+        try:
+            message = decode_engine_frames(frames)
+        except ProtocolError as exc:
+            self.reject("engine_output", f"rank {rank}: {exc}")
+            return
+        if isinstance(message, EngineDead):
+            self._rank_dead(rank, "it sent ENGINE_CORE_DEAD")
+            return
+        aborted: list[str] = []
+        for out in message.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # finished, aborted or not ours: dropped, as vLLM does
+            reason = None
+            if out.finish_reason is not None:
+                reason = (
+                    FINISH_REASONS[out.finish_reason]
+                    if out.finish_reason < len(FINISH_REASONS)
+                    else str(out.finish_reason)
+                )
+            if not stream._deliver(RequestOutput(out.request_id, out.new_token_ids, reason)):
+                aborted.append(out.request_id)
+                stream._fail(
+                    RequestAbortedError(
+                        f"request {out.request_id} aborted: its reader fell "
+                        f"{stream._send.statistics().max_buffer_size} outputs behind"
+                    )
+                )
+            elif reason is not None:
+                self._finish(out.request_id, rank)
+        for request_id in aborted:
+            self._table.finish(request_id, RequestState.ABORTED)
+            self._streams.pop(request_id, None)
+            self._chooser.finished(rank)
+            self.requests_aborted += 1
+        if aborted:
+            self._queue(rank, encode_abort(aborted))
+        if message.utility_output is not None:
+            self._receive_utility(rank, message.utility_output)
+
+    def _finish(self, request_id: str, rank: int) -> None:
+        self._table.finish(request_id)
+        self._streams.pop(request_id, None)
+        self._chooser.finished(rank)
+
+    def _receive_utility(self, rank: int, raw: object) -> None:
+        try:
+            answer = decode_utility_output(raw)
+        except ProtocolError as exc:
+            self.reject("utility_output", f"rank {rank}: {exc}")
+            return
+        call = self._calls.pop(answer.call_id, None)
+        if call is None:
+            self.reject("utility_output", f"rank {rank}: no call {answer.call_id} pending")
+            return
+        self._table.complete_call(answer.call_id)
+        if answer.failure is not None:
+            call.error = UtilityCallError(
+                f"{call.method} failed on rank {rank}: {answer.failure}"
+            )
+        else:
+            call.result = answer.result
+        call.done.set()
+
+    def _rank_dead(self, rank: int, reason: str) -> None:
+        if rank in self._table.dead:
+            return
+        requests, calls = self._table.mark_dead(rank)
+        logger.warning(
+            "engine rank %d is gone (%s): failing %d request(s) and %d call(s)",
+            rank,
+            reason,
+            len(requests),
+            len(calls),
+        )
+        for request_id in requests:
+            stream = self._streams.pop(request_id, None)
+            self._chooser.finished(rank)
+            if stream is not None:
+                stream._fail(EngineDeadError(rank, reason))
+        for call_id in calls:
+            call = self._calls.pop(call_id, None)
+            if call is not None:
+                call.error = EngineDeadError(rank, reason)
+                call.done.set()
+
+    async def _watch_silence(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Marks dead the ranks silent for ``silence_timeout`` with work in flight."""
+        task_status.started()
+        watch = self._silence
+        if watch is None:
+            return
+        while True:
+            now = trio.current_time()
+            busy = self._busy_ranks() - self._table.dead
+            for rank in watch.overdue(now, busy):
+                self._rank_dead(rank, f"silent for {watch.timeout:g} s with work in flight")
+            busy = self._busy_ranks() - self._table.dead
+            self._work_sent = trio.Event()
+            with trio.move_on_at(watch.next_check(now, busy) + 0.01):
+                await self._work_sent.wait()
+
+    def _close(self) -> None:
+        """The client stops: fail whatever is still in flight, refuse further use."""
+        self._closed = True
+        for request_id in self._table.in_flight():
+            self._table.finish(request_id, RequestState.ABORTED)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._fail(RequestAbortedError(f"request {request_id}: the client closed"))
+        for call_id, call in list(self._calls.items()):
+            self._table.complete_call(call_id)
+            call.error = EngineClientClosedError(f"{call.method}: the client closed")
+            call.done.set()
+        self._calls.clear()
+        self._send.close()
+
+
+def _tcp_host(address: str) -> str:
+    if not address.startswith("tcp://"):
+        raise ValueError(f"the handshake address must be tcp://HOST:PORT, got {address!r}")
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"the handshake address must be tcp://HOST:PORT, got {address!r}")
+    return host
+
+
+@asynccontextmanager
+async def open_engine_client(
+    engine_count: int,
+    handshake_address: str,
+    *,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    parallel_config: Mapping[str, Any] | None = None,
+    client_index: int = 0,
+    allow_remote: bool = False,
+    liveness: Liveness = DEFAULT_LIVENESS,
+    wave_coordination: bool = True,
+    silence_timeout: float | None = 120.0,
+) -> AsyncIterator[EngineClient]:
+    """Serve ``engine_count`` DP engine cores that connect to ``handshake_address``.
+
+    ``handshake_address`` is ``tcp://HOST:PORT``, what the engines were given as
+    ``--data-parallel-address HOST --data-parallel-rpc-port PORT``; the request input,
+    the per-rank output sockets and the coordinator's engine sockets are bound on the
+    same host, on free ports (``allow_remote`` for a host other than loopback: the
+    traffic is unauthenticated, as vLLM's). Each HELLO is answered with vLLM's
+    ``EngineHandshakeMetadata``: those addresses, no front-end stats address (the
+    coordinator is in this process), and ``parallel_config`` (vLLM's DP master keys,
+    ``data_parallel_master_ip`` ...; empty by default, so engines launched together keep
+    the ports their launcher chose for them).
+
+    Yields the :class:`EngineClient` once every rank said READY and sent its ready
+    response; :class:`EngineStartupError` naming the missing ranks after
+    ``startup_timeout`` seconds. Leaving the block fails whatever is in flight with
+    :class:`RequestAbortedError` and closes every socket and task; the engines
+    themselves keep running (they belong to whoever started them). A failure of the
+    client's own tasks comes out as :class:`EngineClientError`.
+
+    A rank is taken as dead (its requests and calls fail with :class:`EngineDeadError`
+    naming it; it is chosen no more) when it sends ``ENGINE_CORE_DEAD``, when its output
+    connection closes or its heartbeats stop (``liveness``), or when it says nothing for
+    ``silence_timeout`` seconds while work waits on it (None: never; a paused scheduler
+    holding requests is silent too, so keep it well above the longest pause).
+    """
+    if engine_count < 1:
+        raise ValueError("engine_count must be at least 1")
+    host = _tcp_host(handshake_address)
+    check_bind_address(handshake_address, allow_remote=allow_remote)
+    free = f"tcp://{host}:0"
+    tcp_options = liveness.for_address(free).socket_options()
+    client: EngineClient | None = None
+    async with AsyncExitStack() as stack:
+        context = await stack.enter_async_context(open_context())
+        input_socket = await stack.enter_async_context(
+            open_socket(context, zmq.ROUTER, options={zmq.SNDHWM: 0, **tcp_options})
+        )
+        input_address = input_socket.bind(free)
+        outputs: list[tuple[AsyncSocket, AsyncSocket, str]] = []
+        for _ in range(engine_count):
+            pull = await stack.enter_async_context(
+                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, **tcp_options})
+            )
+            monitor = await stack.enter_async_context(
+                open_monitor(context, pull, zmq.EVENT_DISCONNECTED)
+            )
+            outputs.append((pull, monitor, pull.bind(free)))
+        coordinator = await stack.enter_async_context(
+            open_coordinator(
+                engine_count,
+                engine_input_address=free,
+                engine_output_address=free,
+                ready_timeout=None,
+                allow_remote=allow_remote,
+                liveness=liveness,
+                wave_coordination=wave_coordination,
+            )
+        )
+
+        def metadata(rank: int) -> Mapping[str, Any]:
+            return {
+                "addresses": {
+                    "inputs": [input_address],
+                    "outputs": [outputs[rank][2]],
+                    "coordinator_input": coordinator.engine_input_address,
+                    "coordinator_output": coordinator.engine_output_address,
+                    "frontend_stats_publish_address": None,
+                },
+                "parallel_config": dict(parallel_config or {}),
+            }
+
+        state = HandshakeState(range(engine_count), metadata)
+        async with open_socket(
+            context, zmq.ROUTER, bind=handshake_address, options=tcp_options
+        ) as handshake:
+            logger.info(
+                "engine client: waiting for %d engine(s) on %s",
+                engine_count,
+                handshake.last_endpoint,
+            )
+            with trio.move_on_after(startup_timeout) as scope:
+                await _handshake(state, handshake, input_socket, client_index)
+            if scope.cancelled_caught:
+                missing = state.missing() or sorted(
+                    state.expected - state.ready_responses.keys()
+                )
+                raise EngineStartupError(
+                    f"engines did not start within {startup_timeout:g} s: "
+                    f"{state.describe_missing()}",
+                    missing,
+                )
+        logger.info(
+            "engine client: %d engine(s) ready (vLLM %s)",
+            engine_count,
+            state.ready_responses[0].get("vllm_version", "?"),
+        )
+        send, receive = trio.open_memory_channel[tuple[bytes, list[bytes]]](math.inf)
+        client = EngineClient(
+            coordinator,
+            engine_count,
+            dict(state.ready_responses),
+            send,
+            client_index,
+            silence_timeout,
+        )
+
+        def on_exit() -> None:
+            assert client is not None
+            client._close()
+
+        async with open_task_nursery(
+            on_exit=on_exit,
+            failure=lambda group: EngineClientError(f"engine client task failed: {group!r}"),
+        ) as nursery:
+            await nursery.start(_input_sender, input_socket, receive)
+            await nursery.start(client._watch_silence)
+            for rank, (pull, monitor, _) in enumerate(outputs):
+                await nursery.start(_output_listener, client, rank, pull)
+                await nursery.start(_connection_watcher, client, rank, monitor)
+            yield client
+
+
+async def _handshake(
+    state: HandshakeState, handshake: AsyncSocket, input_socket: AsyncSocket, client_index: int
+) -> None:
+    """HELLO/READY on the handshake socket, then every ready response on the input."""
+    reject = RejectLog(logger)
+    while len(state.ready) < len(state.expected):
+        identity, *rest = await handshake.recv_multipart()
+        try:
+            if len(rest) != 1:
+                raise ProtocolError(f"handshake message of {len(rest) + 1} frames")
+            message = decode_handshake(rest[0])
+            answer = state.receive(identity, message)
+        except (EngineHandshakeError, ProtocolError) as exc:
+            if "parallel config hash" in str(exc):
+                raise EngineStartupError(str(exc)) from exc
+            reject("handshake", str(exc))
+            continue
+        rank = int.from_bytes(identity, "little")
+        logger.debug("engine rank %d: %s", rank, message.get("status"))
+        if answer is not None:
+            await handshake.send_multipart([identity, msgpack.packb(dict(answer))])
+    while not state.done:
+        identity, *rest = await input_socket.recv_multipart()
+        try:
+            if len(rest) != 1:
+                raise ProtocolError(f"ready response of {len(rest) + 1} frames")
+            state.receive_ready_response(identity, decode_ready_response(rest[0]))
+        except (EngineHandshakeError, ProtocolError) as exc:
+            reject("ready_response", str(exc))
+
+
+async def _input_sender(
+    socket: AsyncSocket,
+    receive: trio.MemoryReceiveChannel[tuple[bytes, list[bytes]]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The one task that sends on the request-input socket."""
+    task_status.started()
+    async with receive:
+        async for identity, frames in receive:
+            await socket.send_multipart([identity, *frames])
+
+
+async def _output_listener(
+    client: EngineClient,
+    rank: int,
+    socket: AsyncSocket,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Reads rank ``rank``'s output socket and hands each message to the client."""
+    task_status.started()
+    while True:
+        for frames in await socket.recv_multipart_batch():
+            client._receive_outputs(rank, frames)
+
+
+async def _connection_watcher(
+    client: EngineClient,
+    rank: int,
+    monitor: AsyncSocket,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The rank's output connection closed (the process died) or was dropped by the
+    heartbeats (it went silent): the rank is gone."""
+    task_status.started()
+    while True:
+        try:
+            event = parse_monitor_event(await monitor.recv_multipart())
+        except ValueError as exc:
+            client.reject("monitor", str(exc))
+            continue
+        if event.event == zmq.EVENT_DISCONNECTED:
+            client._rank_dead(rank, "its output connection was lost")
