@@ -109,6 +109,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "tcp://HOST:PORT, ipc://PATH or inproc://NAME; ipc socket files are created "
         "readable by this user only.",
     )
+    _add_endpoint_arguments(serve)
+    _add_wave_arguments(serve)
+    _add_liveness_arguments(serve)
+    _add_access_arguments(serve)
+    _add_process_arguments(serve)
+    return parser
+
+
+def _add_endpoint_arguments(serve: argparse.ArgumentParser) -> None:
+    """The engine count and the three sockets' bind addresses."""
     serve.add_argument(
         "--engines",
         type=_positive_int,
@@ -139,6 +149,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="bind address of the engine output socket (PULL: stats, wave_complete, "
         "start_wave); engines connect their PUSH here (default: a private ipc:// path)",
     )
+
+
+def _add_wave_arguments(serve: argparse.ArgumentParser) -> None:
+    """How loads are published and waves coordinated."""
     serve.add_argument(
         "--stats-interval-ms",
         type=_positive_float,
@@ -155,12 +169,6 @@ def _build_parser() -> argparse.ArgumentParser:
         "is [counts, 0, false]",
     )
     serve.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow binding tcp addresses beyond loopback (ZeroMQ traffic is "
-        "unauthenticated: anyone who can reach the sockets can drive the engines)",
-    )
-    serve.add_argument(
         "--wake-confirm-timeout",
         type=_positive_float,
         default=30.0,
@@ -169,6 +177,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "time (paused engines drop START_DP_WAVE) is taken as paused again, instead of "
         "engines_running staying latched (default: %(default)s)",
     )
+
+
+def _add_liveness_arguments(serve: argparse.ArgumentParser) -> None:
+    """Heartbeats and keepalive: how soon a silent peer is dropped."""
     serve.add_argument(
         "--heartbeat-interval",
         type=_seconds_or_off,
@@ -203,6 +215,16 @@ def _build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_LIVENESS.tcp_keepalive_interval} s, {DEFAULT_LIVENESS.tcp_keepalive_count}"
         " unanswered drop the connection); 0 leaves the system default (default: %(default)s)",
     )
+
+
+def _add_access_arguments(serve: argparse.ArgumentParser) -> None:
+    """Who may reach the sockets."""
+    serve.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow binding tcp addresses beyond loopback (ZeroMQ traffic is "
+        "unauthenticated: anyone who can reach the sockets can drive the engines)",
+    )
     serve.add_argument(
         "--curve-secret-key-file",
         type=_curve_secret_key,
@@ -213,6 +235,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "know the matching public key (printed as curve_public_key in the endpoints "
         "line) can connect, and traffic is encrypted",
     )
+
+
+def _add_process_arguments(serve: argparse.ArgumentParser) -> None:
+    """The process around the service: metrics, lifetime, logging."""
     serve.add_argument(
         "--metrics-address",
         metavar="HOST:PORT",
@@ -234,7 +260,6 @@ def _build_parser() -> argparse.ArgumentParser:
         default="INFO",
         help="logging threshold for messages on stderr (default: %(default)s)",
     )
-    return parser
 
 
 def _emit(record: dict[str, object]) -> None:

@@ -22,7 +22,7 @@ of its own, so a scrape always shows the coordinator as it is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, TypeVar
 
 import h11
@@ -36,10 +36,12 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ._core import HistogramSnapshot, WaveStartCause
+from ._core import CoordinatorCounters, HistogramSnapshot, SubscriptionView, WaveStartCause
 from ._endpoints import check_bind_address
 from ._errors import CoordinatorError
 from ._service import Coordinator
+from ._state import WaveSnapshot
+from .protocol import EngineLoad
 
 __all__ = [
     "CoordinatorCollector",
@@ -99,12 +101,20 @@ class CoordinatorCollector(Collector):
         yield from self._families()
 
     def _families(self) -> Iterator[Metric]:
+        """Every family, from one reading of each of the handle's views."""
         coordinator = self._coordinator
-        snapshot = coordinator.snapshot()
         counters = coordinator.counters()
         view = coordinator.subscriptions()
-        name = self._name
+        yield from self._state_gauges(coordinator.snapshot(), counters, view)
+        yield from self._event_counters(counters, view)
+        yield from self._labelled_counters(counters)
+        yield self._wake_latency(counters.wake_latency)
+        yield from self._engine_load_gauges(coordinator.engine_loads())
 
+    def _state_gauges(
+        self, snapshot: WaveSnapshot, counters: CoordinatorCounters, view: SubscriptionView
+    ) -> Iterator[Metric]:
+        """The wave, the gate, the subscriptions and the backlog, as they are now."""
         gauges = (
             ("current_wave", _HELP_CURRENT_WAVE, snapshot.current_wave),
             (
@@ -136,7 +146,12 @@ class CoordinatorCollector(Collector):
             ),
         )
         for suffix, documentation, value in gauges:
-            yield GaugeMetricFamily(name(suffix), documentation, value=value)
+            yield GaugeMetricFamily(self._name(suffix), documentation, value=value)
+
+    def _event_counters(
+        self, counters: CoordinatorCounters, view: SubscriptionView
+    ) -> Iterator[Metric]:
+        """Totals of messages, subscriptions, broadcasts and commands since the start."""
         counts = (
             (
                 "waves_completed",
@@ -176,8 +191,11 @@ class CoordinatorCollector(Collector):
             ("unconfirmed_wake_expiries", _HELP_EXPIRIES, counters.unconfirmed_expiries),
         )
         for suffix, documentation, value in counts:
-            yield CounterMetricFamily(name(suffix), documentation, value=value)
+            yield CounterMetricFamily(self._name(suffix), documentation, value=value)
 
+    def _labelled_counters(self, counters: CoordinatorCounters) -> Iterator[Metric]:
+        """Wave starts by cause, rejections by reason, lost connections by socket."""
+        name = self._name
         by_cause = dict.fromkeys(_WAVE_START_CAUSES, 0) | dict(counters.wave_starts_by_cause)
         yield _labelled(
             CounterMetricFamily(
@@ -201,15 +219,17 @@ class CoordinatorCollector(Collector):
             ),
             sorted(counters.connections_lost.items()),
         )
-        latency = counters.wake_latency
-        yield HistogramMetricFamily(
-            name("wake_latency_seconds"),
+
+    def _wake_latency(self, latency: HistogramSnapshot) -> Metric:
+        return HistogramMetricFamily(
+            self._name("wake_latency_seconds"),
             "From the decision to wake the engines to the START_DP_WAVE broadcast sent.",
             buckets=_buckets(latency),
             sum_value=latency.sum,
         )
 
-        loads = coordinator.engine_loads()
+    def _engine_load_gauges(self, loads: Sequence[EngineLoad]) -> Iterator[Metric]:
+        """Each engine's latest load report, one series per rank."""
         per_engine = (
             ("engine_waiting_requests", "Requests waiting in each engine's scheduler."),
             ("engine_running_requests", "Requests running on each engine."),
@@ -218,7 +238,9 @@ class CoordinatorCollector(Collector):
         for field_index, (suffix, documentation) in enumerate(per_engine):
             yield _labelled(
                 GaugeMetricFamily(
-                    name(suffix), f"{documentation} From its latest report.", labels=["engine"]
+                    self._name(suffix),
+                    f"{documentation} From its latest report.",
+                    labels=["engine"],
                 ),
                 [(str(rank), load[field_index]) for rank, load in enumerate(loads)],
             )
