@@ -129,12 +129,10 @@ _UNREAD_STATS_KEYS: Final = (
 _new_tuple: Final = tuple.__new__
 
 
-def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
-    """The msgspec path, or None when msgspec is not installed."""
-    try:
-        import msgspec
-    except ImportError:
-        return None
+def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
+    """msgspec's views of EngineCoreOutputs: the strict one (vLLM's known stats keys,
+    checked as the full decoder checks them) and the open one (any string-keyed stats
+    map, checked in Python)."""
     from msgspec import Meta, Struct, defstruct
 
     uint = Annotated[int, Meta(ge=0)]
@@ -183,8 +181,18 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
 
         scheduler_stats: dict[str, level3] | None = None  # type: ignore[assignment]
 
-    decode_view = msgspec.msgpack.Decoder(_View).decode
-    decode_open_view = msgspec.msgpack.Decoder(_OpenView).decode
+    return _View, _OpenView
+
+
+def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
+    """The msgspec path, or None when msgspec is not installed."""
+    try:
+        import msgspec
+    except ImportError:
+        return None
+    view_type, open_view_type = _msgspec_view_types()
+    decode_view = msgspec.msgpack.Decoder(view_type).decode
+    decode_open_view = msgspec.msgpack.Decoder(open_view_type).decode
     isfinite = math.isfinite
     stats_report = protocol._stats_report
     refused = msgspec.DecodeError  # ValidationError is one

@@ -24,7 +24,7 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
 from types import TracebackType
@@ -615,22 +615,9 @@ async def open_engine_client(
     check_bind_address(handshake_address, allow_remote=allow_remote)
     free = f"tcp://{host}:0"
     tcp_options = liveness.for_address(free).socket_options()
-    client: EngineClient | None = None
     async with AsyncExitStack() as stack:
         context = await stack.enter_async_context(open_context())
-        input_socket = await stack.enter_async_context(
-            open_socket(context, zmq.ROUTER, options={zmq.SNDHWM: 0, **tcp_options})
-        )
-        input_address = input_socket.bind(free)
-        outputs: list[tuple[AsyncSocket, AsyncSocket, str]] = []
-        for _ in range(engine_count):
-            pull = await stack.enter_async_context(
-                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, **tcp_options})
-            )
-            monitor = await stack.enter_async_context(
-                open_monitor(context, pull, zmq.EVENT_DISCONNECTED)
-            )
-            outputs.append((pull, monitor, pull.bind(free)))
+        sockets = await _bind_client_sockets(stack, context, engine_count, free, tcp_options)
         coordinator = await stack.enter_async_context(
             open_coordinator(
                 engine_count,
@@ -642,44 +629,13 @@ async def open_engine_client(
                 wave_coordination=wave_coordination,
             )
         )
-
-        def metadata(rank: int) -> Mapping[str, Any]:
-            return {
-                "addresses": {
-                    "inputs": [input_address],
-                    "outputs": [outputs[rank][2]],
-                    "coordinator_input": coordinator.engine_input_address,
-                    "coordinator_output": coordinator.engine_output_address,
-                    "frontend_stats_publish_address": None,
-                },
-                "parallel_config": dict(parallel_config or {}),
-            }
-
-        state = HandshakeState(range(engine_count), metadata)
+        state = HandshakeState(
+            range(engine_count), _handshake_metadata(sockets, coordinator, parallel_config)
+        )
         async with open_socket(
             context, zmq.ROUTER, bind=handshake_address, options=tcp_options
         ) as handshake:
-            logger.info(
-                "engine client: waiting for %d engine(s) on %s",
-                engine_count,
-                handshake.last_endpoint,
-            )
-            with trio.move_on_after(startup_timeout) as scope:
-                await _handshake(state, handshake, input_socket, client_index)
-            if scope.cancelled_caught:
-                missing = state.missing() or sorted(
-                    state.expected - state.ready_responses.keys()
-                )
-                raise EngineStartupError(
-                    f"engines did not start within {startup_timeout:g} s: "
-                    f"{state.describe_missing()}",
-                    missing,
-                )
-        logger.info(
-            "engine client: %d engine(s) ready (vLLM %s)",
-            engine_count,
-            state.ready_responses[0].get("vllm_version", "?"),
-        )
+            await _wait_for_engines(state, handshake, sockets.input, client_index, startup_timeout)
         send, receive = trio.open_memory_channel[tuple[bytes, list[bytes]]](math.inf)
         client = EngineClient(
             coordinator,
@@ -689,21 +645,114 @@ async def open_engine_client(
             client_index,
             silence_timeout,
         )
-
-        def on_exit() -> None:
-            assert client is not None
-            client._close()
-
-        async with open_task_nursery(
-            on_exit=on_exit,
-            failure=lambda group: EngineClientError(f"engine client task failed: {group!r}"),
-        ) as nursery:
-            await nursery.start(_input_sender, input_socket, receive)
-            await nursery.start(client._watch_silence)
-            for rank, (pull, monitor, _) in enumerate(outputs):
-                await nursery.start(_output_listener, client, rank, pull)
-                await nursery.start(_connection_watcher, client, rank, monitor)
+        async with _run_client(client, sockets, receive):
             yield client
+
+
+@dataclass(frozen=True, slots=True)
+class _ClientSockets:
+    """The request input (ROUTER) and, per rank, its output (PULL), the PULL's
+    disconnection monitor and the address the rank connects to."""
+
+    input: AsyncSocket
+    input_address: str
+    outputs: list[tuple[AsyncSocket, AsyncSocket, str]]
+
+
+async def _bind_client_sockets(
+    stack: AsyncExitStack,
+    context: zmq.Context[zmq.Socket[bytes]],
+    engine_count: int,
+    free: str,
+    tcp_options: Mapping[int, int | bytes],
+) -> _ClientSockets:
+    """Bind the input and one output per rank on free ports of ``free``'s host; each
+    monitor is open before any engine can connect, so that no disconnection goes unseen."""
+    input_socket = await stack.enter_async_context(
+        open_socket(context, zmq.ROUTER, options={zmq.SNDHWM: 0, **tcp_options})
+    )
+    input_address = input_socket.bind(free)
+    outputs: list[tuple[AsyncSocket, AsyncSocket, str]] = []
+    for _ in range(engine_count):
+        pull = await stack.enter_async_context(
+            open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, **tcp_options})
+        )
+        monitor = await stack.enter_async_context(
+            open_monitor(context, pull, zmq.EVENT_DISCONNECTED)
+        )
+        outputs.append((pull, monitor, pull.bind(free)))
+    return _ClientSockets(input_socket, input_address, outputs)
+
+
+def _handshake_metadata(
+    sockets: _ClientSockets,
+    coordinator: Coordinator,
+    parallel_config: Mapping[str, Any] | None,
+) -> Callable[[int], Mapping[str, Any]]:
+    """vLLM's ``EngineHandshakeMetadata`` for each rank: its sockets, no front-end stats
+    address (the coordinator is in this process), and ``parallel_config``."""
+
+    def metadata(rank: int) -> Mapping[str, Any]:
+        return {
+            "addresses": {
+                "inputs": [sockets.input_address],
+                "outputs": [sockets.outputs[rank][2]],
+                "coordinator_input": coordinator.engine_input_address,
+                "coordinator_output": coordinator.engine_output_address,
+                "frontend_stats_publish_address": None,
+            },
+            "parallel_config": dict(parallel_config or {}),
+        }
+
+    return metadata
+
+
+async def _wait_for_engines(
+    state: HandshakeState,
+    handshake: AsyncSocket,
+    input_socket: AsyncSocket,
+    client_index: int,
+    startup_timeout: float,
+) -> None:
+    """The handshake of every rank, or :class:`EngineStartupError` naming the missing."""
+    logger.info(
+        "engine client: waiting for %d engine(s) on %s",
+        len(state.expected),
+        handshake.last_endpoint,
+    )
+    with trio.move_on_after(startup_timeout) as scope:
+        await _handshake(state, handshake, input_socket, client_index)
+    if scope.cancelled_caught:
+        missing = state.missing() or sorted(state.expected - state.ready_responses.keys())
+        raise EngineStartupError(
+            f"engines did not start within {startup_timeout:g} s: {state.describe_missing()}",
+            missing,
+        )
+    logger.info(
+        "engine client: %d engine(s) ready (vLLM %s)",
+        len(state.expected),
+        state.ready_responses[0].get("vllm_version", "?"),
+    )
+
+
+@asynccontextmanager
+async def _run_client(
+    client: EngineClient,
+    sockets: _ClientSockets,
+    receive: trio.MemoryReceiveChannel[tuple[bytes, list[bytes]]],
+) -> AsyncIterator[None]:
+    """The client's tasks: the input sender, the silence watch, and per rank its output
+    listener and connection watcher; on the way out, whatever is in flight fails."""
+    async with open_task_nursery(
+        on_exit=client._close,
+        failure=lambda group: EngineClientError(f"engine client task failed: {group!r}"),
+    ) as nursery:
+        await nursery.start(_input_sender, sockets.input, receive)
+        await nursery.start(client._watch_silence)
+        for rank, (pull, monitor, _) in enumerate(sockets.outputs):
+            await nursery.start(_output_listener, client, rank, pull)
+            await nursery.start(_connection_watcher, client, rank, monitor)
+        yield
 
 
 async def _handshake(

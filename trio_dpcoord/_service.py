@@ -490,6 +490,36 @@ class _Bound:
     addresses: dict[str, str | None]
 
 
+def _requested_sockets(
+    engine_input_address: str | None, engine_output_address: str | None, front_address: str | None
+) -> dict[str, str | None]:
+    """Each socket's bind address by its key: the engine sockets always (None becomes
+    ``""``, a private ``ipc://`` path), the front socket only when asked for."""
+    return {
+        "engine_broadcast": engine_input_address or "",
+        "engine_output": engine_output_address or "",
+        "front": front_address,
+    }
+
+
+@asynccontextmanager
+async def _open_bound_sockets(
+    pumps: _Pumps,
+    requested: dict[str, str | None],
+    curve_options: dict[int, int | bytes],
+    liveness: Liveness,
+    allow_remote: bool,
+) -> AsyncIterator[_Bound]:
+    """The sockets bound for the block; the private ``ipc://`` directory goes once every
+    socket is closed."""
+    async with AsyncExitStack() as sockets:
+        private_dir = PrivateIpcDirectory()
+        sockets.callback(private_dir.cleanup)
+        yield await _bind_sockets(
+            sockets, pumps, requested, private_dir, curve_options, liveness, allow_remote
+        )
+
+
 async def _bind_sockets(
     sockets: AsyncExitStack,
     pumps: _Pumps,
@@ -523,6 +553,18 @@ async def _bind_sockets(
         monitor.address = bind_socket(socket, address, allow_remote=allow_remote, what=what)
         bound[key], addresses[key] = socket, monitor.address
     return _Bound(bound["engine_broadcast"], bound["engine_output"], bound.get("front"), addresses)
+
+
+@asynccontextmanager
+async def _running_pumps(pumps: _Pumps, bound: _Bound) -> AsyncIterator[None]:
+    """Every pump running on the bound sockets for the block; their failure comes out as
+    one :class:`CoordinatorError`."""
+    async with open_task_nursery(
+        on_exit=pumps.close,
+        failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
+    ) as nursery:
+        await _start_pumps(nursery, pumps, bound)
+        yield
 
 
 async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> None:
@@ -564,20 +606,19 @@ async def open_coordinator(
     None (or ``""``; for the front socket only ``""``) means an ``ipc://`` path in a
     private directory removed on exit; ``tcp://127.0.0.1:0`` is resolved to its port.
     Yields the :class:`Coordinator` once every socket is bound and every task runs;
-    engines get READY when ``engine_count`` of them have subscribed. Leaving the block in
-    any way stops every task and closes every socket; a failure inside the service raises
+    engines get READY when ``engine_count`` of them have subscribed. Leaving the block
+    stops every task and closes every socket; a failure inside the service raises
     :class:`CoordinatorError` (the original exceptions as its cause), an exception from
     the block itself propagates unchanged.
 
     ``wake_confirm_timeout``: a first-request start no engine confirms within it (rank 0
-    reports every start it joins) was dropped by paused engines: ``engines_running`` goes
-    back to False instead of staying latched (vLLM #51476/#51481). ``curve_secret_key``
-    (Z85; off by default, vLLM's engines cannot use it): every socket a CURVE server,
-    only peers that know :attr:`Coordinator.curve_public_key` connect, encrypted.
-    ``liveness``: ZMTP heartbeats and TCP keepalive on every socket, so a peer gone
-    silent (a partition, a dead node) is dropped within about ``liveness.notice_within``
-    seconds (4 by default), shown as an unsubscription and in ``connections_lost``, and
-    logged; when it comes back it subscribes again and gets READY.
+    reports every start it joins) was dropped by paused engines, so ``engines_running``
+    goes back to False instead of staying latched. ``curve_secret_key`` (Z85; off by
+    default, vLLM's engines cannot use it): every socket a CURVE server, encrypted, only
+    peers that know :attr:`Coordinator.curve_public_key` connect. ``liveness``: ZMTP
+    heartbeats and TCP keepalive, so a silent peer (a partition, a dead node) is dropped
+    within about ``liveness.notice_within`` seconds, counted in ``connections_lost``,
+    logged, and given READY again when it comes back and subscribes.
     """
     core = CoordinatorCore(
         engine_count,
@@ -588,23 +629,12 @@ async def open_coordinator(
     )
     curve_public_key, curve_options = _curve_server(curve_secret_key)
     pumps = _Pumps(core)
-    requested = {
-        "engine_broadcast": engine_input_address or "",
-        "engine_output": engine_output_address or "",
-        "front": front_address,
-    }
-    async with AsyncExitStack() as sockets:
-        private_dir = PrivateIpcDirectory()
-        sockets.callback(private_dir.cleanup)  # once every socket is closed
-        bound = await _bind_sockets(
-            sockets, pumps, requested, private_dir, curve_options, liveness, allow_remote
-        )
+    requested = _requested_sockets(engine_input_address, engine_output_address, front_address)
+    async with _open_bound_sockets(
+        pumps, requested, curve_options, liveness, allow_remote
+    ) as bound:
         handle = Coordinator(
             pumps, bound.addresses, curve_public_key=curve_public_key, ready_timeout=ready_timeout
         )
-        async with open_task_nursery(
-            on_exit=pumps.close,
-            failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
-        ) as nursery:
-            await _start_pumps(nursery, pumps, bound)
+        async with _running_pumps(pumps, bound):
             yield handle
