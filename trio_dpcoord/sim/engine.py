@@ -40,7 +40,7 @@ import sys
 from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 import msgpack
 import trio
@@ -70,6 +70,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_Context: TypeAlias = zmq.Context[zmq.Socket[bytes]]
 
 HEARTBEAT_OPTIONS: Final = Liveness().socket_options()
 """The coordinator's own heartbeat and keepalive options, on the engine's side."""
@@ -558,65 +560,11 @@ class SimEngine:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect every socket, wait for READY, say hello, then step forever."""
         cfg = self.config
-        identity = rank_identity(cfg.rank)
         async with AsyncExitStack() as stack:
             context = await stack.enter_async_context(open_context())
-            router: AsyncSocket | None = None
-            if cfg.rank == 0:
-                router = await stack.enter_async_context(
-                    open_socket(
-                        context,
-                        zmq.ROUTER,
-                        bind=cfg.collective_address,
-                        # A restarted rank reconnects with the same identity: route to it.
-                        options={zmq.RCVHWM: 0, zmq.SNDHWM: 0, zmq.ROUTER_HANDOVER: 1},
-                    )
-                )
-            collective = await stack.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.DEALER,
-                    connect=cfg.collective_address,
-                    options={zmq.IDENTITY: identity, zmq.RCVHWM: 0, zmq.SNDHWM: 0},
-                )
-            )
-            security = curve_client_options(cfg.curve_server_key)
-            sub = await stack.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.XSUB,
-                    options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS, **security},
-                )
-            )
-            # Watch the connection from before it exists, so the first handshake counts.
-            monitor = await stack.enter_async_context(
-                open_connection_monitor(context, sub, f"rank {cfg.rank} coordinator link")
-            )
-            sub.connect(cfg.coordinator_input_address)
-            self._coordinator = await stack.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.PUSH,
-                    connect=cfg.coordinator_output_address,
-                    options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS, **security},
-                )
-            )
-            self._frontend = await stack.enter_async_context(
-                open_socket(
-                    context, zmq.PUSH, connect=cfg.completion_address, options={zmq.SNDHWM: 0}
-                )
-            )
-            dealer = await stack.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.DEALER,
-                    connect=cfg.request_address,
-                    options={zmq.IDENTITY: identity, zmq.RCVHWM: 0, zmq.SNDHWM: 0},
-                )
-            )
-            self._collective = CollectiveClient(
-                collective, cfg.rank, timeout=cfg.collective_timeout
-            )
+            router = await self._open_collective(stack, context)
+            sub, monitor = await self._connect_coordinator(stack, context)
+            dealer = await self._connect_frontend(stack, context)
             # Entered last, exited first: tasks stop before their sockets close.
             nursery = await stack.enter_async_context(trio.open_nursery())
             if router is not None:
@@ -641,6 +589,78 @@ class SimEngine:
                     self.step_counter,
                 )
                 raise
+
+    async def _open_collective(
+        self, stack: AsyncExitStack, context: _Context
+    ) -> AsyncSocket | None:
+        """This rank's link to the step collective; rank 0 also hosts it (the ROUTER it
+        returns, None on the other ranks)."""
+        cfg = self.config
+        router: AsyncSocket | None = None
+        if cfg.rank == 0:
+            router = await stack.enter_async_context(
+                open_socket(
+                    context,
+                    zmq.ROUTER,
+                    bind=cfg.collective_address,
+                    # A restarted rank reconnects with the same identity: route to it.
+                    options={zmq.RCVHWM: 0, zmq.SNDHWM: 0, zmq.ROUTER_HANDOVER: 1},
+                )
+            )
+        collective = await stack.enter_async_context(
+            open_socket(
+                context,
+                zmq.DEALER,
+                connect=cfg.collective_address,
+                options={zmq.IDENTITY: rank_identity(cfg.rank), zmq.RCVHWM: 0, zmq.SNDHWM: 0},
+            )
+        )
+        self._collective = CollectiveClient(collective, cfg.rank, timeout=cfg.collective_timeout)
+        return router
+
+    async def _connect_coordinator(
+        self, stack: AsyncExitStack, context: _Context
+    ) -> tuple[AsyncSocket, ConnectionMonitor]:
+        """The coordinator's broadcast (XSUB, watched from before it connects, so the
+        first handshake counts) and its output (PUSH, kept for sending)."""
+        cfg = self.config
+        security = curve_client_options(cfg.curve_server_key)
+        sub = await stack.enter_async_context(
+            open_socket(
+                context,
+                zmq.XSUB,
+                options={zmq.IDENTITY: rank_identity(cfg.rank), **HEARTBEAT_OPTIONS, **security},
+            )
+        )
+        monitor = await stack.enter_async_context(
+            open_connection_monitor(context, sub, f"rank {cfg.rank} coordinator link")
+        )
+        sub.connect(cfg.coordinator_input_address)
+        self._coordinator = await stack.enter_async_context(
+            open_socket(
+                context,
+                zmq.PUSH,
+                connect=cfg.coordinator_output_address,
+                options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS, **security},
+            )
+        )
+        return sub, monitor
+
+    async def _connect_frontend(self, stack: AsyncExitStack, context: _Context) -> AsyncSocket:
+        """The front-end's completion PUSH (kept for sending) and its request DEALER."""
+        cfg = self.config
+        self._frontend = await stack.enter_async_context(
+            open_socket(context, zmq.PUSH, connect=cfg.completion_address, options={zmq.SNDHWM: 0})
+        )
+        return await stack.enter_async_context(
+            open_socket(
+                context,
+                zmq.DEALER,
+                connect=cfg.request_address,
+                options={zmq.IDENTITY: rank_identity(cfg.rank), zmq.RCVHWM: 0, zmq.SNDHWM: 0},
+            )
+        )
+
 
 
 async def run_engine(config: EngineConfig) -> None:
