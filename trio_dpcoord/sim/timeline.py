@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from .messages import EVENT_IDLE, EVENT_PAUSED, EVENT_RESUMED, EVENT_RUNNING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["EngineSpan", "Timeline", "plot_timeline"]
 
@@ -129,7 +132,6 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     """
     try:
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError(
             "drawing a timeline needs matplotlib: pip install 'trio-dpcoord[plot]'"
@@ -145,8 +147,32 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     axes, flight = figure.subplots(
         2, 1, sharex=True, gridspec_kw={"height_ratios": [top_height, 1.8]}
     )
+    rows = _draw_engine_bands(axes, timeline, origin, end)
+    _draw_wave_numbers(axes, timeline, origin, end, rows)
+    _draw_wake_ups(axes, timeline, origin, end, rows)
+    if timeline.notifications:
+        xs = [t - origin for t in timeline.notifications]
+        axes.plot(xs, [rows.notify] * len(xs), "|", color=_NOTIFY_COLOUR, markersize=6)
+    _draw_legend(axes, bool(timeline.notifications))
+    axes.set_title(title or f"DP waves of {engines} engines (numbers: wave started)")
+    axes.tick_params(axis="x", labelbottom=False)
+    _draw_in_flight(flight, timeline, origin, end)
+    figure.savefig(str(path), dpi=110)
 
-    # Engine bands: idle background, then running and paused stretches.
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Where the rows above the engine bands sit on the top axes (``unit``: their scale)."""
+
+    wave: float
+    notify: float
+    wake: float
+    unit: float
+
+
+def _draw_engine_bands(axes: Axes, timeline: Timeline, origin: float, end: float) -> _Rows:
+    """Each engine's band: idle background, then its running and paused stretches."""
+    engines = timeline.engine_count
     by_rank: dict[tuple[int, SpanState], list[tuple[float, float]]] = {}
     for span in timeline.spans():
         by_rank.setdefault((span.rank, span.state), []).append(
@@ -159,16 +185,21 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
             if bars:
                 axes.broken_barh(bars, (rank - 0.4, 0.8), facecolors=_COLOURS[state])
     unit = max(1.0, engines * 0.06)
-    wave_row = -0.5 - 0.25 * unit
-    notify_row = -0.5 - 0.8 * unit
-    wake_row = -0.5 - 1.3 * unit
+    rows = _Rows(
+        wave=-0.5 - 0.25 * unit, notify=-0.5 - 0.8 * unit, wake=-0.5 - 1.3 * unit, unit=unit
+    )
     axes.set_ylim(engines - 0.5 + 0.2 * unit, -0.5 - 2.3 * unit)
     step = 1 if engines <= 16 else max(1, engines // 16)
     ranks = list(range(0, engines, step))
-    axes.set_yticks([wave_row, wake_row, *ranks], ["wave", "wake-up", *map(str, ranks)])
+    axes.set_yticks([rows.wave, rows.wake, *ranks], ["wave", "wake-up", *map(str, ranks)])
     axes.set_ylabel("engine (DP rank)")
+    return rows
 
-    # Wave numbers where each wave started, thinned so that labels never overlap.
+
+def _draw_wave_numbers(
+    axes: Axes, timeline: Timeline, origin: float, end: float, rows: _Rows
+) -> None:
+    """Wave numbers where each wave started, thinned so that labels never overlap."""
     starts = timeline.wave_starts()
     kept = set(_thin([t - origin for t, _ in starts], end / 70.0))
     for index, (time, wave) in enumerate(starts):
@@ -177,7 +208,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
         if index in kept:
             axes.text(
                 x,
-                wave_row,
+                rows.wave,
                 f" {wave}",
                 fontsize=7,
                 ha="left",
@@ -185,23 +216,27 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
                 color="#333333",
                 clip_on=True,
             )
-    # Wake-ups: from the request that found every engine asleep to the last one running.
+
+
+def _draw_wake_ups(axes: Axes, timeline: Timeline, origin: float, end: float, rows: _Rows) -> None:
+    """Wake-ups: from the request that found every engine asleep to the last one running,
+    with their latency where labels do not overlap."""
     latencies = [(s - origin, e - s) for s, e in timeline.wakes]
     for start, latency in latencies:
         axes.plot(
             [start, start + latency],
-            [wake_row, wake_row],
+            [rows.wake, rows.wake],
             color=_WAKE_COLOUR,
             linewidth=3,
             solid_capstyle="butt",
         )
-        axes.plot([start], [wake_row], marker="v", color=_WAKE_COLOUR, markersize=4)
+        axes.plot([start], [rows.wake], marker="v", color=_WAKE_COLOUR, markersize=4)
     kept_wakes = set(_thin([s for s, _ in latencies], end / 25.0))
     for index, (start, latency) in enumerate(latencies):
         if index in kept_wakes:
             axes.text(
                 start,
-                wake_row - 0.3 * unit,
+                rows.wake - 0.3 * rows.unit,
                 f"{latency * 1000:.1f} ms",
                 fontsize=6.5,
                 color=_WAKE_COLOUR,
@@ -209,16 +244,18 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
                 va="bottom",
                 clip_on=True,
             )
-    if timeline.notifications:
-        xs = [t - origin for t in timeline.notifications]
-        axes.plot(xs, [notify_row] * len(xs), "|", color=_NOTIFY_COLOUR, markersize=6)
+
+
+def _draw_legend(axes: Axes, with_notifications: bool) -> None:
+    from matplotlib.patches import Patch
+
     legend = [
         Patch(color=_COLOURS["running"], label="running (stepping in a wave)"),
         Patch(color=_IDLE_COLOUR, label="idle (wave over)"),
         Patch(color=_COLOURS["paused"], label="scheduler paused"),
         Patch(color=_WAKE_COLOUR, label="wake-up: request to all engines running (latency)"),
     ]
-    if timeline.notifications:
+    if with_notifications:
         legend.append(Patch(color=_NOTIFY_COLOUR, label="front-end notify_first_request"))
     axes.legend(
         handles=legend,
@@ -228,10 +265,10 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
         fontsize=8,
         frameon=False,
     )
-    axes.set_title(title or f"DP waves of {engines} engines (numbers: wave started)")
-    axes.tick_params(axis="x", labelbottom=False)
 
-    # Requests in flight.
+
+def _draw_in_flight(flight: Axes, timeline: Timeline, origin: float, end: float) -> None:
+    """Requests in flight, as a step curve over the whole run."""
     if timeline.in_flight:
         xs = [0.0] + [t - origin for t, _ in timeline.in_flight] + [end]
         ys = [0] + [n for _, n in timeline.in_flight]
@@ -242,4 +279,3 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     flight.set_xlabel("time since start (s)")
     flight.set_xlim(0.0, end)
     flight.grid(axis="y", alpha=0.3)
-    figure.savefig(str(path), dpi=110)
