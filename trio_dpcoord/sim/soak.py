@@ -22,9 +22,9 @@ from typing import Any
 import trio
 
 from .. import PrivateIpcDirectory, open_frontend
-from ..testing import connect_engines
+from ..testing import EnginePeer, connect_engines
 from .cluster import ClusterConfig, ClusterReport, _engine_fleet, _serve_process
-from .frontend import LoadPlan, open_sim_frontend
+from .frontend import LoadPlan, SimFrontend, open_sim_frontend
 
 __all__ = ["SoakConfig", "SoakReport", "run_soak", "vm_rss_kib"]
 
@@ -97,26 +97,15 @@ class SoakReport:
 async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
     """Run the soak once; every child process is reaped before it returns."""
     report = SoakReport()
-    cluster = ClusterConfig(
-        engines=config.engines,
-        mode="standalone",
-        wake_path="both",
-        load=LoadPlan(requests=0),
-        step_time=config.step_time,
-        sync_interval=config.sync_interval,
-        collective_timeout=config.collective_timeout,
-        engine_log_level="ERROR",
-    )
+    cluster = _soak_cluster(config)
     lines: list[str] = []
     sink = log_line if log_line is not None else lines.append
     fleet_report = ClusterReport("standalone", config.engines, "both", config.seed, 0)
     workdir = PrivateIpcDirectory()
     started = trio.current_time()
-    rng = random.Random(config.seed)
     try:
         async with AsyncExitStack() as stack:
             serve = await stack.enter_async_context(_serve_process(cluster, fleet_report, sink))
-            pid = serve.process.pid
             view = await stack.enter_async_context(
                 open_frontend(serve.endpoints["front"], engine_count=config.engines)
             )
@@ -144,81 +133,9 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
                     subscribe=False,
                 )
             )
-            with trio.CancelScope() as run_scope:
-                async with trio.open_nursery() as nursery:
-                    pushers_done = 0
-
-                    def budget_left() -> bool:
-                        # The fleet's own traffic (about 3 messages per engine per wave) is
-                        # under-estimated on purpose, so the total surely reaches the
-                        # target; the coordinator's final counter is the figure reported.
-                        fleet = 2 * config.engines * len(frontend.waves_completed)
-                        return report.pushed_messages + fleet < config.messages
-
-                    async def push(index: int) -> None:
-                        nonlocal pushers_done
-                        peer = peers[index]
-                        while budget_left():
-                            for _ in range(config.push_batch):
-                                await peer.stats(0, 0, 0.0, wave=0, step=0)
-                            report.pushed_messages += config.push_batch
-                            await trio.sleep(config.push_pause)
-                        pushers_done += 1
-
-                    async def watch() -> None:
-                        while True:
-                            await trio.sleep(1.0)
-                            report.rss_max_kib = max(report.rss_max_kib, vm_rss_kib(pid))
-                            if fleet_report.engine_failures or fleet_report.collective_timeouts:
-                                report.failures += fleet_report.engine_failures
-                                report.failures += fleet_report.collective_timeouts
-                                run_scope.cancel()
-                                return
-
-                    for index in range(config.pushers):
-                        nursery.start_soon(push, index)
-                    nursery.start_soon(watch)
-                    bursts = 0
-                    while len(frontend.waves_completed) < config.waves:
-                        for _ in range(rng.randint(1, 2)):
-                            await frontend.submit(max_tokens=rng.randint(1, 2))
-                        bursts += 1
-                        with trio.fail_after(2 * config.collective_timeout + 5):
-                            await frontend.wait_for(lambda f: f.pending == 0)
-                        if config.pause_every and bursts % config.pause_every == 0:
-                            await frontend.pause_engines()
-                            await frontend.resume_engines()
-                        if not report.rss_warmup_kib and (
-                            len(frontend.waves_completed) >= config.warmup_waves
-                        ):
-                            report.rss_warmup_kib = vm_rss_kib(pid)
-                            logger.info(
-                                "warm-up done: coordinator VmRSS %d KiB", report.rss_warmup_kib
-                            )
-                        if bursts % 500 == 0:
-                            logger.info(
-                                "soak: %d waves, %d requests, %d pushed",
-                                len(frontend.waves_completed),
-                                frontend.sent,
-                                report.pushed_messages,
-                            )
-                    # every pusher finishes its share before the end sample
-                    with trio.fail_after(900):
-                        while pushers_done < config.pushers:  # noqa: ASYNC110 - counters
-                            await trio.sleep(0.2)
-                    with trio.move_on_after(2 * config.collective_timeout):
-                        await frontend.wait_for(lambda f: f.pending == 0)
-                    await trio.sleep(0.5)  # let the coordinator drain its socket
-                    report.rss_end_kib = vm_rss_kib(pid)
-                    report.rss_max_kib = max(report.rss_max_kib, report.rss_end_kib)
-                    nursery.cancel_scope.cancel()
-            report.waves = len(frontend.waves_completed)
-            report.requests = frontend.sent
-            report.completed = frontend.completed
-            report.stranded = frontend.pending
-            report.pauses = frontend.pauses
-            report.wave_regressions = frontend.wave_regressions
-            report.final_wave = view.snapshot().current_wave
+            soak = _Soak(config, report, frontend, serve.process.pid, fleet_report)
+            await soak.run(peers)
+            soak.record(view.snapshot().current_wave)
         final = serve.final_counters
         if final is not None:
             report.coordinator_engine_messages = int(final["engine_messages"])
@@ -230,3 +147,128 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
     report.failures += fleet_report.failures
     report.duration_s = trio.current_time() - started
     return report
+
+
+def _soak_cluster(config: SoakConfig) -> ClusterConfig:
+    """The standalone cluster the soak runs: no load plan of its own, quiet engines."""
+    return ClusterConfig(
+        engines=config.engines,
+        mode="standalone",
+        wake_path="both",
+        load=LoadPlan(requests=0),
+        step_time=config.step_time,
+        sync_interval=config.sync_interval,
+        collective_timeout=config.collective_timeout,
+        engine_log_level="ERROR",
+    )
+
+
+class _Soak:
+    """The soak's load on a running cluster: bursts of tiny requests (with a pause and
+    resume every ``pause_every`` bursts) until ``waves`` waves completed, bare stats
+    pushers until the ``messages`` budget is spent, and the coordinator's memory
+    sampled after the warm-up, every second and at the end."""
+
+    def __init__(
+        self,
+        config: SoakConfig,
+        report: SoakReport,
+        frontend: SimFrontend,
+        pid: int,
+        fleet_report: ClusterReport,
+    ) -> None:
+        self.config = config
+        self.report = report
+        self.frontend = frontend
+        self.pid = pid
+        self.fleet_report = fleet_report
+        self.rng = random.Random(config.seed)
+        self.pushers_done = 0
+
+    async def run(self, peers: list[EnginePeer]) -> None:
+        """Drive the waves with the pushers and the watch alongside; a failed engine or
+        collective ends the run early (recorded in ``failures``)."""
+        with trio.CancelScope() as run_scope:
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(self._push, peer)
+                nursery.start_soon(self._watch, run_scope)
+                await self._drive_waves()
+                await self._finish()
+                nursery.cancel_scope.cancel()
+
+    def _budget_left(self) -> bool:
+        # The fleet's own traffic (about 3 messages per engine per wave) is
+        # under-estimated on purpose, so the total surely reaches the target; the
+        # coordinator's final counter is the figure reported.
+        fleet = 2 * self.config.engines * len(self.frontend.waves_completed)
+        return self.report.pushed_messages + fleet < self.config.messages
+
+    async def _push(self, peer: EnginePeer) -> None:
+        config = self.config
+        while self._budget_left():
+            for _ in range(config.push_batch):
+                await peer.stats(0, 0, 0.0, wave=0, step=0)
+            self.report.pushed_messages += config.push_batch
+            await trio.sleep(config.push_pause)
+        self.pushers_done += 1
+
+    async def _watch(self, run_scope: trio.CancelScope) -> None:
+        report, fleet_report = self.report, self.fleet_report
+        while True:
+            await trio.sleep(1.0)
+            report.rss_max_kib = max(report.rss_max_kib, vm_rss_kib(self.pid))
+            if fleet_report.engine_failures or fleet_report.collective_timeouts:
+                report.failures += fleet_report.engine_failures
+                report.failures += fleet_report.collective_timeouts
+                run_scope.cancel()
+                return
+
+    async def _drive_waves(self) -> None:
+        config, report, frontend, rng = self.config, self.report, self.frontend, self.rng
+        bursts = 0
+        while len(frontend.waves_completed) < config.waves:
+            for _ in range(rng.randint(1, 2)):
+                await frontend.submit(max_tokens=rng.randint(1, 2))
+            bursts += 1
+            with trio.fail_after(2 * config.collective_timeout + 5):
+                await frontend.wait_for(lambda f: f.pending == 0)
+            if config.pause_every and bursts % config.pause_every == 0:
+                await frontend.pause_engines()
+                await frontend.resume_engines()
+            if not report.rss_warmup_kib and (
+                len(frontend.waves_completed) >= config.warmup_waves
+            ):
+                report.rss_warmup_kib = vm_rss_kib(self.pid)
+                logger.info("warm-up done: coordinator VmRSS %d KiB", report.rss_warmup_kib)
+            if bursts % 500 == 0:
+                logger.info(
+                    "soak: %d waves, %d requests, %d pushed",
+                    len(frontend.waves_completed),
+                    frontend.sent,
+                    report.pushed_messages,
+                )
+
+    async def _finish(self) -> None:
+        """Every pusher finishes its share, the front-end and the coordinator drain,
+        then the end sample."""
+        with trio.fail_after(900):
+            while self.pushers_done < self.config.pushers:  # noqa: ASYNC110 - counters
+                await trio.sleep(0.2)
+        with trio.move_on_after(2 * self.config.collective_timeout):
+            await self.frontend.wait_for(lambda f: f.pending == 0)
+        await trio.sleep(0.5)  # let the coordinator drain its socket
+        report = self.report
+        report.rss_end_kib = vm_rss_kib(self.pid)
+        report.rss_max_kib = max(report.rss_max_kib, report.rss_end_kib)
+
+    def record(self, final_wave: int) -> None:
+        """What the front-end saw, into the report."""
+        report, frontend = self.report, self.frontend
+        report.waves = len(frontend.waves_completed)
+        report.requests = frontend.sent
+        report.completed = frontend.completed
+        report.stranded = frontend.pending
+        report.pauses = frontend.pauses
+        report.wave_regressions = frontend.wave_regressions
+        report.final_wave = final_wave
