@@ -487,7 +487,7 @@ async def _engine_fleet(
                 await fleet.stop()
 
 
-class _Coordinator:
+class StandaloneCoordinator:
     """The standalone coordinator of a run: the current ``serve`` process (a new one after
     a restart), its endpoints, its final counters."""
 
@@ -549,12 +549,12 @@ async def open_engine_fleet(
 
 
 @asynccontextmanager
-async def _serve_process(
+async def open_serve_process(
     config: ClusterConfig,
     report: ClusterReport,
     log_line: Callable[[str], None],
     fail: Callable[[str], None] | None = None,
-) -> AsyncIterator[_Coordinator]:
+) -> AsyncIterator[StandaloneCoordinator]:
     """``python -m trio_dpcoord serve`` for the duration of the block; its stderr goes to
     ``log_line``, its final counters to ``final_counters``.
 
@@ -572,7 +572,7 @@ async def _serve_process(
             f"--{name}=tcp://{config.host}:0" for name in ("front", "back-pub", "back-out")
         ]
     options += config.coordinator_args
-    holder: list[_Coordinator] = []
+    holder: list[StandaloneCoordinator] = []
     stop = trio.Event()
 
     async def incarnation(
@@ -623,7 +623,7 @@ async def _serve_process(
         logger.warning("coordinator restarted as pid %d", coordinator.process.pid)
 
     async with trio.open_nursery() as nursery:
-        holder.append(_Coordinator(await nursery.start(incarnation, options)))
+        holder.append(StandaloneCoordinator(await nursery.start(incarnation, options)))
         try:
             yield holder[0]
         finally:
@@ -703,111 +703,173 @@ async def run_cluster(
         seed=config.load.seed,
         planned=config.load.requests,
     )
-    started = trio.current_time()
-    frontend: SimFrontend | None = None
-    coordinator: EmbeddedCoordinator | None = None
-    serve: _Coordinator | None = None
+    run = _ClusterRun(config, report, progress, log_line)
     try:
-        with trio.CancelScope() as run_scope:
-
-            def fail(message: str) -> None:
-                report.failures.append(message)
-                logger.error("%s", message)
-                run_scope.cancel()
-
+        with trio.CancelScope() as run.scope:
             async with AsyncExitStack() as stack:
-                tcp = None if config.host is None else f"tcp://{config.host}"
-                view: CoordinatorView
-                if config.mode == "inproc":
-                    factory = coordinator_factory or _default_coordinator(config)
-                    coordinator = await stack.enter_async_context(factory(config.engines))
-                    view = coordinator
-                    engine_input = coordinator.engine_input_address
-                    engine_output = coordinator.engine_output_address
-                else:
-                    serve = await stack.enter_async_context(
-                        _serve_process(config, report, log_line, fail)
-                    )
-                    view = await stack.enter_async_context(
-                        open_frontend(serve.endpoints["front"], engine_count=config.engines)
-                    )
-                    engine_input = serve.endpoints["back_pub"]
-                    engine_output = serve.endpoints["back_out"]
-                frontend = await stack.enter_async_context(
-                    open_sim_frontend(
-                        view,
-                        config.engines,
-                        wake_path=config.wake_path,
-                        request_address=tcp and f"{tcp}:0",
-                        completion_address=tcp and f"{tcp}:0",
-                    )
-                )
-                if config.record_timeline:
-                    report.timeline = frontend.timeline = Timeline(config.engines, started)
-                await stack.enter_async_context(
-                    open_engine_fleet(
-                        config,
-                        frontend,
-                        coordinator_input=engine_input,
-                        coordinator_output=engine_output,
-                        on_failure=lambda _: run_scope.cancel(),
-                        log_line=log_line,
-                        report=report,
-                    )
-                )
-                if coordinator is not None:  # leaving stops the engines: that is no outage
-                    stack.callback(coordinator.expect_shutdown)
-                with trio.move_on_after(config.ready_timeout) as ready_scope:
-                    if coordinator is not None:
-                        await coordinator.wait_ready()
-                    await frontend.wait_for(lambda f: all(f.engine_ready))
-                if report.timeline is not None:  # the picture starts with the load
-                    report.timeline.start = trio.current_time()
-                if ready_scope.cancelled_caught:
-                    fail(
-                        f"engines not ready after {config.ready_timeout:g} s: ready "
-                        f"{frontend.engine_ready}"
-                    )
-                else:
-                    hook: Callable[[], Awaitable[None]] | None = None
-                    if between_bursts is not None:
-                        user_hook, sim = between_bursts, frontend
-
-                        async def idle_hook() -> None:
-                            await sim.wait_for(lambda f: not any(f.engine_running))
-                            await user_hook(sim, _progress(sim, report))
-
-                        hook = idle_hook
-
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(_monitor, frontend, config, report, progress, fail)
-                        await generate_load(frontend, config.load, after_burst=hook)
-                        nursery.cancel_scope.cancel()
-                    if report.timeline is not None:
-                        # End the picture with the last wave, not with the teardown.
-                        with trio.move_on_after(1.0):
-                            await frontend.wait_for(lambda f: not any(f.engine_running))
-                        report.timeline.finish(trio.current_time())
+                await run.start(stack, coordinator_factory)
+                if await run.wait_ready():
+                    await run.apply_load(between_bursts)
                 if progress is not None:
-                    progress(_progress(frontend, report))
-                _collect(report, frontend, coordinator)
+                    progress(run.progress())
+                run.collect()
     except (Exception, BaseExceptionGroup) as exc:
         if not isinstance(exc, Exception) and not _all_exceptions(exc):
             raise
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("cluster run failed")
-    if frontend is not None:
-        _collect(report, frontend, coordinator)
-    if serve is not None:
-        final = serve.final_counters
-        if final is None:
-            report.failures.append("the coordinator process printed no final counters")
-        else:
-            report.coordinator_errors = int(final.get("errors", 0))
-    report.duration = trio.current_time() - started
-    if report.timeline is not None and report.timeline.end is None:
-        report.timeline.finish(trio.current_time())
+    run.conclude()
     return report
+
+
+class _ClusterRun:
+    """One run of :func:`run_cluster`: what it started, and the steps it goes through.
+    A failure of the cluster is recorded in the report and cancels :attr:`scope`."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        report: ClusterReport,
+        progress: Callable[[Progress], None] | None,
+        log_line: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.report = report
+        self._progress = progress
+        self._log_line = log_line
+        self.started = trio.current_time()
+        self.scope = trio.CancelScope()
+        self.frontend: SimFrontend | None = None
+        self.coordinator: EmbeddedCoordinator | None = None
+        self.serve: StandaloneCoordinator | None = None
+
+    def fail(self, message: str) -> None:
+        self.report.failures.append(message)
+        logger.error("%s", message)
+        self.scope.cancel()
+
+    async def start(
+        self, stack: AsyncExitStack, coordinator_factory: CoordinatorFactory | None
+    ) -> None:
+        """The coordinator (embedded or standalone), the front-end, then the engines."""
+        config, report = self.config, self.report
+        view, engine_input, engine_output = await self._open_coordinator(
+            stack, coordinator_factory
+        )
+        tcp = None if config.host is None else f"tcp://{config.host}"
+        frontend = self.frontend = await stack.enter_async_context(
+            open_sim_frontend(
+                view,
+                config.engines,
+                wake_path=config.wake_path,
+                request_address=tcp and f"{tcp}:0",
+                completion_address=tcp and f"{tcp}:0",
+            )
+        )
+        if config.record_timeline:
+            report.timeline = frontend.timeline = Timeline(config.engines, self.started)
+        await stack.enter_async_context(
+            open_engine_fleet(
+                config,
+                frontend,
+                coordinator_input=engine_input,
+                coordinator_output=engine_output,
+                on_failure=lambda _: self.scope.cancel(),
+                log_line=self._log_line,
+                report=report,
+            )
+        )
+        if self.coordinator is not None:  # leaving stops the engines: that is no outage
+            stack.callback(self.coordinator.expect_shutdown)
+
+    async def _open_coordinator(
+        self, stack: AsyncExitStack, coordinator_factory: CoordinatorFactory | None
+    ) -> tuple[CoordinatorView, str, str]:
+        """The coordinator of the mode: what the front-end follows, and the addresses of
+        the engines' input and output sockets."""
+        config = self.config
+        if config.mode == "inproc":
+            factory = coordinator_factory or _default_coordinator(config)
+            coordinator = self.coordinator = await stack.enter_async_context(
+                factory(config.engines)
+            )
+            return coordinator, coordinator.engine_input_address, coordinator.engine_output_address
+        serve = self.serve = await stack.enter_async_context(
+            open_serve_process(config, self.report, self._log_line, self.fail)
+        )
+        view = await stack.enter_async_context(
+            open_frontend(serve.endpoints["front"], engine_count=config.engines)
+        )
+        return view, serve.endpoints["back_pub"], serve.endpoints["back_out"]
+
+    async def wait_ready(self) -> bool:
+        """Every engine ready within ``ready_timeout`` (else the run fails)."""
+        assert self.frontend is not None
+        config, report = self.config, self.report
+        with trio.move_on_after(config.ready_timeout) as ready_scope:
+            if self.coordinator is not None:
+                await self.coordinator.wait_ready()
+            await self.frontend.wait_for(lambda f: all(f.engine_ready))
+        if report.timeline is not None:  # the picture starts with the load
+            report.timeline.start = trio.current_time()
+        if ready_scope.cancelled_caught:
+            self.fail(
+                f"engines not ready after {config.ready_timeout:g} s: ready "
+                f"{self.frontend.engine_ready}"
+            )
+            return False
+        return True
+
+    async def apply_load(
+        self, between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None
+    ) -> None:
+        """The load plan, watched by the monitor; ``between_bursts`` once the engines are
+        idle after each burst."""
+        frontend, report = self.frontend, self.report
+        assert frontend is not None
+        hook: Callable[[], Awaitable[None]] | None = None
+        if between_bursts is not None:
+            user_hook = between_bursts
+
+            async def idle_hook() -> None:
+                await frontend.wait_for(lambda f: not any(f.engine_running))
+                await user_hook(frontend, _progress(frontend, report))
+
+            hook = idle_hook
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_monitor, frontend, self.config, report, self._progress, self.fail)
+            await generate_load(frontend, self.config.load, after_burst=hook)
+            nursery.cancel_scope.cancel()
+        if report.timeline is not None:
+            # End the picture with the last wave, not with the teardown.
+            with trio.move_on_after(1.0):
+                await frontend.wait_for(lambda f: not any(f.engine_running))
+            report.timeline.finish(trio.current_time())
+
+    def progress(self) -> Progress:
+        assert self.frontend is not None
+        return _progress(self.frontend, self.report)
+
+    def collect(self) -> None:
+        """What the front-end (and an embedded coordinator) counted, into the report."""
+        if self.frontend is not None:
+            _collect(self.report, self.frontend, self.coordinator)
+
+    def conclude(self) -> None:
+        """After the run, whichever way it ended: the counts, the standalone
+        coordinator's final counters, the duration, the end of the picture."""
+        report = self.report
+        self.collect()
+        if self.serve is not None:
+            final = self.serve.final_counters
+            if final is None:
+                report.failures.append("the coordinator process printed no final counters")
+            else:
+                report.coordinator_errors = int(final.get("errors", 0))
+        report.duration = trio.current_time() - self.started
+        if report.timeline is not None and report.timeline.end is None:
+            report.timeline.finish(trio.current_time())
 
 
 def _all_exceptions(group: BaseException) -> bool:

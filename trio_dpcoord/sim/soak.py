@@ -23,7 +23,7 @@ import trio
 
 from .. import PrivateIpcDirectory, open_frontend
 from ..testing import EnginePeer, connect_engines
-from .cluster import ClusterConfig, ClusterReport, _engine_fleet, _serve_process
+from .cluster import ClusterConfig, ClusterReport, _engine_fleet, open_serve_process
 from .frontend import LoadPlan, SimFrontend, open_sim_frontend
 
 __all__ = ["SoakConfig", "SoakReport", "run_soak", "vm_rss_kib"]
@@ -105,7 +105,7 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
     started = trio.current_time()
     try:
         async with AsyncExitStack() as stack:
-            serve = await stack.enter_async_context(_serve_process(cluster, fleet_report, sink))
+            serve = await stack.enter_async_context(open_serve_process(cluster, fleet_report, sink))
             view = await stack.enter_async_context(
                 open_frontend(serve.endpoints["front"], engine_count=config.engines)
             )
