@@ -13,6 +13,8 @@ users get.
 * :mod:`.cluster` — :func:`run_cluster`: coordinator + front-end + N engine processes
   + load, as ``examples/launch_cluster.py`` runs it; :func:`open_engine_fleet` for
   other front-ends (``examples/http_frontend.py``);
+* :mod:`.fleet` — process supervision: the engine processes and the standalone
+  coordinator process, watched, restarted when asked, always reaped;
 * :mod:`.timeline` — what the front-end saw over time, and :func:`plot_timeline`.
 """
 

@@ -7,10 +7,8 @@ benchmarks reuse. Two modes:
 * ``standalone``: ``python -m trio_dpcoord serve`` runs in its own process and the
   front-end follows it with :func:`trio_dpcoord.open_frontend`.
 
-Engines are ``python -m trio_dpcoord.sim engine`` processes, one per DP rank, each in
-its own session (a terminal's Ctrl-C reaches only the launcher, which stops them in
-order) and each watching its stdin: if the launcher dies, the pipe closes and every
-engine exits, so no orphan survives. Every child is reaped before :func:`run_cluster`
+Engines are ``python -m trio_dpcoord.sim engine`` processes, one per DP rank, supervised
+by :mod:`trio_dpcoord.sim.fleet`; every child is reaped before :func:`run_cluster`
 returns or raises, Ctrl-C and cancellation included.
 
 An engine process that exits unexpectedly is reported by rank, pid and wave and ends the
@@ -35,21 +33,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import trio
 
 from .. import CoordinatorView, PrivateIpcDirectory, open_coordinator, open_frontend
-from ..testing import ServeProcess, open_serve, read_lines
-from .engine import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
+from .fleet import StandaloneCoordinator, open_engine_processes, open_serve_process
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
 from .timeline import Timeline
@@ -70,7 +63,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Mode = Literal["inproc", "standalone"]
-_COLLECTIVE_TIMEOUT_MARK = "collective timeout"
 
 
 class _Counters(Protocol):
@@ -256,256 +248,9 @@ class Progress:
     """The standalone coordinator process."""
 
 
-def _child_environment() -> dict[str, str]:
-    """Our environment, with this very ``trio_dpcoord`` first on the children's path: the
-    engines and the coordinator process run the same code as the launcher, installed or
-    not."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent.parent)
-    if root not in sys.path:  # imported from a checkout by path, not installed
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _default_log_line(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
-
-
-class _Fleet:
-    """The engine processes: spawned, watched, and always reaped."""
-
-    def __init__(
-        self,
-        report: ClusterReport,
-        log_line: Callable[[str], None],
-        frontend: SimFrontend | None = None,
-        *,
-        command: Callable[[int], list[str]] | None = None,
-        restart_vanished: bool = False,
-    ) -> None:
-        self.report = report
-        self.frontend = frontend
-        self.processes: list[trio.Process] = []
-        self.stopping = False
-        self.on_failure: Callable[[], None] = lambda: None
-        self._log_line = log_line
-        self._command = command
-        self._restart_vanished = restart_vanished
-        self._nursery: trio.Nursery | None = None
-        self._retiring: set[trio.Process] = set()
-        """Processes stopped on purpose by a group restart: their exit is no news."""
-
-    async def spawn(self, rank: int, nursery: trio.Nursery | None = None) -> trio.Process:
-        """Start the engine process of ``rank`` and watch it."""
-        if nursery is not None:
-            self._nursery = nursery
-        assert self._command is not None and self._nursery is not None
-        process = await trio.lowlevel.open_process(
-            self._command(rank),
-            stdin=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=_child_environment(),
-        )
-        self.processes.append(process)
-        if rank < len(self.report.engine_pids):
-            self.report.engine_pids[rank] = process.pid
-        else:
-            self.report.engine_pids.append(process.pid)
-        assert process.stderr is not None
-        self._nursery.start_soon(self.forward_stderr, rank, process.stderr)
-        self._nursery.start_soon(self.watch, rank, process)
-        return process
-
-    def _restartable(self, rank: int, code: int) -> bool:
-        # Not a failure the engine diagnosed itself, and the rank had come up since its
-        # last start (a process that dies before READY would only die again).
-        return (
-            self._restart_vanished
-            and not self.stopping
-            and self.frontend is not None
-            and self._nursery is not None
-            and code not in DIAGNOSED_EXIT_STATUSES
-            and self.frontend.engine_ready[rank]
-        )
-
-    async def watch(self, rank: int, process: trio.Process) -> None:
-        code = await process.wait()
-        if process in self._retiring:
-            self._retiring.discard(process)
-            return
-        if (
-            code == EXIT_COLLECTIVE_TIMEOUT
-            and self._restart_vanished
-            and not self.stopping
-            and self.frontend is not None
-        ):
-            await self._restart_group(rank, process.pid)
-            return
-        if not self.stopping:
-            # Which wave the rank was in, from its last status event at the front-end.
-            where = "before its first wave"
-            if self.frontend is not None:
-                wave = self.frontend.engine_wave[rank]
-                if self.frontend.engine_running[rank]:
-                    where = f"during wave {wave}"
-                elif wave or 0 in self.frontend.waves_completed:
-                    where = f"idle after wave {wave}"
-            status = f"status {code}"
-            if code < 0:
-                status += f" ({signal.Signals(-code).name})"
-            message = (
-                f"engine {rank} (pid {process.pid}) vanished {where}: rank {rank} "
-                f"exited with {status}"
-            )
-            if self._restartable(rank, code):
-                assert self.frontend is not None and self._nursery is not None
-                self.report.engine_restarts.append(message)
-                logger.error("%s; restarting it", message)
-                self.frontend.engine_lost(rank)
-                new = await self.spawn(rank)
-                logger.warning("engine %d restarted as pid %d", rank, new.pid)
-                self._nursery.start_soon(self.frontend.resubmit_lost)
-                return
-            self.report.engine_failures.append(message)
-            logger.error("%s", message)
-            self.on_failure()
-
-    async def _restart_group(self, rank: int, pid: int) -> None:
-        """Rank ``rank``'s collective timed out: stop every other rank, start the whole
-        group again, resubmit every request in flight once all ranks are back."""
-        assert self.frontend is not None and self._nursery is not None
-        ranks = range(len(self.report.engine_pids))
-        logger.error(
-            "engine %d (pid %d) exited after its collective timed out: the DP group is "
-            "broken; restarting all %d ranks",
-            rank,
-            pid,
-            len(ranks),
-        )
-        pids = set(self.report.engine_pids)
-        others = [p for p in self.processes if p.returncode is None and p.pid in pids]
-        self._retiring.update(others)
-        await _reap(others, grace=0.0)
-        for other in ranks:
-            self.frontend.engine_lost(other)
-        for other in ranks:
-            await self.spawn(other)
-        logger.warning("DP group restarted: pids %s", self.report.engine_pids)
-        self._nursery.start_soon(self.frontend.resubmit_lost)
-
-    async def forward_stderr(self, rank: int, stream: trio.abc.ReceiveStream) -> None:
-        async for line in read_lines(stream):
-            self._line(line.rstrip())
-
-    def _line(self, line: str) -> None:
-        if _COLLECTIVE_TIMEOUT_MARK in line and "trio_dpcoord.sim engine rank" in line:
-            if self._restart_vanished and self.frontend is not None:
-                self.report.group_restarts.append(line)
-            else:
-                self.report.collective_timeouts.append(line)
-        self._log_line(line)
-
-    async def stop(self) -> None:
-        """Close every engine's stdin (they exit on EOF), then terminate, then kill."""
-        self.stopping = True
-        for process in self.processes:
-            if process.stdin is not None:
-                await process.stdin.aclose()
-        await _reap(self.processes, grace=5.0)
-
-
-async def _reap(processes: list[trio.Process], *, grace: float) -> None:
-    """Wait ``grace`` s for ``processes`` to exit, then SIGTERM, then SIGKILL; reap all."""
-    with trio.move_on_after(grace):
-        for process in processes:
-            await process.wait()
-    for process in processes:
-        if process.returncode is None:
-            process.terminate()
-    with trio.move_on_after(2.0):
-        for process in processes:
-            await process.wait()
-    for process in processes:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-
-
-@asynccontextmanager
-async def _engine_fleet(
-    config: ClusterConfig,
-    *,
-    coordinator_input: str,
-    coordinator_output: str,
-    frontend: SimFrontend,
-    collective_address: str,
-    report: ClusterReport,
-    log_line: Callable[[str], None],
-) -> AsyncIterator[_Fleet]:
-    def command(rank: int) -> list[str]:
-        prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
-        command = [
-            *prefix,
-            sys.executable,
-            "-m",
-            "trio_dpcoord.sim",
-            "engine",
-            f"--rank={rank}",
-            f"--engines={config.engines}",
-            f"--coordinator-input={coordinator_input}",
-            f"--coordinator-output={coordinator_output}",
-            f"--request-address={frontend.request_address}",
-            f"--completion-address={frontend.completion_address}",
-            f"--collective-address={collective_address}",
-            f"--step-time={config.step_time}",
-            f"--max-running={config.max_running}",
-            f"--sync-interval={config.sync_interval}",
-            f"--collective-timeout={config.collective_timeout}",
-            f"--log-level={config.engine_log_level}",
-            "--exit-on-stdin-eof",
-        ]
-        if config.wake_path == "frontend":
-            command.append("--legacy-wake")
-        return command
-
-    fleet = _Fleet(
-        report,
-        log_line,
-        frontend,
-        command=command,
-        restart_vanished=config.restart_vanished,
-    )
-    async with trio.open_nursery() as nursery:
-        try:
-            for rank in range(config.engines):
-                await fleet.spawn(rank, nursery)
-            yield fleet
-        finally:
-            with trio.CancelScope(shield=True):
-                await fleet.stop()
-
-
-class StandaloneCoordinator:
-    """The standalone coordinator of a run: the current ``serve`` process (a new one after
-    a restart), its endpoints, its final counters."""
-
-    def __init__(self, serve: ServeProcess) -> None:
-        self.serve = serve
-        self.stopping = False
-
-    @property
-    def process(self) -> trio.Process:
-        return self.serve.process
-
-    @property
-    def endpoints(self) -> dict[str, str]:
-        return self.serve.endpoints
-
-    @property
-    def final_counters(self) -> dict[str, Any] | None:
-        return self.serve.final_counters
 
 
 @asynccontextmanager
@@ -533,7 +278,7 @@ async def open_engine_fleet(
     failures = report.engine_failures
     workdir = PrivateIpcDirectory()
     try:
-        async with _engine_fleet(
+        async with open_engine_processes(
             config,
             coordinator_input=coordinator_input,
             coordinator_output=coordinator_output,
@@ -546,89 +291,6 @@ async def open_engine_fleet(
             yield tuple(report.engine_pids)
     finally:
         workdir.cleanup()
-
-
-@asynccontextmanager
-async def open_serve_process(
-    config: ClusterConfig,
-    report: ClusterReport,
-    log_line: Callable[[str], None],
-    fail: Callable[[str], None] | None = None,
-) -> AsyncIterator[StandaloneCoordinator]:
-    """``python -m trio_dpcoord serve`` for the duration of the block; its stderr goes to
-    ``log_line``, its final counters to ``final_counters``.
-
-    If it exits before the block ends, ``fail`` is called with the reason (by default
-    the reason goes to ``report.failures``), or with ``config.restart_vanished`` it is
-    started again on the same (resolved) addresses.
-    """
-    options = [
-        "--exit-on-stdin-eof",
-        f"--engines={config.engines}",
-        f"--log-level={config.engine_log_level}",
-    ]
-    if config.host is not None:
-        options += ["--allow-remote"] + [
-            f"--{name}=tcp://{config.host}:0" for name in ("front", "back-pub", "back-out")
-        ]
-    options += config.coordinator_args
-    holder: list[StandaloneCoordinator] = []
-    stop = trio.Event()
-
-    async def incarnation(
-        options: list[str], *, task_status: trio.TaskStatus[ServeProcess]
-    ) -> None:
-        async with open_serve(
-            *options,
-            prefix=config.coordinator_prefix,
-            ready_timeout=config.ready_timeout,
-            stderr_line=log_line,
-            env=_child_environment(),
-        ) as serve:
-            report.coordinator_pid = serve.process.pid
-            task_status.started(serve)
-            # Until it exits or the run ends; then leave the block without being
-            # cancelled, so that open_serve still reads its final counters.
-            async with trio.open_nursery() as waiting:
-
-                async def until(event: Callable[[], Awaitable[object]]) -> None:
-                    await event()
-                    waiting.cancel_scope.cancel()
-
-                waiting.start_soon(until, serve.process.wait)
-                waiting.start_soon(until, stop.wait)
-        code = serve.process.returncode
-        coordinator = holder[0]
-        if coordinator.stopping or code is None:
-            return
-        status = f"status {code}"
-        if code < 0:
-            status += f" ({signal.Signals(-code).name})"
-        message = f"the coordinator (pid {serve.process.pid}) vanished: exited with {status}"
-        if not config.restart_vanished:
-            logger.error("%s", message)
-            (fail or report.failures.append)(message)
-            return
-        report.coordinator_restarts.append(message)
-        logger.error("%s; restarting it on the same addresses", message)
-        same = [*options] + [
-            f"--{name}={serve.endpoints[key]}"
-            for name, key in (
-                ("front", "front"),
-                ("back-pub", "back_pub"),
-                ("back-out", "back_out"),
-            )
-        ]
-        coordinator.serve = await nursery.start(incarnation, same)
-        logger.warning("coordinator restarted as pid %d", coordinator.process.pid)
-
-    async with trio.open_nursery() as nursery:
-        holder.append(StandaloneCoordinator(await nursery.start(incarnation, options)))
-        try:
-            yield holder[0]
-        finally:
-            holder[0].stopping = True
-            stop.set()
 
 
 async def _monitor(
@@ -753,9 +415,7 @@ class _ClusterRun:
     ) -> None:
         """The coordinator (embedded or standalone), the front-end, then the engines."""
         config, report = self.config, self.report
-        view, engine_input, engine_output = await self._open_coordinator(
-            stack, coordinator_factory
-        )
+        view, engine_input, engine_output = await self._open_coordinator(stack, coordinator_factory)
         tcp = None if config.host is None else f"tcp://{config.host}"
         frontend = self.frontend = await stack.enter_async_context(
             open_sim_frontend(

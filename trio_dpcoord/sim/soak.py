@@ -23,7 +23,8 @@ import trio
 
 from .. import PrivateIpcDirectory, open_frontend
 from ..testing import EnginePeer, connect_engines
-from .cluster import ClusterConfig, ClusterReport, _engine_fleet, open_serve_process
+from .cluster import ClusterConfig, ClusterReport
+from .fleet import open_engine_processes, open_serve_process
 from .frontend import LoadPlan, SimFrontend, open_sim_frontend
 
 __all__ = ["SoakConfig", "SoakReport", "run_soak", "vm_rss_kib"]
@@ -113,7 +114,7 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
                 open_sim_frontend(view, config.engines, wake_path="both")
             )
             await stack.enter_async_context(
-                _engine_fleet(
+                open_engine_processes(
                     cluster,
                     coordinator_input=serve.endpoints["back_pub"],
                     coordinator_output=serve.endpoints["back_out"],
