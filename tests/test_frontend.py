@@ -71,7 +71,7 @@ async def test_snapshot_follows_wave_changes(front_address: str) -> None:
                 await engines[1].start_wave(4)
                 await frontend.wait_for(lambda f: f.snapshot() == WaveSnapshot(4, True))
                 assert frontend.snapshot() == coordinator.snapshot()
-                assert frontend.rejected == {}
+                assert frontend.rejected() == {}
 
 
 async def test_loads_follow_stats_publishes(front_address: str) -> None:
@@ -79,7 +79,7 @@ async def test_loads_follow_stats_publishes(front_address: str) -> None:
         async with coordinator_with_engines(3, front_address) as (coordinator, engines):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
-                await frontend.wait_for(lambda f: f.engine_count == 3)
+                await frontend.wait_for(lambda f: f.engine_count() == 3)
                 assert frontend.engine_loads() == (EngineLoad(0, 0, 0.0),) * 3
                 await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
                 await engines[2].stats(0, 4, 0.1, wave=0, step=1)
@@ -97,10 +97,10 @@ async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_afte
                 # before any publish at all: the in-flight counts spread the requests
                 first = [frontend.choose_engine() for _ in range(6)]
                 assert Counter(first) == {0: 2, 1: 2, 2: 2}, first
-                assert frontend.inflight == (2, 2, 2)
+                assert frontend.inflight() == (2, 2, 2)
                 for engine in first:
                     frontend.request_finished(engine)
-                assert frontend.inflight == (0, 0, 0)
+                assert frontend.inflight() == (0, 0, 0)
                 # the all-zero publish changes nothing: still no pile-up on rank 0
                 await frontend.wait_for(lambda f: f.publishes_received > 0)
                 second = [frontend.choose_engine() for _ in range(3)]
@@ -135,13 +135,13 @@ async def test_scale_resizes_the_coordinator_table() -> None:
         async with coordinator_with_engines(3) as (coordinator, engines):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
-                await frontend.wait_for(lambda f: f.engine_count == 3)
+                await frontend.wait_for(lambda f: f.engine_count() == 3)
                 frontend.scale(2)
-                await coordinator.wait_for(lambda c: c.engine_count == 2)
+                await coordinator.wait_for(lambda c: c.engine_count() == 2)
                 await engines[0].stats(1, 2, 0.25, wave=0, step=1)
                 await frontend.wait_for(lambda f: f.engine_loads() == ((1, 2, 0.25), (0, 0, 0.0)))
                 frontend.scale(4)
-                await coordinator.wait_for(lambda c: c.engine_count == 4)
+                await coordinator.wait_for(lambda c: c.engine_count() == 4)
                 await engines[1].stats(0, 5, 0.5, wave=0, step=2)
                 grown = ((1, 2, 0.25), (0, 5, 0.5), (0, 0, 0.0), (0, 0, 0.0))
                 await frontend.wait_for(lambda f: f.engine_loads() == grown)
@@ -195,7 +195,7 @@ async def test_a_bad_publish_is_counted_and_the_next_one_applied() -> None:
                     await frontend.wait_for(lambda f: f.publishes_received == 1)
                     assert frontend.snapshot() == WaveSnapshot(7, True)
                     assert frontend.engine_loads() == ((1, 2, 0.5),)
-                    assert frontend.rejected == {"undecodable_front_publish": 2}
+                    assert frontend.rejected() == {"undecodable_front_publish": 2}
                     # a wave-only publish keeps the counts
                     await xpub.send(b"\x93\xc0\x08\xc2")
                     await frontend.wait_for(lambda f: f.publishes_received == 2)

@@ -398,7 +398,7 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
                 assert coordinator.counters().errors == sum(oracle.rejected.values())
                 assert coordinator.counters().commands == oracle.commands
                 assert coordinator.counters().stats_applied == oracle.stats_applied
-                assert coordinator.engine_count == oracle.engine_count
+                assert coordinator.engine_count() == oracle.engine_count
                 assert coordinator.snapshot() == oracle.state.snapshot
 
                 # back to two engines, then a valid wave sequence, byte-exact
@@ -438,7 +438,7 @@ async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
                     )
                 )
                 assert coordinator.snapshot() == WaveSnapshot(0, False)
-                assert coordinator.engine_count == ENGINES
+                assert coordinator.engine_count() == ENGINES
                 await engines[1].start_wave(MAX_WAVE)  # the last wave still starts
                 for engine in engines:
                     assert await engine.next_broadcast_frames() == [protocol.READY]

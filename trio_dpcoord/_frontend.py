@@ -107,12 +107,10 @@ class Frontend:
         """
         return self._state.engine_loads()
 
-    @property
     def engine_count(self) -> int:
         """How many engines the latest publish listed (0 if unknown yet)."""
         return len(self.engine_loads())
 
-    @property
     def rejected(self) -> dict[str, int]:
         """Publishes that could not be decoded, by reason (logged at WARNING)."""
         return self._state.rejected()
@@ -161,7 +159,6 @@ class Frontend:
         """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
         self._state.request_finished(engine_index)
 
-    @property
     def inflight(self) -> tuple[int, ...]:
         """This front-end's unfinished requests per engine."""
         return self._state.inflight()

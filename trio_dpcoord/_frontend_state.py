@@ -163,7 +163,7 @@ class FrontendState:
         if not loads:
             raise CoordinatorError(
                 "engine count unknown: pass engine_count= to open_frontend or wait for "
-                "the first publish (wait_for(lambda f: f.engine_count > 0))"
+                "the first publish (wait_for(lambda f: f.engine_count() > 0))"
             )
         if self._chooser is None:
             self._chooser = EngineChooser(

@@ -328,7 +328,7 @@ class Coordinator:
 
     Built complete by :func:`open_coordinator` once every socket is bound. Every method is
     synchronous and cheap, safe from any trio task; :meth:`snapshot`,
-    :meth:`engine_loads`, :meth:`subscriptions` and :attr:`counters` may also be called
+    :meth:`engine_loads`, :meth:`subscriptions` and :meth:`counters` may also be called
     from other threads.
     """
 
@@ -386,7 +386,6 @@ class Coordinator:
     def wake_confirm_timeout(self) -> float:
         return self._core.wake_confirm_timeout
 
-    @property
     def engine_count(self) -> int:
         """How many engines the load table holds (changes with SCALE_ELASTIC_EP)."""
         with self._lock:

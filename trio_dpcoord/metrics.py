@@ -15,7 +15,7 @@ task of the service: no thread, loopback unless ``--allow-remote``. A trio app w
 an HTTP server of its own can do the same with :func:`serve_metrics`.
 
 The collector reads the handle's cheap, thread-safe views (``snapshot()``,
-``engine_loads()``, ``subscriptions()``, ``counters``) at every scrape; it keeps no state
+``engine_loads()``, ``subscriptions()``, ``counters()``) at every scrape; it keeps no state
 of its own, so a scrape always shows the coordinator as it is.
 """
 
