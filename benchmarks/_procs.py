@@ -85,16 +85,16 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
 
     async with open_coordinator(
         args.engines,
-        engine_input_address=args.back_pub,
-        engine_output_address=args.back_out,
+        back_publish_address=args.back_pub,
+        back_output_address=args.back_out,
         front_address=args.front or None,
         ready_timeout=None,
     ) as coordinator:
         _emit(
             {
                 "front": coordinator.front_address,
-                "back_pub": coordinator.engine_input_address,
-                "back_out": coordinator.engine_output_address,
+                "back_pub": coordinator.back_publish_address,
+                "back_out": coordinator.back_output_address,
             }
         )
         async for line in _stdin_lines():

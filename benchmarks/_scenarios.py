@@ -440,7 +440,7 @@ def hot_path(env: Env, calls: int) -> dict[str, float]:
     async def measure() -> dict[str, float]:
         async with open_coordinator(2, ready_timeout=30) as coordinator:
             async with connect_engines(
-                coordinator.engine_input_address, coordinator.engine_output_address, 2
+                coordinator.back_publish_address, coordinator.back_output_address, 2
             ) as engines:
                 await coordinator.wait_ready()
                 coordinator.notify_first_request(0)

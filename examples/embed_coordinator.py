@@ -21,10 +21,10 @@ from trio_dpcoord.testing import connect_engines
 
 async def main() -> None:
     async with open_coordinator(2, ready_timeout=10) as coordinator:
-        print(f"engines connect to {coordinator.engine_input_address} (XSUB)")
-        print(f"           and push to {coordinator.engine_output_address} (PUSH)")
+        print(f"engines connect to {coordinator.back_publish_address} (XSUB)")
+        print(f"           and push to {coordinator.back_output_address} (PUSH)")
         async with connect_engines(
-            coordinator.engine_input_address, coordinator.engine_output_address, 2
+            coordinator.back_publish_address, coordinator.back_output_address, 2
         ) as engines:
             await coordinator.wait_ready()
             for engine in engines:

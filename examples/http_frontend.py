@@ -570,8 +570,8 @@ async def run(args: argparse.Namespace) -> int:
                 open_engine_fleet(
                     config,
                     frontend,
-                    coordinator_input=coordinator.engine_input_address,
-                    coordinator_output=coordinator.engine_output_address,
+                    back_publish_address=coordinator.back_publish_address,
+                    back_output_address=coordinator.back_output_address,
                     on_failure=engine_failed,
                 )
             )

@@ -38,10 +38,10 @@ def engine_addresses(transport: str) -> dict[str, Any]:
     """Bind addresses for a coordinator under test: default private ipc, or loopback tcp."""
     if transport == "tcp":
         return {
-            "engine_input_address": "tcp://127.0.0.1:0",
-            "engine_output_address": "tcp://127.0.0.1:0",
+            "back_publish_address": "tcp://127.0.0.1:0",
+            "back_output_address": "tcp://127.0.0.1:0",
         }
-    return {"engine_input_address": None, "engine_output_address": None}
+    return {"back_publish_address": None, "back_output_address": None}
 
 
 @pytest.fixture(scope="session")

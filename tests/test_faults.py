@@ -92,8 +92,8 @@ def _config(
     return EngineConfig(
         rank=rank,
         engine_count=count,
-        coordinator_input_address=inp,
-        coordinator_output_address=out,
+        back_publish_address=inp,
+        back_output_address=out,
         request_address=fe_req,
         completion_address=fe_done,
         collective_address=f"ipc://{tmp}/collective",
@@ -118,8 +118,8 @@ async def test_a_vanished_engine_shows_in_the_engine_view_and_gets_ready_again(
                     return _config(
                         rank,
                         2,
-                        coord.engine_input_address,
-                        coord.engine_output_address,
+                        coord.back_publish_address,
+                        coord.back_output_address,
                         fe.request_address,
                         fe.completion_address,
                         tmp_path,
@@ -484,8 +484,8 @@ async def test_curve_simulated_engines_work_and_a_keyless_engine_is_kept_out(
                         _config(
                             rank,
                             2,
-                            coord.engine_input_address,
-                            coord.engine_output_address,
+                            coord.back_publish_address,
+                            coord.back_output_address,
                             fe.request_address,
                             fe.completion_address,
                             tmp_path,

@@ -45,7 +45,7 @@ async def coordinator_with_engines(
 ) -> AsyncIterator[tuple[Coordinator, list[EnginePeer]]]:
     """A coordinator with its front socket, and ``engine_count`` engines past READY."""
     async with open_coordinator(engine_count, front_address=front_address, **options) as coord:
-        addresses = (coord.engine_input_address, coord.engine_output_address)
+        addresses = (coord.back_publish_address, coord.back_output_address)
         async with connect_engines(*addresses, engine_count) as engines:
             await coord.wait_ready()
             await expect_broadcast(engines, [protocol.READY])
@@ -264,8 +264,8 @@ async def test_frontend_with_the_curve_key_follows_a_curve_coordinator() -> None
             ) as frontend:
                 await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 1)
                 async with connect_engines(
-                    coordinator.engine_input_address,
-                    coordinator.engine_output_address,
+                    coordinator.back_publish_address,
+                    coordinator.back_output_address,
                     1,
                     curve_server_key=coordinator.curve_public_key,
                 ) as engines:

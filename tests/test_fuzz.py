@@ -365,7 +365,7 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
     with trio.fail_after(GUARD):
         async with open_coordinator(ENGINES, front_address="tcp://127.0.0.1:0") as coordinator:
             assert coordinator.front_address is not None
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with (
                 connect_engines(*addresses, ENGINES) as engines,
                 open_context() as context,
@@ -421,7 +421,7 @@ async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(ENGINES, front_address="tcp://127.0.0.1:0") as coordinator:
             assert coordinator.front_address is not None
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with (
                 connect_engines(*addresses, ENGINES) as engines,
                 open_context() as context,

@@ -51,8 +51,8 @@ async def _engine_process(coordinator: Coordinator) -> AsyncIterator[trio.Proces
             sys.executable,
             "-c",
             _PEER,
-            coordinator.engine_input_address,
-            coordinator.engine_output_address,
+            coordinator.back_publish_address,
+            coordinator.back_output_address,
         ],
         stdout=subprocess.PIPE,
     )
@@ -103,8 +103,8 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
     with trio.fail_after(GUARD):
         async with open_coordinator(
             1,
-            engine_input_address="tcp://127.0.0.1:0",
-            engine_output_address="tcp://127.0.0.1:0",
+            back_publish_address="tcp://127.0.0.1:0",
+            back_output_address="tcp://127.0.0.1:0",
             liveness=FAST,
         ) as coordinator:
             async with _engine_process(coordinator) as engine:
@@ -121,19 +121,19 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
                 await coordinator.wait_for(lambda c: c.subscriptions().current == 0)
                 noticed_after = trio.current_time() - stopped_at
                 await coordinator.wait_for(
-                    lambda c: c.counters().connections_lost.get("engine_output") == 1
+                    lambda c: c.counters().connections_lost.get("back_output") == 1
                 )
                 view = coordinator.subscriptions()
                 assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
                 metrics = _metrics(coordinator)
                 assert metrics[("trio_dpcoord_engine_connections", ())] == 0
-                for socket in ("engine_broadcast", "engine_output"):
+                for socket in ("back_publish", "back_output"):
                     key = ("trio_dpcoord_connections_lost_total", (("socket", socket),))
                     assert metrics[key] == 1
                 assert view.last_connection_lost_at is not None
                 # Silent for the timeout before it is dropped: not a closed connection.
                 assert noticed_after >= FAST.heartbeat_timeout * 0.9
-                port = coordinator.engine_input_address.rsplit(":", 1)[1]
+                port = coordinator.back_publish_address.rsplit(":", 1)[1]
                 lost = [r.getMessage() for r in caplog.records if "lost peer" in r.getMessage()]
                 assert any(
                     re.search(
@@ -160,8 +160,8 @@ async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(
             1,
-            engine_input_address="tcp://127.0.0.1:0",
-            engine_output_address="tcp://127.0.0.1:0",
+            back_publish_address="tcp://127.0.0.1:0",
+            back_output_address="tcp://127.0.0.1:0",
             liveness=liveness,
         ) as coordinator:
             async with _engine_process(coordinator) as engine:
@@ -217,13 +217,13 @@ def test_the_core_counts_connections_per_socket() -> None:
     return nothing), and show in subscriptions() (the broadcast socket) and counters
     (every socket)."""
     core = CoordinatorCore(2)
-    core.connection_opened("engine_broadcast", 1.0)
-    core.connection_opened("engine_broadcast", 1.0)
-    core.connection_opened("engine_output", 1.0)
-    core.connection_lost("engine_broadcast", 5.0)
-    core.connection_lost("engine_output", 6.0)
+    core.connection_opened("back_publish", 1.0)
+    core.connection_opened("back_publish", 1.0)
+    core.connection_opened("back_output", 1.0)
+    core.connection_lost("back_publish", 5.0)
+    core.connection_lost("back_output", 6.0)
     assert core.next_deadline() == float("inf")
     view = core.subscriptions()
     assert (view.connections, view.connections_lost, view.last_connection_lost_at) == (1, 1, 5.0)
-    assert core.counters().connections_lost == {"engine_broadcast": 1, "engine_output": 1}
+    assert core.counters().connections_lost == {"back_publish": 1, "back_output": 1}
     assert core.counters().errors == 0

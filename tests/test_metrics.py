@@ -53,7 +53,7 @@ async def test_embedded_collector_shows_what_happened() -> None:
             registry.register(CoordinatorCollector(coordinator))
             with pytest.raises(ValueError, match="Duplicated timeseries"):
                 registry.register(CoordinatorCollector(coordinator))  # names are described
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 2) as engines:
                 await coordinator.wait_ready()
                 for engine in engines:

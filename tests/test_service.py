@@ -51,16 +51,16 @@ async def wave_is(coordinator: Coordinator, wave: int, running: bool) -> None:
 async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, Any]) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
-            assert coordinator.engine_input_address.split("://")[0] in ("ipc", "tcp")
-            assert not coordinator.engine_input_address.endswith(":0")
+            assert coordinator.back_publish_address.split("://")[0] in ("ipc", "tcp")
+            assert not coordinator.back_publish_address.endswith(":0")
             async with connect_engines(
-                coordinator.engine_input_address, coordinator.engine_output_address, 2
+                coordinator.back_publish_address, coordinator.back_output_address, 2
             ) as first_two:
                 await coordinator.wait_for(lambda c: c.subscriptions().current == 2)
                 assert not coordinator.subscriptions().gate_open
                 async with connect_engines(
-                    coordinator.engine_input_address,
-                    coordinator.engine_output_address,
+                    coordinator.back_publish_address,
+                    coordinator.back_output_address,
                     1,
                     first_index=2,
                 ) as last:
@@ -72,7 +72,7 @@ async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, Any])
 async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, Any]) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(2, **engine_addresses) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 2) as engines:
                 await coordinator.wait_ready()
                 await expect_broadcast(engines, [protocol.READY])
@@ -91,7 +91,7 @@ async def test_current_first_request_excludes_its_target_over_the_wire(
 ) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 3) as engines:
                 await coordinator.wait_ready()
                 await expect_broadcast(engines, [protocol.READY])
@@ -111,7 +111,7 @@ async def test_stale_first_request_wakes_everyone_and_never_rewinds(
     completes while it waits, and only then is it handled."""
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 2) as engines:
                 await engines[0].wave_complete(2)
                 await wave_is(coordinator, 3, False)
@@ -148,7 +148,7 @@ async def test_wave_start_leaves_before_the_reports_queued_behind_it() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(2) as coordinator:
             async with connect_engines(
-                coordinator.engine_input_address, coordinator.engine_output_address, 2
+                coordinator.back_publish_address, coordinator.back_output_address, 2
             ) as engines:
                 await coordinator.wait_ready()
                 for peer in engines:
@@ -179,7 +179,7 @@ async def test_engine_start_wave_rules_over_the_wire(
 ) -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, **engine_addresses) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 3) as engines:
                 await coordinator.wait_ready()
                 await expect_broadcast(engines, [protocol.READY])
@@ -203,7 +203,7 @@ async def test_engine_start_wave_rules_over_the_wire(
 async def test_concurrent_first_requests_coalesce_into_one_broadcast() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(4) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 4) as engines:
                 await coordinator.wait_ready()
                 await expect_broadcast(engines, [protocol.READY])
@@ -277,7 +277,7 @@ async def test_bad_engine_input_is_counted_and_the_next_message_still_works(
     cases = _bad_outputs(vectors)
     with trio.fail_after(GUARD):
         async with open_coordinator(2) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 2) as engines:
                 await coordinator.wait_ready()
                 await expect_broadcast(engines, [protocol.READY])
@@ -297,7 +297,7 @@ async def test_bad_engine_input_is_counted_and_the_next_message_still_works(
 async def test_unexpected_frame_on_the_broadcast_socket_is_counted() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(1) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 1) as engines:
                 await coordinator.wait_ready()
                 await expect_broadcast(engines, [protocol.READY])
@@ -312,7 +312,7 @@ async def test_unexpected_frame_on_the_broadcast_socket_is_counted() -> None:
 async def test_stats_fill_the_load_table() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 3) as engines:
                 await coordinator.wait_ready()
                 await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
@@ -330,7 +330,7 @@ async def test_commands_before_the_gate_are_applied_after_it() -> None:
         async with open_coordinator(2) as coordinator:
             coordinator.notify_first_request(1)
             assert coordinator.snapshot() == WaveSnapshot(0, True)
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 2) as engines:
                 await expect_broadcast(engines, [protocol.READY])
                 await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
@@ -353,7 +353,7 @@ async def test_notify_first_request_rejects_bad_engines_and_a_stopped_coordinato
 async def test_wait_ready_times_out_with_a_clear_error() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(3, ready_timeout=0.3) as coordinator:
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 1, first_index=1) as engines:
                 await engines[0].stats(0, 0)  # an engine that announces itself before READY
                 await coordinator.wait_for(
@@ -371,9 +371,9 @@ async def test_cancellation_with_engines_connected_closes_everything(
     with trio.fail_after(GUARD):
         with trio.CancelScope() as scope:
             async with open_coordinator(2, **engine_addresses) as coordinator:
-                endpoint = coordinator.engine_input_address
+                endpoint = coordinator.back_publish_address
                 async with connect_engines(
-                    coordinator.engine_input_address, coordinator.engine_output_address, 2
+                    coordinator.back_publish_address, coordinator.back_output_address, 2
                 ) as engines:
                     await coordinator.wait_ready()
                     await engines[0].start_wave(0)
@@ -392,7 +392,7 @@ async def test_cancellation_with_engines_connected_closes_everything(
 async def test_default_ipc_directory_is_private() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(1) as coordinator:
-            path = Path(coordinator.engine_input_address[len("ipc://") :])
+            path = Path(coordinator.back_publish_address[len("ipc://") :])
             assert path.exists()
             assert (os.stat(path.parent).st_mode & 0o777) == 0o700
         assert not path.parent.exists()
@@ -411,7 +411,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
         async with open_coordinator(1) as coordinator:
             async with connect_engines(
-                coordinator.engine_input_address, coordinator.engine_output_address, 1
+                coordinator.back_publish_address, coordinator.back_output_address, 1
             ):
                 await coordinator.wait_ready()
                 # break an invariant of our own: an empty frame list for the broadcaster
@@ -422,10 +422,10 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
 
 async def test_bad_bind_address_fails_at_once() -> None:
     with pytest.raises(CoordinatorError, match="bad address"):
-        async with open_coordinator(1, engine_input_address="udp://1.2.3.4:5"):
+        async with open_coordinator(1, back_publish_address="udp://1.2.3.4:5"):
             pass
     with pytest.raises(CoordinatorError, match="allow_remote"):
-        async with open_coordinator(1, engine_output_address="tcp://0.0.0.0:0"):
+        async with open_coordinator(1, back_output_address="tcp://0.0.0.0:0"):
             pass
 
 
@@ -443,21 +443,21 @@ async def test_an_ipv6_tcp_address_is_bound_in_ipv6_mode() -> None:
     """vLLM puts a socket in IPv6 mode for a bracketed host; so do we, or the bind fails."""
     with trio.fail_after(GUARD):
         async with open_coordinator(
-            1, engine_input_address="tcp://[::1]:0", engine_output_address="tcp://[::1]:0"
+            1, back_publish_address="tcp://[::1]:0", back_output_address="tcp://[::1]:0"
         ) as coordinator:
-            assert coordinator.engine_input_address.startswith("tcp://[::1]:")
+            assert coordinator.back_publish_address.startswith("tcp://[::1]:")
             async with open_context() as context:
                 async with open_socket(context, zmq.XSUB, options={zmq.IPV6: 1}) as sub:
-                    sub.connect(coordinator.engine_input_address)
+                    sub.connect(coordinator.back_publish_address)
                     await sub.send(protocol.SUBSCRIBE)
                     assert await sub.recv() == protocol.READY
 
 
 async def test_remote_bind_needs_the_opt_in_and_warns(caplog: pytest.LogCaptureFixture) -> None:
     async with open_coordinator(
-        1, engine_output_address="tcp://0.0.0.0:0", allow_remote=True
+        1, back_output_address="tcp://0.0.0.0:0", allow_remote=True
     ) as coordinator:
-        assert coordinator.engine_output_address.startswith("tcp://0.0.0.0:")
+        assert coordinator.back_output_address.startswith("tcp://0.0.0.0:")
     assert "unauthenticated" in caplog.text
 
 
@@ -468,7 +468,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
             async with open_socket(
                 context,
                 zmq.XSUB,
-                connect=coordinator.engine_input_address,
+                connect=coordinator.back_publish_address,
                 options={zmq.IDENTITY: rank_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
@@ -483,7 +483,7 @@ async def test_front_end_subscriptions_are_tracked_and_answered_with_a_publish()
                 await sub.send(protocol.SUBSCRIBE)
                 await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 1)
                 async with connect_engines(
-                    coordinator.engine_input_address, coordinator.engine_output_address, 2
+                    coordinator.back_publish_address, coordinator.back_output_address, 2
                 ):
                     await coordinator.wait_ready()
                     publish = protocol.decode_front_publish(await sub.recv())
@@ -550,7 +550,7 @@ async def test_a_first_request_start_nobody_confirms_is_not_latched() -> None:
             async with open_socket(context, zmq.XSUB, connect=coordinator.front_address) as sub:
                 await sub.send(protocol.SUBSCRIBE)
                 await coordinator.wait_for(lambda c: c.subscriptions().front_ends == 1)
-                addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+                addresses = (coordinator.back_publish_address, coordinator.back_output_address)
                 async with connect_engines(*addresses, 2) as engines:
                     await expect_broadcast(engines, [protocol.READY])
                     coordinator.notify_first_request(1)
@@ -584,7 +584,7 @@ async def test_curve_keeps_out_peers_without_the_key() -> None:
     with trio.fail_after(GUARD):
         async with open_coordinator(1, curve_secret_key=secret) as coordinator:
             assert coordinator.curve_public_key is not None
-            addresses = (coordinator.engine_input_address, coordinator.engine_output_address)
+            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
             async with connect_engines(*addresses, 1) as strangers:
                 await strangers[0].start_wave(7)  # queued by the stranger, never delivered
                 async with connect_engines(

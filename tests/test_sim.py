@@ -109,7 +109,7 @@ def engine_config(
     if isinstance(coordinator, HandCoordinator):
         inp, out = coordinator.input_address, coordinator.output_address
     else:
-        inp, out = coordinator.engine_input_address, coordinator.engine_output_address
+        inp, out = coordinator.back_publish_address, coordinator.back_output_address
     settings: dict[str, object] = {
         "step_time": 0.001,
         "sync_interval": 4,
@@ -119,8 +119,8 @@ def engine_config(
     return EngineConfig(
         rank=rank,
         engine_count=engines,
-        coordinator_input_address=inp,
-        coordinator_output_address=out,
+        back_publish_address=inp,
+        back_output_address=out,
         request_address=frontend.request_address,
         completion_address=frontend.completion_address,
         collective_address=f"ipc://{tmp_path}/collective",
@@ -370,8 +370,8 @@ class NeverBroadcastingCoordinator:
         self._pull = pull
         self._engines = engines
         self._ready = trio.Event()
-        self.engine_input_address = xpub.last_endpoint or ""
-        self.engine_output_address = pull.last_endpoint or ""
+        self.back_publish_address = xpub.last_endpoint or ""
+        self.back_output_address = pull.last_endpoint or ""
         self.start_waves: list[int] = []
 
     def counters(self) -> _Counters:

@@ -46,8 +46,8 @@ def _config(
     return EngineConfig(
         rank=rank,
         engine_count=count,
-        coordinator_input_address=coord.engine_input_address,
-        coordinator_output_address=coord.engine_output_address,
+        back_publish_address=coord.back_publish_address,
+        back_output_address=coord.back_output_address,
         request_address=fe.request_address,
         completion_address=fe.completion_address,
         collective_address=f"ipc://{tmp}/collective",
@@ -152,7 +152,7 @@ async def test_the_gate_timeout_bounds_the_wait_and_names_the_missing_ranks(tmp_
     assert waited < 1.5 + 1.0
     message = str(caught.value)
     assert "2 of 4 engines subscribed" in message
-    assert message.endswith(f"ranks never heard from on {coord.engine_output_address}: [1, 3]")
+    assert message.endswith(f"ranks never heard from on {coord.back_output_address}: [1, 3]")
     assert coord.silent_engines() == [1, 3]
     assert not any(e.ready for e in engines)
 

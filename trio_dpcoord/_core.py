@@ -178,7 +178,7 @@ class CoordinatorCounters:
     wake_latency: HistogramSnapshot
     """Seconds from a START_DP_WAVE decision until it was handed to ZeroMQ."""
     connections_lost: dict[str, int]
-    """Peer connections lost, by socket (``engine_broadcast``, ``engine_output``,
+    """Peer connections lost, by socket (``back_publish``, ``back_output``,
     ``front``): closed by the peer, or silent past the heartbeat timeout."""
 
     @property
@@ -271,7 +271,7 @@ _NOT_FOR_COORDINATOR: Final = {
     if kind not in (_STATS, _WAVE_COMPLETE, _START_WAVE)
 }
 _READY_FRAMES: Final = [protocol.READY]
-_BROADCAST_SOCKET: Final = "engine_broadcast"
+_BROADCAST_SOCKET: Final = "back_publish"
 
 
 @final
@@ -651,7 +651,7 @@ class CoordinatorCore:
     # --- inputs: the sockets' connections ---------------------------------------------------
 
     def connection_opened(self, socket: str, now: float) -> None:
-        """A peer connected to ``socket`` (``engine_broadcast``, ``engine_output``,
+        """A peer connected to ``socket`` (``back_publish``, ``back_output``,
         ``front``): counted only; its subscription, if any, comes as its own input."""
         self._connections[socket] += 1
 

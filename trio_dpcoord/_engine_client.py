@@ -621,8 +621,8 @@ async def open_engine_client(
         coordinator = await stack.enter_async_context(
             open_coordinator(
                 engine_count,
-                engine_input_address=free,
-                engine_output_address=free,
+                back_publish_address=free,
+                back_output_address=free,
                 ready_timeout=None,
                 allow_remote=allow_remote,
                 liveness=liveness,
@@ -697,8 +697,8 @@ def _handshake_metadata(
             "addresses": {
                 "inputs": [sockets.input_address],
                 "outputs": [sockets.outputs[rank][2]],
-                "coordinator_input": coordinator.engine_input_address,
-                "coordinator_output": coordinator.engine_output_address,
+                "coordinator_input": coordinator.back_publish_address,
+                "coordinator_output": coordinator.back_output_address,
                 "frontend_stats_publish_address": None,
             },
             "parallel_config": dict(parallel_config or {}),

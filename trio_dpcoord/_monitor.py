@@ -129,11 +129,13 @@ class PeerMonitor:
     counts them (the coordinator's core does). Every loss is logged at WARNING naming
     the socket, the peer's address and since when it was connected; in a burst (a mass
     disconnect) the first few, then one summary line (the rest at DEBUG). ``key`` names the
-    socket in counters (``engine_broadcast``); the logs say it with spaces.
+    socket in counters (vLLM's name: ``back_publish``), ``role`` in the logs (what it
+    carries: ``engine broadcast``).
     """
 
-    def __init__(self, key: str, pair: AsyncSocket, liveness: Liveness) -> None:
+    def __init__(self, key: str, role: str, pair: AsyncSocket, liveness: Liveness) -> None:
         self.key = key
+        self.role = role
         self.address = ""
         """The socket's endpoint, for the logs (set it once bound)."""
         self._pair = pair
@@ -156,7 +158,7 @@ class PeerMonitor:
             logger.log(
                 self._loss_level,
                 "%s socket %s lost %d more peers in %.1f s (each logged at DEBUG; %d left)",
-                self.key.replace("_", " "),
+                self.role,
                 self.address,
                 held,
                 last - first,
@@ -171,7 +173,7 @@ class PeerMonitor:
             self._loss_level if self._burst.admit(now) else logging.DEBUG,
             "%s socket %s lost peer %s (connected since %s): it closed the connection, "
             "died, or %s (%d peers left)",
-            self.key.replace("_", " "),
+            self.role,
             self.address,
             peer,
             _clock(since),
@@ -200,7 +202,7 @@ class PeerMonitor:
             try:
                 event = parse_monitor_event(frames)
             except ValueError as exc:
-                logger.warning("%s socket: %s", self.key.replace("_", " "), exc)
+                logger.warning("%s socket: %s", self.role, exc)
                 continue
             if event.event == zmq.EVENT_MONITOR_STOPPED:
                 return
@@ -220,10 +222,14 @@ def _clock(stamp: float) -> str:
 
 @asynccontextmanager
 async def open_peer_monitor(
-    context: zmq.Context[zmq.Socket[bytes]], socket: AsyncSocket, key: str, liveness: Liveness
+    context: zmq.Context[zmq.Socket[bytes]],
+    socket: AsyncSocket,
+    key: str,
+    role: str,
+    liveness: Liveness,
 ) -> AsyncIterator[PeerMonitor]:
     """Watch the peers of bound ``socket`` for the duration of the block (read
     :meth:`PeerMonitor.changes` in a task inside it). Enter it before binding, then set
     :attr:`PeerMonitor.address` to the bound endpoint."""
     async with open_monitor(context, socket, _PEER_EVENTS) as pair:
-        yield PeerMonitor(key, pair, liveness)
+        yield PeerMonitor(key, role, pair, liveness)

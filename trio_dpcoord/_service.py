@@ -76,12 +76,27 @@ _XPUB_OPTIONS: Final[dict[int, int | bytes]] = {
 }
 
 
-_SOCKETS: Final[dict[str, tuple[int, dict[int, int | bytes], bool, str]]] = {
-    # key (in counters and logs): socket type, options, exclusive, private ipc name
-    "engine_broadcast": (zmq.XPUB, _XPUB_OPTIONS, False, "engine-input"),
-    # the listener alone receives on it
-    "engine_output": (zmq.PULL, {zmq.RCVHWM: 0, zmq.LINGER: 0}, True, "engine-output"),
-    "front": (zmq.XPUB, _XPUB_OPTIONS, False, "front"),
+@dataclass(frozen=True, slots=True)
+class _SocketSpec:
+    """How one of the coordinator's sockets is opened, and what the logs call it."""
+
+    socket_type: int
+    options: dict[int, int | bytes]
+    exclusive: bool
+    """One task alone receives on it (see :class:`~trio_dpcoord.trio_zmq.AsyncSocket`)."""
+    ipc_name: str
+    """Its file in the private ``ipc://`` directory."""
+    role: str
+    """What it carries, for the logs and bind errors."""
+
+
+_SOCKETS: Final[dict[str, _SocketSpec]] = {
+    # by key: vLLM's name for the socket, used in counters and the handle's addresses
+    "back_publish": _SocketSpec(zmq.XPUB, _XPUB_OPTIONS, False, "back-publish", "engine broadcast"),
+    "back_output": _SocketSpec(
+        zmq.PULL, {zmq.RCVHWM: 0, zmq.LINGER: 0}, True, "back-output", "engine output"
+    ),
+    "front": _SocketSpec(zmq.XPUB, _XPUB_OPTIONS, False, "front", "front"),
 }
 
 
@@ -344,8 +359,8 @@ class Coordinator:
         self._pumps = pumps
         self._core = pumps.core
         self._lock = pumps.lock
-        self._engine_input_address = addresses["engine_broadcast"] or ""
-        self._engine_output_address = addresses["engine_output"] or ""
+        self._back_publish_address = addresses["back_publish"] or ""
+        self._back_output_address = addresses["back_output"] or ""
         self._front_address = addresses["front"]
         self._curve_public_key = curve_public_key
         self._ready_timeout = ready_timeout
@@ -354,14 +369,14 @@ class Coordinator:
         )
 
     @property
-    def engine_input_address(self) -> str:
+    def back_publish_address(self) -> str:
         """Where engines connect their XSUB (vLLM's back-pub; READY and START_DP_WAVE)."""
-        return self._engine_input_address
+        return self._back_publish_address
 
     @property
-    def engine_output_address(self) -> str:
+    def back_output_address(self) -> str:
         """Where engines connect their PUSH (vLLM's back-out; stats and wave reports)."""
-        return self._engine_output_address
+        return self._back_output_address
 
     @property
     def front_address(self) -> str | None:
@@ -454,8 +469,8 @@ class Coordinator:
         raise ReadyTimeoutError(
             f"start-up gate still closed after {self._ready_timeout} s: "
             f"{view.current} of {expected} engines subscribed to "
-            f"{self._engine_input_address} ({expected - view.current} missing); "
-            f"ranks never heard from on {self._engine_output_address}: {self.silent_engines()}"
+            f"{self._back_publish_address} ({expected - view.current} missing); "
+            f"ranks never heard from on {self._back_output_address}: {self.silent_engines()}"
         )
 
     async def wait_for(self, predicate: Callable[[Coordinator], bool]) -> None:
@@ -483,20 +498,20 @@ def _curve_server(curve_secret_key: bytes | None) -> tuple[bytes | None, dict[in
 class _Bound:
     """The coordinator's sockets, bound, with the addresses peers connect to."""
 
-    engine_broadcast: AsyncSocket
-    engine_output: AsyncSocket
+    back_publish: AsyncSocket
+    back_output: AsyncSocket
     front: AsyncSocket | None
     addresses: dict[str, str | None]
 
 
 def _requested_sockets(
-    engine_input_address: str | None, engine_output_address: str | None, front_address: str | None
+    back_publish_address: str | None, back_output_address: str | None, front_address: str | None
 ) -> dict[str, str | None]:
     """Each socket's bind address by its key: the engine sockets always (None becomes
     ``""``, a private ``ipc://`` path), the front socket only when asked for."""
     return {
-        "engine_broadcast": engine_input_address or "",
-        "engine_output": engine_output_address or "",
+        "back_publish": back_publish_address or "",
+        "back_output": back_output_address or "",
         "front": front_address,
     }
 
@@ -537,21 +552,20 @@ async def _bind_sockets(
     for key, address in requested.items():
         if address is None:
             continue
-        socket_type, options, exclusive, ipc_name = _SOCKETS[key]
-        address = address or private_dir.address(ipc_name)
+        spec = _SOCKETS[key]
+        address = address or private_dir.address(spec.ipc_name)
         socket_liveness = liveness.for_address(address)
-        options = {**options, **curve_options, **socket_liveness.socket_options()}
+        options = {**spec.options, **curve_options, **socket_liveness.socket_options()}
         socket = await sockets.enter_async_context(
-            open_socket(context, socket_type, options=options, exclusive=exclusive)
+            open_socket(context, spec.socket_type, options=options, exclusive=spec.exclusive)
         )
         monitor = await sockets.enter_async_context(
-            open_peer_monitor(context, socket, key, socket_liveness)
+            open_peer_monitor(context, socket, key, spec.role, socket_liveness)
         )
         pumps.monitors.append(monitor)
-        what = key.replace("_", " ")
-        monitor.address = bind_socket(socket, address, allow_remote=allow_remote, what=what)
+        monitor.address = bind_socket(socket, address, allow_remote=allow_remote, what=spec.role)
         bound[key], addresses[key] = socket, monitor.address
-    return _Bound(bound["engine_broadcast"], bound["engine_output"], bound.get("front"), addresses)
+    return _Bound(bound["back_publish"], bound["back_output"], bound.get("front"), addresses)
 
 
 @asynccontextmanager
@@ -567,10 +581,10 @@ async def _running_pumps(pumps: _Pumps, bound: _Bound) -> AsyncIterator[None]:
 
 
 async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> None:
-    await nursery.start(pumps.broadcaster, bound.engine_broadcast, bound.front)
+    await nursery.start(pumps.broadcaster, bound.back_publish, bound.front)
     await nursery.start(pumps.timer)
-    await nursery.start(pumps.subscription_watcher, bound.engine_broadcast)
-    await nursery.start(pumps.engine_output_listener, bound.engine_output)
+    await nursery.start(pumps.subscription_watcher, bound.back_publish)
+    await nursery.start(pumps.engine_output_listener, bound.back_output)
     for monitor in pumps.monitors:
         await nursery.start(pumps.peer_watcher, monitor)
     if bound.front is not None:
@@ -586,8 +600,8 @@ async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> N
 async def open_coordinator(
     engine_count: int,
     *,
-    engine_input_address: str | None = None,
-    engine_output_address: str | None = None,
+    back_publish_address: str | None = None,
+    back_output_address: str | None = None,
     front_address: str | None = None,
     ready_timeout: float | None = 60.0,
     wave_coordination: bool = True,
@@ -599,8 +613,8 @@ async def open_coordinator(
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
-    Binds the engine broadcast socket (XPUB, vLLM's back-pub: ``engine_input_address``),
-    the engine output socket (PULL, back-out: ``engine_output_address``) and, with
+    Binds the engine broadcast socket (XPUB, vLLM's back-pub: ``back_publish_address``),
+    the engine output socket (PULL, back-out: ``back_output_address``) and, with
     ``front_address``, vLLM's front publish socket (XPUB) as the standalone process does.
     None (or ``""``; for the front socket only ``""``) means an ``ipc://`` path in a
     private directory removed on exit; ``tcp://127.0.0.1:0`` is resolved to its port.
@@ -628,7 +642,7 @@ async def open_coordinator(
     )
     curve_public_key, curve_options = _curve_server(curve_secret_key)
     pumps = _Pumps(core)
-    requested = _requested_sockets(engine_input_address, engine_output_address, front_address)
+    requested = _requested_sockets(back_publish_address, back_output_address, front_address)
     async with _open_bound_sockets(
         pumps, requested, curve_options, liveness, allow_remote
     ) as bound:

@@ -285,7 +285,7 @@ async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> Non
     the newest count at most once per :data:`GATE_PROGRESS_INTERVAL`, so that thousands of
     engines subscribing write a few lines, not one each. The core logs the opening."""
     logger.info(
-        "waiting for %d engines to subscribe to %s", engine_count, coordinator.engine_input_address
+        "waiting for %d engines to subscribe to %s", engine_count, coordinator.back_publish_address
     )
     pacer = ProgressPacer(GATE_PROGRESS_INTERVAL, logged=0)
     seen = 0
@@ -323,8 +323,8 @@ async def _serve(args: argparse.Namespace) -> int:
             metrics_address = _metrics_address(args)
             async with open_coordinator(
                 args.engines,
-                engine_input_address=args.back_pub or None,
-                engine_output_address=args.back_out or None,
+                back_publish_address=args.back_pub or None,
+                back_output_address=args.back_out or None,
                 front_address=args.front,
                 ready_timeout=None,
                 wave_coordination=args.wave_coordination,
@@ -336,8 +336,8 @@ async def _serve(args: argparse.Namespace) -> int:
             ) as coordinator:
                 endpoints: dict[str, object] = {
                     "front": coordinator.front_address,
-                    "back_pub": coordinator.engine_input_address,
-                    "back_out": coordinator.engine_output_address,
+                    "back_pub": coordinator.back_publish_address,
+                    "back_out": coordinator.back_output_address,
                 }
                 if coordinator.curve_public_key is not None:
                     endpoints["curve_public_key"] = coordinator.curve_public_key.decode()

@@ -283,8 +283,8 @@ async def _serve(
         try:
             async with open_coordinator(
                 engine_count,
-                engine_input_address=back_publish_address,
-                engine_output_address=back_output_address,
+                back_publish_address=back_publish_address,
+                back_output_address=back_output_address,
                 front_address=front_publish_address,
                 ready_timeout=None,  # vLLM's coordinator waits for every engine, too
                 wave_coordination=wave_coordination,
@@ -294,15 +294,15 @@ async def _serve(
             ) as coordinator:
                 bound += [
                     coordinator.front_address,
-                    coordinator.engine_output_address,
-                    coordinator.engine_input_address,
+                    coordinator.back_output_address,
+                    coordinator.back_publish_address,
                 ]
                 if zmq_addr_pipe is not None:
                     zmq_addr_pipe.send(
                         (
                             coordinator.front_address,
-                            coordinator.engine_output_address,
-                            coordinator.engine_input_address,
+                            coordinator.back_output_address,
+                            coordinator.back_publish_address,
                         )
                     )
                     zmq_addr_pipe.close()

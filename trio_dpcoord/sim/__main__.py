@@ -39,8 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("engine", help="run one simulated DP engine (one rank)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--engines", type=int, required=True, help="DP size")
-    p.add_argument("--coordinator-input", required=True, help="coordinator broadcast (XPUB)")
-    p.add_argument("--coordinator-output", required=True, help="coordinator output (PULL)")
+    p.add_argument(
+        "--back-pub", required=True, help="the coordinator's back-publish socket (XPUB)"
+    )
+    p.add_argument("--back-out", required=True, help="the coordinator's back-output socket (PULL)")
     p.add_argument("--request-address", required=True, help="front-end request ROUTER")
     p.add_argument("--completion-address", required=True, help="front-end completion PULL")
     p.add_argument("--collective-address", required=True, help="rank 0 binds, all connect")
@@ -137,8 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = EngineConfig(
             rank=args.rank,
             engine_count=args.engines,
-            coordinator_input_address=args.coordinator_input,
-            coordinator_output_address=args.coordinator_output,
+            back_publish_address=args.back_pub,
+            back_output_address=args.back_out,
             request_address=args.request_address,
             completion_address=args.completion_address,
             collective_address=args.collective_address,

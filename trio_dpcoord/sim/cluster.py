@@ -75,10 +75,10 @@ class EmbeddedCoordinator(CoordinatorView, Protocol):
     handle, or a test's stand-in)."""
 
     @property
-    def engine_input_address(self) -> str: ...
+    def back_publish_address(self) -> str: ...
 
     @property
-    def engine_output_address(self) -> str: ...
+    def back_output_address(self) -> str: ...
 
     async def wait_ready(self) -> None: ...
 
@@ -258,8 +258,8 @@ async def open_engine_fleet(
     config: ClusterConfig,
     frontend: SimFrontend,
     *,
-    coordinator_input: str,
-    coordinator_output: str,
+    back_publish_address: str,
+    back_output_address: str,
     on_failure: Callable[[str], None],
     log_line: Callable[[str], None] = _default_log_line,
     report: ClusterReport | None = None,
@@ -280,8 +280,8 @@ async def open_engine_fleet(
     try:
         async with open_engine_processes(
             config,
-            coordinator_input=coordinator_input,
-            coordinator_output=coordinator_output,
+            back_publish_address=back_publish_address,
+            back_output_address=back_output_address,
             frontend=frontend,
             collective_address=config.collective_address or workdir.address("collective"),
             report=report,
@@ -415,7 +415,7 @@ class _ClusterRun:
     ) -> None:
         """The coordinator (embedded or standalone), the front-end, then the engines."""
         config, report = self.config, self.report
-        view, engine_input, engine_output = await self._open_coordinator(stack, coordinator_factory)
+        view, back_publish, back_output = await self._open_coordinator(stack, coordinator_factory)
         tcp = None if config.host is None else f"tcp://{config.host}"
         frontend = self.frontend = await stack.enter_async_context(
             open_sim_frontend(
@@ -432,8 +432,8 @@ class _ClusterRun:
             open_engine_fleet(
                 config,
                 frontend,
-                coordinator_input=engine_input,
-                coordinator_output=engine_output,
+                back_publish_address=back_publish,
+                back_output_address=back_output,
                 on_failure=lambda _: self.scope.cancel(),
                 log_line=self._log_line,
                 report=report,
@@ -446,14 +446,14 @@ class _ClusterRun:
         self, stack: AsyncExitStack, coordinator_factory: CoordinatorFactory | None
     ) -> tuple[CoordinatorView, str, str]:
         """The coordinator of the mode: what the front-end follows, and the addresses of
-        the engines' input and output sockets."""
+        its back-publish and back-output sockets (where the engines connect)."""
         config = self.config
         if config.mode == "inproc":
             factory = coordinator_factory or _default_coordinator(config)
             coordinator = self.coordinator = await stack.enter_async_context(
                 factory(config.engines)
             )
-            return coordinator, coordinator.engine_input_address, coordinator.engine_output_address
+            return coordinator, coordinator.back_publish_address, coordinator.back_output_address
         serve = self.serve = await stack.enter_async_context(
             open_serve_process(config, self.report, self._log_line, self.fail)
         )
@@ -545,8 +545,8 @@ def _default_coordinator(config: ClusterConfig) -> CoordinatorFactory:
         return open_coordinator(
             engine_count,
             ready_timeout=config.ready_timeout,
-            engine_input_address=f"tcp://{config.host}:0",
-            engine_output_address=f"tcp://{config.host}:0",
+            back_publish_address=f"tcp://{config.host}:0",
+            back_output_address=f"tcp://{config.host}:0",
             allow_remote=True,
         )
 

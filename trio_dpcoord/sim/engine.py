@@ -104,10 +104,10 @@ class EngineConfig:
 
     rank: int
     engine_count: int
-    coordinator_input_address: str
-    """The coordinator's broadcast (XPUB, "back-pub") address."""
-    coordinator_output_address: str
-    """The coordinator's engine-output (PULL, "back-out") address."""
+    back_publish_address: str
+    """The coordinator's back-publish socket (XPUB: READY, START_DP_WAVE)."""
+    back_output_address: str
+    """The coordinator's back-output socket (PULL: stats, wave reports)."""
     request_address: str
     """The front-end's request ROUTER."""
     completion_address: str
@@ -523,7 +523,7 @@ class SimEngine:
     async def _watch_coordinator(self, monitor: ConnectionMonitor) -> None:
         """Say at once when the coordinator's connection drops; give up after
         ``coordinator_timeout`` if configured; re-announce when it is back."""
-        address = self.config.coordinator_input_address
+        address = self.config.back_publish_address
         timeout = self.config.coordinator_timeout
         while True:
             if monitor.connected or timeout is None:
@@ -635,12 +635,12 @@ class SimEngine:
         monitor = await stack.enter_async_context(
             open_connection_monitor(context, sub, f"rank {cfg.rank} coordinator link")
         )
-        sub.connect(cfg.coordinator_input_address)
+        sub.connect(cfg.back_publish_address)
         self._coordinator = await stack.enter_async_context(
             open_socket(
                 context,
                 zmq.PUSH,
-                connect=cfg.coordinator_output_address,
+                connect=cfg.back_output_address,
                 options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS, **security},
             )
         )

@@ -116,8 +116,8 @@ async def run_soak(config: SoakConfig, *, log_line: Any = None) -> SoakReport:
             await stack.enter_async_context(
                 open_engine_processes(
                     cluster,
-                    coordinator_input=serve.endpoints["back_pub"],
-                    coordinator_output=serve.endpoints["back_out"],
+                    back_publish_address=serve.endpoints["back_pub"],
+                    back_output_address=serve.endpoints["back_out"],
                     frontend=frontend,
                     collective_address=workdir.address("collective"),
                     report=fleet_report,
