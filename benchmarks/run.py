@@ -278,7 +278,9 @@ class Runner:
                 VLLM_LABEL,
                 note=f"rounds: {rates}",
             )
-            if kind == "standalone":  # issue 25: with the fast extra (msgspec) 3x
+            # The ingest targets, as ratios to vLLM's coordinator in the same run: with
+            # the fast extra (msgspec) 3x
+            if kind == "standalone":
                 row.target = ">= 3x"
                 row.met = row.ratio is not None and row.ratio >= 3.0
             elif kind == sc.STANDALONE_MSGPACK:  # and without it 1.5x

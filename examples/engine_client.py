@@ -1,4 +1,5 @@
-"""Stream tokens from real vLLM engines through trio_dpcoord's engine client (issue 20).
+"""Stream tokens from real vLLM engines through trio_dpcoord's engine client
+(the front-end's side of vLLM's engine protocol, with the wave coordinator embedded).
 
 Start the engines first (any hosts; here one): ``vllm serve MODEL --headless
 --data-parallel-size 2 --data-parallel-address 127.0.0.1 --data-parallel-rpc-port 13345``,
