@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from trio_dpcoord._router import (
     KVEventError,
     PrefixRouter,
+    PrefixRouting,
     RankPrefixIndex,
     block_keys,
     decode_event_batch,
@@ -49,7 +50,7 @@ def test_block_keys_are_chained_and_full_blocks_only() -> None:
 
 
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
-    router = PrefixRouter(4, imbalance_abs=10_000)
+    router = PrefixRouter(4, PrefixRouting(imbalance_abs=10_000))
     prompt = list(range(256))
     first = router.choose(prompt, [0, 0, 0, 0], now=0.0)
     assert router.cached_tokens(first, prompt, 1.0) == 256
@@ -60,7 +61,7 @@ def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
 
 
 def test_busiest_rank_wins_over_affinity() -> None:
-    router = PrefixRouter(2, imbalance_abs=1e9)
+    router = PrefixRouter(2, PrefixRouting(imbalance_abs=1e9))
     prompt = list(range(64))
     first = router.choose(prompt, [0, 0], now=0.0)
     loads = [0.0, 0.0]
@@ -72,7 +73,7 @@ def test_busiest_rank_wins_over_affinity() -> None:
 
 
 def test_guard_falls_back_to_least_loaded_and_pinned_is_honoured() -> None:
-    router = PrefixRouter(3, imbalance_abs=100, imbalance_rel=2)
+    router = PrefixRouter(3, PrefixRouting(imbalance_abs=100, imbalance_rel=2))
     assert router.choose([1] * 32, [500, 10, 20], now=0.0) == 1
     assert router.counters.guard_fallbacks == 1
     assert router.choose([1] * 32, [0, 0, 0], now=0.0, pinned_rank=2) == 2
@@ -81,13 +82,13 @@ def test_guard_falls_back_to_least_loaded_and_pinned_is_honoured() -> None:
 
 
 def test_ties_rotate() -> None:
-    router = PrefixRouter(3, feed="exact")
+    router = PrefixRouter(3, PrefixRouting(feed="exact"))
     chosen = {router.choose([i] * 16, [0, 0, 0], now=0.0) for i in range(3)}
     assert chosen == {0, 1, 2}
 
 
 def test_age_limit_forgets() -> None:
-    router = PrefixRouter(2, max_age=10.0)
+    router = PrefixRouter(2, PrefixRouting(max_age=10.0))
     prompt = list(range(32))
     rank = router.choose(prompt, [0, 0], now=0.0)
     assert router.cached_tokens(rank, prompt, 5.0) == 32
@@ -95,7 +96,7 @@ def test_age_limit_forgets() -> None:
 
 
 def test_exact_feed_from_vllm_events() -> None:
-    router = PrefixRouter(2, feed="exact", block_size=4)
+    router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4))
     tokens = list(range(12))
     stored = stored_event([11, 12], None, tokens[:8], 4)
     child = stored_event([13], 12, tokens[8:], 4)
@@ -112,7 +113,7 @@ def test_exact_feed_from_vllm_events() -> None:
 
 
 def test_lost_batch_forgets_the_rank() -> None:
-    router = PrefixRouter(1, feed="exact", block_size=4)
+    router = PrefixRouter(1, PrefixRouting(feed="exact", block_size=4))
     stored = stored_event([1], None, [1, 2, 3, 4], 4)
     assert router.receive_kv_events(0, 5, batch(stored), now=0.0)
     assert router.cached_tokens(0, [1, 2, 3, 4], 0.0) == 4
@@ -136,7 +137,7 @@ def test_lost_batch_forgets_the_rank() -> None:
 def test_bad_event_batches_are_rejected_and_counted(payload: bytes) -> None:
     with pytest.raises(KVEventError):
         decode_event_batch(payload)
-    router = PrefixRouter(1, feed="exact")
+    router = PrefixRouter(1, PrefixRouting(feed="exact"))
     assert not router.receive_kv_events(0, 0, payload, now=0.0)
     assert router.counters.rejected_event_batches == 1
     assert not router.receive_kv_events(5, 0, batch(), now=0.0)
@@ -149,7 +150,7 @@ class IndexMachine(RuleBasedStateMachine):
         super().__init__()
         self.index = RankPrefixIndex(capacity_blocks=8, max_age=5.0)
         self.now = 0.0
-        self.last_seen: dict[bytes, float] = {}
+        self.last_seen: dict[int, float] = {}
 
     @rule(prefix=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def store(self, prefix: list[int]) -> None:
