@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import random
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, islice, repeat
+from itertools import accumulate, chain, islice
 from operator import add
 from typing import Any, Literal
 
@@ -123,27 +124,18 @@ class RankPrefixIndex:
     def last_seen(self, key: int) -> float | None:
         return self._seen.get(key)
 
-    def store(self, keys: Sequence[int], now: float, present: int = 0) -> None:
-        """``keys`` (one prompt's chain, root first) are cached here as of ``now``; the
-        first ``present`` of them are known to be held already (a cheaper refresh).
+    def store(self, keys: Sequence[int], now: float) -> None:
+        """``keys`` (one prompt's chain, root first) are cached here as of ``now``.
 
         Stored deepest first, so that the root ends most recent: eviction then takes a
         prompt's last blocks before the blocks every longer prompt needs first.
         """
         seen, owners, bit = self._seen, self._owners, self._bit
-        move = seen.move_to_end
-        get = owners.get
-        for key in reversed(keys[present:]):
-            if key in seen:
-                move(key)
-            else:
+        pop, get = seen.pop, owners.get
+        for key in reversed(keys):
+            if pop(key, None) is None:
                 owners[key] = get(key, 0) | bit
             seen[key] = now
-        if present:
-            held = keys[present - 1 :: -1]
-            for _ in map(move, held):
-                pass
-            seen.update(zip(held, repeat(now)))
         self._evict_over_capacity()
 
     def _evict_over_capacity(self) -> None:
@@ -360,13 +352,6 @@ class _ExactRank:
     """vLLM's block hash -> (our key, the block's depth in its chain)."""
 
 
-def _ranks_in(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
 def _first_from(values: Sequence[float], value: float, start: int) -> int:
     """The first index of ``value`` at or after ``start``, wrapping around."""
     try:
@@ -400,6 +385,8 @@ class PrefixRouter:
         self.feed: Feed = self.routing.feed
         self._owners: dict[int, int] = {}
         """Block key -> bit mask of the ranks believed to hold it."""
+        self._all = 0
+        self._byte_ranks: list[list[tuple[int, ...]]] = []
         self.indexes: list[RankPrefixIndex] = []
         self._exact: list[_ExactRank] = []
         self.ranks = 0
@@ -424,6 +411,12 @@ class PrefixRouter:
             )
             self._exact.append(_ExactRank())
         self.ranks = ranks
+        self._all = (1 << ranks) - 1
+        width = (ranks + 7) // 8
+        self._byte_ranks = [
+            [tuple(8 * offset + i for i in range(8) if byte >> i & 1) for byte in range(256)]
+            for offset in range(width)
+        ]
         self._rotation = getattr(self, "_rotation", 0) % ranks
 
     @property
@@ -464,40 +457,54 @@ class PrefixRouter:
             for index in self.indexes:
                 index.expire(now)
             self._next_sweep = now + self.routing.max_age / 8
-        matched = self._walk(keys)
+        groups = self._walk(keys)
         if pinned_rank is not None:
-            decision = RouteDecision(
-                pinned_rank, matched.get(pinned_rank, 0) * self.block_size, False
-            )
+            depth = self._depth_of(groups, pinned_rank)
+            decision = RouteDecision(pinned_rank, depth * self.block_size, False)
         else:
-            decision = self._pick(matched, len(token_ids), queued_work)
+            decision = self._pick(groups, len(token_ids), queued_work)
         if self.feed == "approximate" and keys:
-            self.indexes[decision.rank].store(keys, now, matched.get(decision.rank, 0))
+            self.indexes[decision.rank].store(keys, now)
         return decision
 
-    def _walk(self, keys: Sequence[int]) -> dict[int, int]:
-        """Rank -> leading blocks of ``keys`` it holds, for the ranks holding any."""
+    def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
+        the ranks holding exactly that many), deepest last; ranks holding none omitted."""
         owners = self._owners.get
-        alive = (1 << self.ranks) - 1
-        matched: dict[int, int] = {}
+        alive = self._all
+        groups: list[tuple[int, int]] = []
         depth = 0
         for key in keys:
             mask = owners(key, 0) & alive
             if mask != alive:
                 if depth:
-                    for rank in _ranks_in(alive ^ mask):
-                        matched[rank] = depth
+                    groups.append((depth, alive ^ mask))
                 alive = mask
                 if not alive:
-                    return matched
+                    return groups
             depth += 1
         if depth:
-            for rank in _ranks_in(alive):
-                matched[rank] = depth
-        return matched
+            groups.append((depth, alive))
+        return groups
+
+    def _depth_of(self, groups: list[tuple[int, int]], rank: int) -> int:
+        bit = 1 << rank
+        for depth, mask in groups:
+            if mask & bit:
+                return depth
+        return 0
+
+    def _members(self, mask: int) -> list[int]:
+        """The ranks of ``mask``, ascending (a byte at a time, through a table)."""
+        table = self._byte_ranks
+        members: list[int] = []
+        for offset, byte in enumerate(mask.to_bytes(len(table), "little")):
+            if byte:
+                members.extend(table[offset][byte])
+        return members
 
     def _pick(
-        self, matched: dict[int, int], prompt_len: int, queued: Sequence[float]
+        self, groups: list[tuple[int, int]], prompt_len: int, queued: Sequence[float]
     ) -> RouteDecision:
         ranks = self.ranks
         start = self._rotation
@@ -505,14 +512,31 @@ class PrefixRouter:
         block = self.block_size
         low, high = min(queued), max(queued)
         least = _first_from(queued, low, start)
+        least_depth = self._depth_of(groups, least)
         if ranks == 1:
-            return RouteDecision(0, matched.get(0, 0) * block, False)
+            return RouteDecision(0, least_depth * block, False)
         routing = self.routing
         if high - low > routing.imbalance_abs and high > routing.imbalance_rel * max(low, 1.0):
             self.counters.guard_fallbacks += 1
-            return RouteDecision(least, matched.get(least, 0) * block, True)
-        if not matched:
-            return RouteDecision(least, 0, False)
+            return RouteDecision(least, least_depth * block, True)
+        # A rank holding no more than the least loaded one cannot beat it; of the ranks
+        # holding the same deeper prefix, only the least loaded one (rotation on ties)
+        # can: the candidates are one per depth.
+        candidates = [(least, least_depth)]
+        for depth, mask in groups:
+            if depth > least_depth:
+                members = self._members(mask)
+                if len(members) == 1:
+                    candidates.append((members[0], depth))
+                    continue
+                value = min(map(queued.__getitem__, members))
+                cut = bisect_left(members, start)
+                for rank in chain(islice(members, cut, None), islice(members, cut)):
+                    if queued[rank] == value:
+                        candidates.append((rank, depth))
+                        break
+        if len(candidates) == 1:
+            return RouteDecision(least, least_depth * block, False)
         # Placing on r leaves the busiest at max(the busiest other rank, r's own work).
         top = queued.index(high)
         if queued.count(high) > 1:
@@ -522,15 +546,15 @@ class PrefixRouter:
             rest[top] = low
             second = max(rest)
         best: tuple[float, int, float, int] | None = None
-        chosen = least
-        for rank in {least, *matched}:
-            cached = matched.get(rank, 0) * block
+        chosen, chosen_depth = least, least_depth
+        for rank, depth in candidates:
+            cached = depth * block
             own = queued[rank] + prompt_len - cached
             others = second if rank == top else high
             candidate = (max(others, own), -cached, own, (rank - start) % ranks)
             if best is None or candidate < best:
-                best, chosen = candidate, rank
-        return RouteDecision(chosen, matched.get(chosen, 0) * block, False)
+                best, chosen, chosen_depth = candidate, rank, depth
+        return RouteDecision(chosen, chosen_depth * block, False)
 
     def receive_kv_events(self, rank: int, seq: int, payload: bytes, now: float) -> bool:
         """Apply one engine's KV-event batch (``seq`` from the PUB frame); False if rejected.
