@@ -63,6 +63,9 @@ class EngineChooser:
     only by capacity.
     """
 
+    ROUTINGS: tuple[Routing, ...] = ROUTINGS
+    """The policies ``routing`` takes (for command-line choices)."""
+
     def __init__(
         self,
         engine_count: int,

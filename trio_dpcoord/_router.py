@@ -38,6 +38,7 @@ __all__ = [
     "PrefixRouter",
     "PrefixRouting",
     "RankPrefixIndex",
+    "RouteDecision",
     "RouterCounters",
     "block_keys",
     "decode_event_batch",

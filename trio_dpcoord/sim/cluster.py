@@ -48,6 +48,7 @@ from typing import Any, Literal, Protocol
 import trio
 
 from .. import CoordinatorView, PrivateIpcDirectory, open_coordinator, open_frontend
+from .._balance import Routing, check_routing
 from ..testing import ServeProcess, open_serve, read_lines
 from .engine import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
@@ -133,12 +134,17 @@ class ClusterConfig:
     """Extra options for ``trio-dpcoord serve`` in standalone mode (they come last)."""
     record_timeline: bool = False
     """Record engine states, wake-ups and requests in flight (:attr:`ClusterReport.timeline`)."""
+    routing: Routing = "vllm"
+    """The front-end's engine choice: vLLM's score or ``"prefix"`` (see
+    :class:`~trio_dpcoord.EngineChooser`); give the load ``sessions`` for prompts that
+    share prefixes."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("engines must be >= 1")
         if self.mode not in ("inproc", "standalone"):
             raise ValueError(f"mode must be inproc or standalone, got {self.mode!r}")
+        check_routing(self.routing)
 
 
 @dataclass(slots=True)
@@ -150,6 +156,7 @@ class ClusterReport:
     wake_path: str
     seed: int
     planned: int
+    routing: str = "vllm"
     requests: int = 0
     completed: int = 0
     waves: int = 0
@@ -217,6 +224,7 @@ class ClusterReport:
             "mode": self.mode,
             "engines": self.engines,
             "wake_path": self.wake_path,
+            "routing": self.routing,
             "seed": self.seed,
             "requests": self.requests,
             "completed": self.completed,
@@ -702,6 +710,7 @@ async def run_cluster(
         wake_path=config.wake_path,
         seed=config.load.seed,
         planned=config.load.requests,
+        routing=config.routing,
     )
     started = trio.current_time()
     frontend: SimFrontend | None = None
@@ -738,6 +747,7 @@ async def run_cluster(
                         view,
                         config.engines,
                         wake_path=config.wake_path,
+                        routing=config.routing,
                         request_address=tcp and f"{tcp}:0",
                         completion_address=tcp and f"{tcp}:0",
                     )
