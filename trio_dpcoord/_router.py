@@ -325,11 +325,15 @@ class PrefixRouting:
 
 @dataclass
 class RouterCounters:
-    """What the router did: decisions, guard fallbacks, KV-event batches applied,
-    rejected (undecodable or from an unknown rank) and sequence gaps (lost or reordered
-    batches, each of which forgot that rank's exact knowledge)."""
+    """What the router did: decisions (pinned ones included), the prompt tokens they
+    routed and how many of those were believed cached on the chosen rank, guard
+    fallbacks, KV-event batches applied, rejected (undecodable or from an unknown rank)
+    and sequence gaps (lost or reordered batches, each of which forgot that rank's
+    exact knowledge)."""
 
     decisions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     guard_fallbacks: int = 0
     event_batches: int = 0
     rejected_event_batches: int = 0
@@ -464,6 +468,8 @@ class PrefixRouter:
             decision = RouteDecision(pinned_rank, depth * self.block_size, False)
         else:
             decision = self._pick(groups, len(token_ids), queued_work)
+        self.counters.prompt_tokens += len(token_ids)
+        self.counters.cached_tokens += decision.cached_tokens
         if self.feed == "approximate" and keys:
             self.indexes[decision.rank].store(keys, now)
         return decision

@@ -33,6 +33,7 @@ processes through a command prefix (``ip netns exec NODE``, ``ssh NODE``),
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -157,6 +158,8 @@ class ClusterReport:
     seed: int
     planned: int
     routing: str = "vllm"
+    routing_counters: dict[str, int] | None = None
+    """With the prefix routing: the router's counters (``RouterCounters``) at the end."""
     requests: int = 0
     completed: int = 0
     waves: int = 0
@@ -225,6 +228,7 @@ class ClusterReport:
             "engines": self.engines,
             "wake_path": self.wake_path,
             "routing": self.routing,
+            "routing_counters": self.routing_counters,
             "seed": self.seed,
             "requests": self.requests,
             "completed": self.completed,
@@ -854,5 +858,8 @@ def _collect(
     report.pauses = frontend.pauses
     report.wake_latencies = list(frontend.wake_latencies)
     report.resubmitted = frontend.resubmitted
+    counters = frontend.chooser.router_counters
+    if counters is not None:
+        report.routing_counters = dataclasses.asdict(counters)
     if coordinator is not None:
         report.coordinator_errors = coordinator.counters().errors
