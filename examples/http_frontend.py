@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from trio_dpcoord import (
+    EngineChooser,
     EngineClient,
     EngineClientError,
     SamplingParams,
@@ -240,7 +241,11 @@ class CompletionsApp:
                 prompt_token_ids=request.get("prompt_token_ids"),
             )
         else:
-            request_id = await self.frontend.submit(request["max_tokens"], on_output=on_output)
+            request_id = await self.frontend.submit(
+                request["max_tokens"],
+                on_output=on_output,
+                prompt_token_ids=request.get("prompt_token_ids"),
+            )
         completion_id = f"cmpl-{request_id}"
         header = {
             "id": completion_id,
@@ -460,6 +465,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-running", type=int, default=8, help="requests per engine step")
     parser.add_argument("--model", default="sim-moe", help="model name in responses")
     parser.add_argument(
+        "--routing",
+        choices=EngineChooser.ROUTINGS,
+        default="vllm",
+        help="engine choice: vLLM 0.33.0's score (vllm) or prefix-cache affinity weighed "
+        "against the busiest rank (prefix; token-id prompts) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
@@ -515,6 +527,7 @@ async def run_engine_client(args: argparse.Namespace) -> int:
             args.engine_client,
             allow_remote=args.allow_remote,
             startup_timeout=args.startup_timeout,
+            routing=args.routing,
         ) as client, trio.open_nursery() as helpers:
 
             async def on_signal() -> None:
@@ -565,7 +578,9 @@ async def run(args: argparse.Namespace) -> int:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with AsyncExitStack() as stack:
             coordinator = await stack.enter_async_context(open_coordinator(args.engines))
-            frontend = await stack.enter_async_context(open_sim_frontend(coordinator, args.engines))
+            frontend = await stack.enter_async_context(
+                open_sim_frontend(coordinator, args.engines, routing=args.routing)
+            )
             pids = await stack.enter_async_context(
                 open_engine_fleet(
                     config,

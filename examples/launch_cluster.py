@@ -4,6 +4,7 @@
     python examples/launch_cluster.py --mode standalone     # `trio-dpcoord serve` + open_frontend
     python examples/launch_cluster.py --engines 2 --wake-path frontend --json
     python examples/launch_cluster.py --timeline waves.png     # a picture of the run
+    python examples/launch_cluster.py --routing prefix --sessions 16   # prefix-aware choice
 
 One command starts the coordinator (embedded in this trio front-end, or as the
 standalone ``python -m trio_dpcoord serve`` process), N simulated MoE engine processes
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 
 import trio
 
+from trio_dpcoord import EngineChooser
 from trio_dpcoord.sim import (
     ClusterConfig,
     ClusterReport,
@@ -63,6 +65,20 @@ def _parser() -> argparse.ArgumentParser:
         help="who wakes paused engines: the engines' start_wave (engine, vLLM "
         ">= 0.33), the front-end's notify_first_request with pre-0.33 engines "
         "(frontend), or both (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=EngineChooser.ROUTINGS,
+        default="vllm",
+        help="the front-end's engine choice: vLLM 0.33.0's score (vllm) or prefix-cache "
+        "affinity weighed against the busiest rank (prefix) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="send multi-turn chat prompts over N sessions sharing a system prompt "
+        "instead of a fixed 4-token prompt, 0 for the latter (default: %(default)s)",
     )
     parser.add_argument(
         "--step-time",
@@ -186,7 +202,7 @@ def _summary(report: ClusterReport) -> str:
 
     lines = [
         f"simulated cluster: {report.mode} coordinator, {report.engines} engines, "
-        f"wake path {report.wake_path}, seed {report.seed}",
+        f"wake path {report.wake_path}, routing {report.routing}, seed {report.seed}",
         f"  requests sent / completed: {report.requests} / {report.completed} "
         f"(planned {report.planned})",
         f"  waves: {report.waves}   pauses: {report.pauses}   "
@@ -246,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 gap=(args.gap[0], args.gap[1]),
                 tokens=(args.tokens[0], args.tokens[1]),
                 pause_every=args.pause_every,
+                sessions=args.sessions,
             ),
+            routing=args.routing,
             step_time=args.step_time,
             max_running=args.max_running,
             sync_interval=args.sync_interval,

@@ -184,6 +184,24 @@ async def test_requests_stream_utility_calls_and_aborts() -> None:
 
 
 @pytest.mark.trio
+async def test_prefix_routing_sends_a_conversation_back_to_its_rank() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with _fleet(2, routing="prefix") as (client, _engines):
+            assert client.chooser.routing == "prefix"
+            history = list(range(100, 164))  # four blocks of 16
+            params = SamplingParams(max_tokens=2)
+            first = await client.complete(history, params)
+            turns = [await client.complete([*history, *range(n)], params) for n in (16, 32)]
+            assert {t.rank for t in turns} == {first.rank}
+            pinned = await client.complete(list(range(900, 964)), params, rank=1 - first.rank)
+            again = await client.complete([*range(900, 964), 7], params)
+            assert again.rank == pinned.rank == 1 - first.rank
+            counters = client.chooser.router_counters
+            assert counters is not None and counters.decisions == 5
+            assert counters.cached_tokens == 64 + 80 + 0 + 64
+
+
+@pytest.mark.trio
 async def test_a_dead_engine_fails_only_its_own_work() -> None:
     with trio.fail_after(TIMEOUT):
         async with _fleet(2) as (client, engines):

@@ -120,6 +120,33 @@ async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_afte
                 assert frontend.choose_engine() == 2
 
 
+async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets() -> None:
+    with trio.fail_after(GUARD):
+        async with coordinator_with_engines(3) as (coordinator, engines):
+            assert coordinator.front_address is not None
+            async with open_frontend(
+                coordinator.front_address, engine_count=3, routing="prefix"
+            ) as frontend:
+                assert frontend.routing == "prefix"
+                history = list(range(1000, 1256))
+                first = frontend.choose_engine(history)
+                # The coordinator's next publish shows the request waiting there.
+                for rank, engine in enumerate(engines):
+                    await engine.stats(int(rank == first), 0, 0.0, wave=0, step=1)
+                await frontend.wait_for(
+                    lambda f: f.engine_loads()[first] == EngineLoad(1, 0, 0.0)
+                )
+                assert frontend.choose_engine([*history, *range(32)]) == first
+                elsewhere = frontend.choose_engine(list(range(5000, 5256)))
+                assert elsewhere != first
+                pinned = 3 - first - elsewhere
+                frontend.observe_request(pinned, list(range(7000, 7100)))
+                assert frontend.choose_engine([*range(7000, 7100), 1, 2]) == pinned
+                counters = frontend.router_counters
+                assert counters is not None and counters.decisions == 5
+                assert frontend.inflight[first] == 2
+
+
 async def test_second_client_starts_its_scan_elsewhere() -> None:
     with trio.fail_after(GUARD):
         async with coordinator_with_engines(4) as (coordinator, _engines):

@@ -75,6 +75,23 @@ async def test_inproc_run_succeeds_with_a_json_summary() -> None:
     assert "result: OK" in out
 
 
+async def test_prefix_routing_run_completes_and_reuses_the_history() -> None:
+    with trio.fail_after(90):
+        code, out, err = await _launch(
+            "--engines", "2", "--requests", "60", "--routing", "prefix", "--sessions", "6",
+            "--mode", "standalone", "--json",
+        )  # fmt: skip
+    assert code == 0, err
+    summary = _summary(out)
+    assert (summary["routing"], summary["requests"], summary["completed"]) == ("prefix", 60, 60)
+    assert summary["errors"] == 0
+    counters = summary["routing_counters"]
+    assert isinstance(counters, dict) and counters["decisions"] == 60
+    # Turns resend their history: most of it was believed cached where each one went.
+    assert counters["prompt_tokens"] > counters["cached_tokens"] > counters["prompt_tokens"] // 2
+    assert "routing prefix" in out
+
+
 async def test_standalone_run_with_legacy_engines_succeeds() -> None:
     with trio.fail_after(90):
         code, out, err = await _launch(

@@ -6,13 +6,17 @@ from collections.abc import Sequence
 
 import msgpack
 import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from trio_dpcoord import EngineChooser, EngineLoad
 
 # private import (documented exception): the unit test of the private module itself
 from trio_dpcoord._router import (
     KVEventError,
     PrefixRouter,
+    PrefixRouting,
     RankPrefixIndex,
     block_keys,
     decode_event_batch,
@@ -49,7 +53,7 @@ def test_block_keys_are_chained_and_full_blocks_only() -> None:
 
 
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
-    router = PrefixRouter(4, imbalance_abs=10_000)
+    router = PrefixRouter(4, PrefixRouting(imbalance_abs=10_000))
     prompt = list(range(256))
     first = router.choose(prompt, [0, 0, 0, 0], now=0.0)
     assert router.cached_tokens(first, prompt, 1.0) == 256
@@ -60,7 +64,7 @@ def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
 
 
 def test_busiest_rank_wins_over_affinity() -> None:
-    router = PrefixRouter(2, imbalance_abs=1e9)
+    router = PrefixRouter(2, PrefixRouting(imbalance_abs=1e9))
     prompt = list(range(64))
     first = router.choose(prompt, [0, 0], now=0.0)
     loads = [0.0, 0.0]
@@ -72,7 +76,7 @@ def test_busiest_rank_wins_over_affinity() -> None:
 
 
 def test_guard_falls_back_to_least_loaded_and_pinned_is_honoured() -> None:
-    router = PrefixRouter(3, imbalance_abs=100, imbalance_rel=2)
+    router = PrefixRouter(3, PrefixRouting(imbalance_abs=100, imbalance_rel=2))
     assert router.choose([1] * 32, [500, 10, 20], now=0.0) == 1
     assert router.counters.guard_fallbacks == 1
     assert router.choose([1] * 32, [0, 0, 0], now=0.0, pinned_rank=2) == 2
@@ -81,13 +85,13 @@ def test_guard_falls_back_to_least_loaded_and_pinned_is_honoured() -> None:
 
 
 def test_ties_rotate() -> None:
-    router = PrefixRouter(3, feed="exact")
+    router = PrefixRouter(3, PrefixRouting(feed="exact"))
     chosen = {router.choose([i] * 16, [0, 0, 0], now=0.0) for i in range(3)}
     assert chosen == {0, 1, 2}
 
 
 def test_age_limit_forgets() -> None:
-    router = PrefixRouter(2, max_age=10.0)
+    router = PrefixRouter(2, PrefixRouting(max_age=10.0))
     prompt = list(range(32))
     rank = router.choose(prompt, [0, 0], now=0.0)
     assert router.cached_tokens(rank, prompt, 5.0) == 32
@@ -95,7 +99,7 @@ def test_age_limit_forgets() -> None:
 
 
 def test_exact_feed_from_vllm_events() -> None:
-    router = PrefixRouter(2, feed="exact", block_size=4)
+    router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4))
     tokens = list(range(12))
     stored = stored_event([11, 12], None, tokens[:8], 4)
     child = stored_event([13], 12, tokens[8:], 4)
@@ -112,7 +116,7 @@ def test_exact_feed_from_vllm_events() -> None:
 
 
 def test_lost_batch_forgets_the_rank() -> None:
-    router = PrefixRouter(1, feed="exact", block_size=4)
+    router = PrefixRouter(1, PrefixRouting(feed="exact", block_size=4))
     stored = stored_event([1], None, [1, 2, 3, 4], 4)
     assert router.receive_kv_events(0, 5, batch(stored), now=0.0)
     assert router.cached_tokens(0, [1, 2, 3, 4], 0.0) == 4
@@ -136,7 +140,7 @@ def test_lost_batch_forgets_the_rank() -> None:
 def test_bad_event_batches_are_rejected_and_counted(payload: bytes) -> None:
     with pytest.raises(KVEventError):
         decode_event_batch(payload)
-    router = PrefixRouter(1, feed="exact")
+    router = PrefixRouter(1, PrefixRouting(feed="exact"))
     assert not router.receive_kv_events(0, 0, payload, now=0.0)
     assert router.counters.rejected_event_batches == 1
     assert not router.receive_kv_events(5, 0, batch(), now=0.0)
@@ -149,7 +153,7 @@ class IndexMachine(RuleBasedStateMachine):
         super().__init__()
         self.index = RankPrefixIndex(capacity_blocks=8, max_age=5.0)
         self.now = 0.0
-        self.last_seen: dict[bytes, float] = {}
+        self.last_seen: dict[int, float] = {}
 
     @rule(prefix=st.lists(st.integers(0, 3), min_size=1, max_size=6))
     def store(self, prefix: list[int]) -> None:
@@ -179,3 +183,309 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 TestIndexMachine = IndexMachine.TestCase
+
+
+# --- the policy, against a brute-force reading of the rule ------------------------------
+
+BLOCK = 4
+
+
+def family_prompt(family: int, branch: int, blocks: int) -> list[int]:
+    """Prompts of one family share their first two blocks; of one branch, all of them."""
+    shared = [family * 1000 + i for i in range(2 * BLOCK)]
+    own = [family * 1000 + branch * 100 + i for i in range(max(0, blocks - 2) * BLOCK)]
+    return (shared + own)[: blocks * BLOCK]
+
+
+prompts = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 6))
+
+
+def brute_force(
+    router: PrefixRouter, prompt: list[int], queued: Sequence[float], start: int
+) -> int:
+    """The issue's rule over every rank: the busiest rank after placing the request,
+    then the most cached tokens, then the rank's own work, then rotation from start."""
+    ranks = len(queued)
+
+    def key(rank: int) -> tuple[float, int, float, int]:
+        cached = router.cached_tokens(rank, prompt, 0.0)
+        own = queued[rank] + len(prompt) - cached
+        others = max((q for r, q in enumerate(queued) if r != rank), default=0.0)
+        return (max(others, own), -cached, own, (rank - start) % ranks)
+
+    return min(range(ranks), key=key)
+
+
+@given(
+    ranks=st.integers(1, 10),
+    start=st.integers(0, 9),
+    learnt=st.lists(st.tuples(prompts, st.integers(0, 9)), max_size=12),
+    queued=st.lists(st.integers(0, 12).map(lambda n: float(n * BLOCK)), min_size=10, max_size=10),
+    prompt=prompts,
+)
+def test_the_choice_is_the_rule_over_every_rank(
+    ranks: int,
+    start: int,
+    learnt: list[tuple[tuple[int, int, int], int]],
+    queued: list[float],
+    prompt: tuple[int, int, int],
+) -> None:
+    router = PrefixRouter(ranks, PrefixRouting(block_size=BLOCK, imbalance_abs=1e12), start=start)
+    for (family, branch, blocks), rank in learnt:
+        pinned = rank % ranks
+        tokens = family_prompt(family, branch, blocks)
+        assert router.choose(tokens, [0.0] * ranks, 0.0, pinned_rank=pinned) == pinned
+        assert router.cached_tokens(pinned, tokens, 0.0) == len(tokens)  # approximate feed
+    tokens = family_prompt(*prompt)
+    loads = queued[:ranks]
+    expected = brute_force(router, tokens, loads, start % ranks)
+    decision = router.route(tokens, loads, 0.0)
+    assert 0 <= decision.rank < ranks
+    assert decision.rank == expected
+    assert not decision.guarded
+    assert decision.cached_tokens <= len(tokens)
+
+
+@given(
+    ranks=st.integers(1, 8),
+    rounds=st.lists(
+        st.lists(st.integers(0, 50).map(float), min_size=8, max_size=8), min_size=1, max_size=8
+    ),
+    prompt=prompts,
+)
+def test_with_nothing_cached_it_is_the_least_loaded_rank(
+    ranks: int, rounds: list[list[float]], prompt: tuple[int, int, int]
+) -> None:
+    router = PrefixRouter(ranks, PrefixRouting(block_size=BLOCK, feed="exact", imbalance_abs=1e12))
+    tokens = family_prompt(*prompt)
+    for turn, loads in enumerate(rounds):
+        queued = loads[:ranks]
+        low = min(queued)
+        # the first least loaded rank at or after the rotating start
+        expected = next(
+            r for r in [*range(turn % ranks, ranks), *range(turn % ranks)] if queued[r] == low
+        )
+        assert router.choose(tokens, queued, 0.0) == expected
+
+
+@given(
+    queued=st.lists(st.integers(0, 2000).map(float), min_size=2, max_size=8),
+    absolute=st.integers(0, 1500).map(float),
+    relative=st.sampled_from([1.0, 1.5, 2.0, 4.0]),
+)
+def test_the_guard_takes_the_least_loaded_past_both_thresholds(
+    queued: list[float], absolute: float, relative: float
+) -> None:
+    ranks = len(queued)
+    routing = PrefixRouting(block_size=BLOCK, imbalance_abs=absolute, imbalance_rel=relative)
+    router = PrefixRouter(ranks, routing)
+    tokens = family_prompt(0, 0, 4)
+    busiest = queued.index(max(queued))
+    router.choose(tokens, [0.0] * ranks, 0.0, pinned_rank=busiest)  # affinity to the busiest
+    low, high = min(queued), max(queued)
+    imbalanced = high - low > absolute and high > relative * max(low, 1.0)
+    decision = router.route(tokens, queued, 0.0)
+    assert decision.guarded == imbalanced
+    assert router.counters.guard_fallbacks == int(imbalanced)
+    if imbalanced:  # the first least loaded from the rotation's start (0: first decision)
+        assert decision.rank == queued.index(low)
+
+
+def test_affinity_yields_when_it_would_make_the_busiest_rank_busier() -> None:
+    router = PrefixRouter(3, PrefixRouting(block_size=BLOCK, imbalance_abs=1e9))
+    history = family_prompt(1, 1, 6)  # 24 tokens
+    assert router.choose(history, [0.0, 0.0, 0.0], 0.0, pinned_rank=2) == 2
+    turn = [*history, *range(16)]  # 40 tokens, 24 of them cached on rank 2
+    # On rank 2 the busiest ends at 30 + 16 = 46, elsewhere at 10 + 40 = 50: affinity.
+    assert router.choose(turn, [10.0, 10.0, 30.0], 0.0) == 2
+    # Another turn with 40 queued there would end at 56 > 50: it goes elsewhere.
+    other_turn = [*history, *range(100, 116)]
+    assert router.choose(other_turn, [10.0, 10.0, 40.0], 0.0) in (0, 1)
+    # Already the busiest, rank 2 stays so whether it takes a fully cached prompt or
+    # not: the tie goes to the cache.
+    assert router.choose(turn, [10.0, 10.0, 40.0], 0.0) == 2
+
+
+def test_pinned_and_out_of_range_ranks() -> None:
+    router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
+    with pytest.raises(ValueError, match="out of range"):
+        router.choose([1] * 8, [0, 0, 0], 0.0, pinned_rank=-1)
+    with pytest.raises(ValueError, match="expected 3"):
+        router.choose([1] * 8, [0, 0], 0.0)
+    assert router.counters.decisions == 0
+
+
+def test_resize_forgets_the_ranks_beyond() -> None:
+    router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
+    tokens = family_prompt(0, 0, 3)
+    router.choose(tokens, [0, 0, 0], 0.0, pinned_rank=2)
+    router.resize(2)
+    assert router.stored_blocks == 0
+    router.resize(4)
+    assert router.choose(tokens, [5, 5, 5, 0], 0.0) == 3
+
+
+@given(seqs=st.lists(st.integers(0, 8), max_size=8))
+def test_a_lost_or_reordered_batch_forgets_exact_knowledge(seqs: list[int]) -> None:
+    router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=BLOCK))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    stored = stored_event([101, 102], None, tokens, BLOCK)
+    assert router.receive_kv_events(0, 0, batch(stored), now=0.0)
+    assert router.receive_kv_events(1, 0, batch(stored), now=0.0)
+    in_order = True
+    for position, seq in enumerate(seqs, start=1):
+        in_order = in_order and seq == position
+        assert router.receive_kv_events(0, seq, batch(), now=0.0)
+        assert router.cached_tokens(0, tokens, 0.0) == (8 if in_order else 0)
+    assert router.cached_tokens(1, tokens, 0.0) == 8  # the other rank keeps its knowledge
+    assert router.counters.event_gaps == sum(
+        1 for i, seq in enumerate(seqs) if seq != ([0, *seqs][i] + 1)
+    )
+
+
+def test_exact_feed_chains_a_child_block_on_its_parent_at_its_depth() -> None:
+    router = PrefixRouter(1, PrefixRouting(feed="exact", block_size=BLOCK))
+    tokens = list(range(16))
+    first = stored_event([1, 2], None, tokens[:8], BLOCK)
+    child = stored_event([3, 4], 2, tokens[8:], BLOCK)
+    orphan = stored_event([9], 77, [9, 9, 9, 9], BLOCK)  # parent never seen: ignored
+    assert router.receive_kv_events(0, 0, batch(first, child, orphan), now=0.0)
+    assert router.cached_tokens(0, tokens, 0.0) == 16
+    assert block_keys(tokens, BLOCK)[2:] == block_keys(tokens[8:], BLOCK, *_parent(tokens))
+    assert len(router.indexes[0]) == 4
+
+
+def _parent(tokens: list[int]) -> tuple[int, int]:
+    return block_keys(tokens[:8], BLOCK)[-1], 2
+
+
+class RouterMachine(RuleBasedStateMachine):
+    """The router's memory stays bounded and its block -> ranks map true, whatever
+    prompts, loads, pins, KV events (in order or not) and clock readings come."""
+
+    RANKS = 3
+    CAPACITY = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        routing = PrefixRouting(block_size=BLOCK, capacity_blocks=self.CAPACITY, max_age=5.0)
+        self.router = PrefixRouter(self.RANKS, routing)
+        self.now = 0.0
+        self.seq = [0] * self.RANKS
+
+    @rule(
+        prompt=prompts,
+        loads=st.lists(st.integers(0, 30).map(float), min_size=3, max_size=3),
+        pin=st.none() | st.integers(0, 2),
+    )
+    def route(self, prompt: tuple[int, int, int], loads: list[float], pin: int | None) -> None:
+        rank = self.router.choose(family_prompt(*prompt), loads, self.now, pinned_rank=pin)
+        assert 0 <= rank < self.RANKS and (pin is None or rank == pin)
+
+    @rule(
+        rank=st.integers(0, 2),
+        skip=st.integers(-1, 2),
+        hashes=st.lists(st.integers(0, 20), min_size=1, max_size=3),
+        removed=st.lists(st.integers(0, 20), max_size=3),
+        clear=st.booleans(),
+    )
+    def events(
+        self, rank: int, skip: int, hashes: list[int], removed: list[int], clear: bool
+    ) -> None:
+        self.seq[rank] += 1 + skip
+        tokens = [h for h in hashes for _ in range(BLOCK)]
+        found: list[object] = [stored_event(hashes, None, tokens, BLOCK)]
+        found.append({"type": "BlockRemoved", "block_hashes": removed, "medium": None})
+        if clear:
+            found.append({"type": "AllBlocksCleared"})
+        assert self.router.receive_kv_events(rank, self.seq[rank], batch(*found), self.now)
+
+    @rule(step=st.floats(0, 3))
+    def tick(self, step: float) -> None:
+        self.now += step
+
+    @invariant()
+    def bounded_and_consistent(self) -> None:
+        router = self.router
+        assert all(len(index) <= self.CAPACITY for index in router.indexes)
+        assert router.stored_blocks <= self.RANKS * self.CAPACITY
+        for key, mask in router._owners.items():
+            holders = {r for r, index in enumerate(router.indexes) if key in index}
+            assert mask and holders == {r for r in range(self.RANKS) if mask >> r & 1}
+        for index in router.indexes:
+            assert all(key in router._owners for key in index._seen)
+
+
+TestRouterMachine = RouterMachine.TestCase
+
+
+# --- the wired chooser -------------------------------------------------------------------
+
+
+def idle(ranks: int) -> tuple[EngineLoad, ...]:
+    return (EngineLoad(0, 0, 0.0),) * ranks
+
+
+def test_vllm_routing_ignores_prompts_and_stays_the_default() -> None:
+    plain, given_tokens = EngineChooser(3), EngineChooser(3, routing="vllm")
+    assert plain.routing == "vllm" and plain.router is None
+    tables = [idle(3), (EngineLoad(2, 1, 0.9), EngineLoad(0, 0, 0.0), EngineLoad(1, 0, 0.0))]
+    for table in tables:
+        for n in range(4):
+            assert plain.choose(table) == given_tokens.choose(table, [n] * 64, now=1.0)
+    given_tokens.observe(0, [1] * 64)  # no-op
+    assert plain.inflight == given_tokens.inflight
+    assert given_tokens.router_counters is None
+    assert not given_tokens.receive_kv_events(0, 0, batch())
+    with pytest.raises(ValueError, match="routing must be one of"):
+        EngineChooser(2, routing="nope")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefix settings need"):
+        EngineChooser(2, prefix=PrefixRouting())
+
+
+def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
+    chooser = EngineChooser(4, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    history = family_prompt(2, 1, 10)  # 40 tokens
+    first = chooser.choose(idle(4), history, now=0.0)
+    # The next report: the first request waits on its rank.
+    loads = [EngineLoad(0, 0, 0.0)] * 4
+    loads[first] = EngineLoad(1, 0, 0.0)
+    turn = [*history, *range(8)]
+    assert chooser.choose(loads, turn, now=1.0) == first  # same prefix, loads allow
+    # A different conversation goes where nothing waits.
+    other = chooser.choose(loads, family_prompt(0, 0, 10), now=1.0)
+    assert other != first
+    # A pinned request is learnt on its rank: its next turn follows it there.
+    pinned = next(r for r in range(4) if r not in (first, other))
+    session = family_prompt(1, 2, 10)
+    chooser.observe(pinned, session, now=1.0)
+    assert chooser.choose(loads, [*session, *range(4)], now=2.0) == pinned
+    # Without token ids: the load part alone, the least loaded rank.
+    assert chooser.choose(loads, now=2.0) not in (first, other, pinned)
+    counters = chooser.router_counters
+    assert counters is not None and counters.decisions == 6
+    assert 0 < counters.cached_tokens < counters.prompt_tokens
+    assert chooser.inflight[first] == 2 and sum(chooser.inflight) == 5  # observe(): none
+
+
+def test_the_wired_chooser_counts_its_own_work_until_the_next_report() -> None:
+    chooser = EngineChooser(2, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    # No report ever arrives: the work this chooser sent spreads the next requests.
+    ranks = [chooser.choose(idle(2), family_prompt(n, 0, 8), now=0.0) for n in range(4)]
+    assert sorted(ranks) == [0, 0, 1, 1]
+    for rank in ranks:
+        chooser.finished(rank)
+    assert chooser.inflight == (0, 0)
+    # Finished, they weigh nothing: a repeat of the first goes back to its rank.
+    assert chooser.choose(idle(2), family_prompt(0, 0, 8), now=0.0) == ranks[0]
+
+
+def test_the_wired_chooser_feeds_exact_events_and_follows_a_resize() -> None:
+    routing = PrefixRouting(block_size=BLOCK, feed="exact")
+    chooser = EngineChooser(2, routing="prefix", prefix=routing)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert chooser.receive_kv_events(1, 0, batch(stored_event([1, 2], None, tokens, BLOCK)))
+    assert not chooser.receive_kv_events(1, 1, b"\xc1")
+    assert chooser.choose(idle(2), tokens, now=0.0) == 1
+    assert chooser.choose(idle(3), tokens, now=0.0) == 1  # a third rank joined
+    assert chooser.router is not None and chooser.router.ranks == 3

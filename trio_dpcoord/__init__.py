@@ -4,7 +4,8 @@ Embed it in a trio front-end with :func:`open_coordinator`, or run it standalone
 ``python -m trio_dpcoord serve`` and follow it from trio front-ends with
 :func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`; the sans-IO
 core's whole vocabulary (its commands, effects and views, beside :class:`CoordinatorCore`)
-in :mod:`trio_dpcoord.core`.
+in :mod:`trio_dpcoord.core`. Front-ends choose engines with :class:`EngineChooser`:
+vLLM's score by default, or ``routing="prefix"`` (:class:`PrefixRouting`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     from ._frontend_state import FrontendState as FrontendState
     from ._monitor import ConnectionMonitor as ConnectionMonitor
     from ._monitor import open_connection_monitor as open_connection_monitor
+    from ._router import PrefixRouter as PrefixRouter
+    from ._router import PrefixRouting as PrefixRouting
+    from ._router import RouteDecision as RouteDecision
+    from ._router import RouterCounters as RouterCounters
     from ._service import Coordinator as Coordinator
     from ._service import open_coordinator as open_coordinator
     from ._state import WaveSnapshot as WaveSnapshot
@@ -73,12 +78,16 @@ __all__ = [
     "FrontendState",
     "HistogramSnapshot",
     "Liveness",
+    "PrefixRouter",
+    "PrefixRouting",
     "PrivateIpcDirectory",
     "ProtocolError",
     "ReadyTimeoutError",
     "RequestAbortedError",
     "RequestOutput",
     "RequestStream",
+    "RouteDecision",
+    "RouterCounters",
     "SamplingParams",
     "SubscriptionView",
     "UtilityCallError",
@@ -116,12 +125,16 @@ _EXPORTS: dict[str, str] = {
     "FrontendState": "._frontend_state",
     "HistogramSnapshot": "._core",
     "Liveness": "._endpoints",
+    "PrefixRouter": "._router",
+    "PrefixRouting": "._router",
     "PrivateIpcDirectory": "._endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
     "RequestAbortedError": "._errors",
     "RequestOutput": "._engine_client",
     "RequestStream": "._engine_client",
+    "RouteDecision": "._router",
+    "RouterCounters": "._router",
     "SamplingParams": "._engine_protocol",
     "SubscriptionView": "._core",
     "UtilityCallError": "._errors",

@@ -1,16 +1,28 @@
-"""Engine choice for front-ends: vLLM 0.33.0's ``DPLBAsyncMPClient`` score (§7.2).
+"""Engine choice for front-ends: vLLM 0.33.0's ``DPLBAsyncMPClient`` score (§7.2), or the
+prefix-cache-aware policy of :mod:`._router` (``routing="prefix"``).
 
-One function serves both modes: an embedded front-end feeds it the coordinator's live
+One chooser serves both modes: an embedded front-end feeds it the coordinator's live
 loads, a front-end of the standalone process feeds it the latest publish.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
+from ._router import PrefixRouter, PrefixRouting, RouterCounters
 from .protocol import IDLE_LOAD, EngineLoad
 
-__all__ = ["EngineChooser", "engine_score"]
+__all__ = ["ROUTINGS", "EngineChooser", "Routing", "engine_score"]
+
+Routing = Literal["vllm", "prefix"]
+"""How a front-end chooses the engine: ``"vllm"``, vLLM 0.33.0's score (the default), or
+``"prefix"``, prefix-cache affinity weighed against the busiest rank's work."""
+
+ROUTINGS: tuple[Routing, ...] = ("vllm", "prefix")
+
+_UNIT_SMOOTHING = 1 / 64
+"""Weight of each routed request in the running mean of uncached prompt tokens."""
 
 
 def engine_score(load: EngineLoad, inflight: int, client_count: int) -> float:
@@ -22,28 +34,81 @@ def engine_score(load: EngineLoad, inflight: int, client_count: int) -> float:
     return score
 
 
+def check_routing(routing: str) -> Routing:
+    """``routing`` as a :data:`Routing`; ``ValueError`` naming the choices otherwise."""
+    for known in ROUTINGS:
+        if routing == known:
+            return known
+    raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {routing!r}")
+
+
 class EngineChooser:
     """Chooses the engine for each new request and tracks this front-end's in-flight counts.
 
-    Scans engines in rotated order from a start that advances by one per choice, takes
-    the first strictly lowest score, then counts the request as waiting on that engine
+    ``routing="vllm"`` (the default) is vLLM 0.33.0's choice, byte for byte: scans
+    engines in rotated order from a start that advances by one per choice, takes the
+    first strictly lowest score, then counts the request as waiting on that engine
     until the next load report replaces the table. With no load reports yet, the
     in-flight counts alone spread requests over all engines instead of piling them on
-    rank 0.
+    rank 0. Prompt token ids and clock readings are ignored.
+
+    ``routing="prefix"`` hands the choice to a :class:`~trio_dpcoord._router.PrefixRouter`
+    (settings: ``prefix``, a :class:`PrefixRouting`). Each rank's queued work, in
+    tokens, is its latest report's queue (vLLM's score without the in-flight term:
+    waiting + running + the KV-pressure penalty) times the mean uncached prompt of the
+    requests this chooser routed, plus ``client_count`` times the uncached tokens this
+    chooser sent there since that report (shrinking as they finish). Without
+    ``prompt_token_ids`` a request costs the mean and goes to the least loaded rank.
+    ``now`` (a clock reading, seconds) ages the index; without it blocks are forgotten
+    only by capacity.
     """
 
-    def __init__(self, engine_count: int, *, client_index: int = 0, client_count: int = 1) -> None:
+    ROUTINGS: tuple[Routing, ...] = ROUTINGS
+    """The policies ``routing`` takes (for command-line choices)."""
+
+    def __init__(
+        self,
+        engine_count: int,
+        *,
+        client_index: int = 0,
+        client_count: int = 1,
+        routing: Routing = "vllm",
+        prefix: PrefixRouting | None = None,
+    ) -> None:
         if engine_count < 1 or client_count < 1 or not 0 <= client_index < client_count:
             raise ValueError("need engine_count >= 1 and 0 <= client_index < client_count")
+        self.routing: Routing = check_routing(routing)
         self.client_count = client_count
         self._inflight = [0] * engine_count
         self._start = (engine_count * client_index) // client_count
         self._table: tuple[EngineLoad, ...] = ()
         self._local: list[EngineLoad] = [IDLE_LOAD] * engine_count
+        self._router: PrefixRouter | None = None
+        if routing == "prefix":
+            self._router = PrefixRouter(engine_count, prefix, start=self._start)
+        elif prefix is not None:
+            raise ValueError('prefix settings need routing="prefix"')
+        self._queued: list[float] = [0.0] * engine_count
+        """Prefix routing: each rank's queued work in tokens (see the class docstring)."""
+        self._pending: list[float] = [0.0] * engine_count
+        """Prefix routing: tokens routed to each rank since the latest report."""
+        self._unit = 1.0
+        self._mean_uncached: float | None = None
+        self._now = 0.0
 
     @property
     def inflight(self) -> tuple[int, ...]:
         return tuple(self._inflight)
+
+    @property
+    def router(self) -> PrefixRouter | None:
+        """The prefix router (its index and settings), or None with ``routing="vllm"``."""
+        return self._router
+
+    @property
+    def router_counters(self) -> RouterCounters | None:
+        """Decisions, guard fallbacks and KV-event batches, or None with vLLM's routing."""
+        return self._router.counters if self._router is not None else None
 
     def _resize(self, engine_count: int) -> None:
         extra = engine_count - len(self._inflight)
@@ -52,14 +117,29 @@ class EngineChooser:
         elif extra < 0:
             del self._inflight[engine_count:]
         self._start %= engine_count
+        if self._router is not None:
+            self._router.resize(engine_count)
+            self._table = ()  # rebuild the queued work for the new ranks
+            self._pending = [0.0] * engine_count
 
-    def choose(self, loads: Sequence[EngineLoad]) -> int:
-        """Pick the engine for one new request given the latest per-engine loads."""
+    def choose(
+        self,
+        loads: Sequence[EngineLoad],
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        now: float | None = None,
+    ) -> int:
+        """Pick the engine for one new request given the latest per-engine loads.
+
+        ``prompt_token_ids`` and ``now`` matter only with ``routing="prefix"``.
+        """
         count = len(loads)
         if count == 0:
             raise ValueError("no engines to choose from")
         if count != len(self._inflight):
             self._resize(count)
+        if self._router is not None:
+            return self._choose_prefix(self._router, loads, prompt_token_ids, now)
         table = tuple(loads)
         if table != self._table:
             self._table = table
@@ -78,7 +158,75 @@ class EngineChooser:
         self._start = (start + 1) % count
         return best_index
 
+    def _clock(self, now: float | None) -> float:
+        if now is not None and now > self._now:
+            self._now = now
+        return self._now
+
+    def _follow_report(self, loads: Sequence[EngineLoad]) -> None:
+        """A new load report: it now counts what was routed before it."""
+        table = tuple(loads)
+        if table == self._table:
+            return
+        self._table = table
+        if self._mean_uncached is not None:
+            self._unit = max(1.0, self._mean_uncached)
+        unit = self._unit
+        self._queued = [unit * engine_score(load, 0, self.client_count) for load in table]
+        self._pending = [0.0] * len(table)
+
+    def _choose_prefix(
+        self,
+        router: PrefixRouter,
+        loads: Sequence[EngineLoad],
+        prompt_token_ids: Sequence[int] | None,
+        now: float | None,
+    ) -> int:
+        self._follow_report(loads)
+        tokens: Sequence[int] = prompt_token_ids if prompt_token_ids is not None else ()
+        decision = router.route(tokens, self._queued, self._clock(now))
+        self._charge(decision.rank, len(tokens) - decision.cached_tokens, bool(tokens))
+        self._inflight[decision.rank] += 1
+        return decision.rank
+
+    def _charge(self, rank: int, uncached: int, has_prompt: bool) -> None:
+        if has_prompt:
+            mean = self._mean_uncached
+            self._mean_uncached = (
+                float(uncached) if mean is None else mean + (uncached - mean) * _UNIT_SMOOTHING
+            )
+        cost = self.client_count * (float(uncached) if has_prompt else self._unit)
+        self._queued[rank] += cost
+        self._pending[rank] += cost
+
+    def observe(
+        self, engine_index: int, prompt_token_ids: Sequence[int], *, now: float | None = None
+    ) -> None:
+        """A request for ``prompt_token_ids`` went to ``engine_index`` without
+        :meth:`choose` (a pinned ``data_parallel_rank``): with ``routing="prefix"`` its
+        uncached tokens count as queued there and, with the approximate feed, its prompt
+        as cached there. No-op with vLLM's routing (as vLLM does for pinned requests)."""
+        router = self._router
+        if router is None or not 0 <= engine_index < router.ranks:
+            return
+        decision = router.route(prompt_token_ids, self._queued, self._clock(now), engine_index)
+        self._charge(engine_index, len(prompt_token_ids) - decision.cached_tokens, True)
+
+    def receive_kv_events(
+        self, engine_index: int, seq: int, payload: bytes, *, now: float | None = None
+    ) -> bool:
+        """One of ``engine_index``'s vLLM KV-event batches (the PUB frame's ``seq`` and
+        msgpack payload): the exact feed. False when rejected (logged, counted in
+        :attr:`router_counters`) or when the routing is not ``"prefix"``."""
+        if self._router is None:
+            return False
+        return self._router.receive_kv_events(engine_index, seq, payload, self._clock(now))
+
     def finished(self, engine_index: int) -> None:
         """A request on ``engine_index`` finished (``finished_requests``)."""
         if 0 <= engine_index < len(self._inflight) and self._inflight[engine_index] > 0:
+            if self._router is not None:
+                share = self._pending[engine_index] / self._inflight[engine_index]
+                self._pending[engine_index] -= share
+                self._queued[engine_index] -= share
             self._inflight[engine_index] -= 1

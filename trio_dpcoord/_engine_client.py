@@ -34,7 +34,7 @@ import msgpack
 import trio
 import zmq
 
-from ._balance import EngineChooser
+from ._balance import EngineChooser, Routing
 from ._endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
 from ._engine_protocol import (
     FINISH_REASONS,
@@ -62,6 +62,7 @@ from ._errors import (
     RequestAbortedError,
     UtilityCallError,
 )
+from ._router import PrefixRouting
 from ._service import Coordinator, open_coordinator
 from ._tasks import RejectLog, open_task_nursery
 from .protocol import EngineLoad, ProtocolError
@@ -220,6 +221,7 @@ class EngineClient:
         send_channel: trio.MemorySendChannel[tuple[bytes, list[bytes]]],
         client_index: int,
         silence_timeout: float | None = None,
+        chooser: EngineChooser | None = None,
     ) -> None:
         self.coordinator = coordinator
         """The embedded wave coordinator (its snapshot, loads and counters)."""
@@ -231,7 +233,7 @@ class EngineClient:
         self._table = RequestTable()
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, _PendingCall] = {}
-        self._chooser = EngineChooser(engine_count)
+        self._chooser = chooser if chooser is not None else EngineChooser(engine_count)
         self._closed = False
         self._request_ids = (f"trio-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self.reject = RejectLog(logger)
@@ -384,7 +386,12 @@ class EngineClient:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise EngineClientClosedError("the engine client has stopped") from None
 
-    def _choose(self) -> int:
+    @property
+    def chooser(self) -> EngineChooser:
+        """The engine chooser (its routing policy, in-flight counts, prefix router)."""
+        return self._chooser
+
+    def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         dead = self._table.dead
         if len(dead) >= self.engine_count:
             raise EngineDeadError(min(dead), "every engine is gone")
@@ -392,7 +399,9 @@ class EngineClient:
         loads += [EngineLoad(0, 0, 0.0)] * (self.engine_count - len(loads))
         for rank in dead:
             loads[rank] = _UNAVAILABLE
-        return self._chooser.choose(loads[: self.engine_count])
+        return self._chooser.choose(
+            loads[: self.engine_count], prompt_token_ids, now=trio.current_time()
+        )
 
     def _add(self, stream: RequestStream) -> None:
         self._check_usable()
@@ -400,8 +409,9 @@ class EngineClient:
             rank = stream._pinned
             if rank in self._table.dead:
                 raise EngineDeadError(rank, "taken as dead earlier")
+            self._chooser.observe(rank, stream._prompt, now=trio.current_time())
         else:
-            rank = self._choose()
+            rank = self._choose(stream._prompt)
         self._table.add(stream.request_id, rank)
         stream.rank = rank
         self._streams[stream.request_id] = stream
@@ -583,6 +593,8 @@ async def open_engine_client(
     liveness: Liveness = DEFAULT_LIVENESS,
     wave_coordination: bool = True,
     silence_timeout: float | None = 120.0,
+    routing: Routing = "vllm",
+    prefix_routing: PrefixRouting | None = None,
 ) -> AsyncIterator[EngineClient]:
     """Serve ``engine_count`` DP engine cores that connect to ``handshake_address``.
 
@@ -608,9 +620,14 @@ async def open_engine_client(
     connection closes or its heartbeats stop (``liveness``), or when it says nothing for
     ``silence_timeout`` seconds while work waits on it (None: never; a paused scheduler
     holding requests is silent too, so keep it well above the longest pause).
+
+    ``routing``: how requests without a pinned rank are placed, ``"vllm"`` (vLLM
+    0.33.0's score, the default) or ``"prefix"`` (prefix-cache affinity weighed against
+    the busiest rank, settings in ``prefix_routing``; pinned requests are learnt too).
     """
     if engine_count < 1:
         raise ValueError("engine_count must be at least 1")
+    chooser = EngineChooser(engine_count, routing=routing, prefix=prefix_routing)
     host = _tcp_host(handshake_address)
     check_bind_address(handshake_address, allow_remote=allow_remote)
     free = f"tcp://{host}:0"
@@ -644,6 +661,7 @@ async def open_engine_client(
             send,
             client_index,
             silence_timeout,
+            chooser,
         )
         async with _run_client(client, sockets, receive):
             yield client

@@ -3,7 +3,8 @@
 What a vLLM 0.33.0 DP client does with the front socket (docs/protocol.md §7.1), as a trio
 async context manager: an XSUB connected to the coordinator's front address keeps the
 latest ``(counts, wave, running)`` publish, requests are routed with vLLM's score
-(§7.2, the same :class:`EngineChooser` an embedded front-end uses), and
+(§7.2) or the prefix policy (the same :class:`EngineChooser` an embedded front-end
+uses), and
 ``SCALE_ELASTIC_EP`` and the legacy FIRST_REQ go upstream on the same socket.
 
 Four tasks, data flowing one way through each::
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import final
 
@@ -34,9 +35,11 @@ import trio
 import zmq
 
 from . import protocol
+from ._balance import Routing
 from ._errors import CoordinatorClosedError, CoordinatorError
 from ._frontend_state import FrontendState
 from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
+from ._router import PrefixRouting, RouterCounters
 from ._state import HEARTBEAT_INTERVAL, WaveSnapshot
 from ._tasks import RejectLog, open_task_nursery
 from .protocol import EngineLoad
@@ -146,14 +149,39 @@ class Frontend:
 
     # --- routing ----------------------------------------------------------------------
 
-    def choose_engine(self) -> int:
-        """The engine for one new request, by vLLM 0.33.0's score with the latest loads.
+    def choose_engine(self, prompt_token_ids: Sequence[int] | None = None) -> int:
+        """The engine for one new request, by the routing policy with the latest loads.
 
+        vLLM 0.33.0's score by default; with ``routing="prefix"``, ``prompt_token_ids``
+        lets the choice weigh what each engine has cached (without them, least loaded).
         Counts the request as in flight on that engine until :meth:`request_finished`.
         Before any load report the in-flight counts alone spread requests over the
         engines.
         """
-        return self._state.choose_engine()
+        return self._state.choose_engine(prompt_token_ids, trio.current_time())
+
+    def observe_request(self, engine_index: int, prompt_token_ids: Sequence[int]) -> None:
+        """A request went to ``engine_index`` without :meth:`choose_engine` (a pinned
+        ``data_parallel_rank``): the prefix policy learns it (no-op with vLLM's)."""
+        self._state.observe_request(engine_index, prompt_token_ids, trio.current_time())
+
+    def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
+        """One of ``engine_index``'s vLLM KV-event batches (from its ``--kv-events-config``
+        PUB socket: the frame's sequence number and msgpack payload), the prefix policy's
+        exact feed. False if rejected (logged at WARNING, counted in
+        :attr:`router_counters`) or when not routing by prefix."""
+        return self._state.receive_kv_events(engine_index, seq, payload, trio.current_time())
+
+    @property
+    def routing(self) -> Routing:
+        """The engine-choice policy: ``"vllm"`` or ``"prefix"``."""
+        return self._state.routing
+
+    @property
+    def router_counters(self) -> RouterCounters | None:
+        """The prefix policy's counters (None with vLLM's, or before the first choice)."""
+        chooser = self._state.chooser
+        return chooser.router_counters if chooser is not None else None
 
     def request_finished(self, engine_index: int) -> None:
         """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
@@ -298,8 +326,14 @@ async def open_frontend(
     engine_count: int | None = None,
     coordinator_timeout: float | None = None,
     curve_server_key: bytes | None = None,
+    routing: Routing = "vllm",
+    prefix_routing: PrefixRouting | None = None,
 ) -> AsyncIterator[Frontend]:
     """Follow a coordinator's front socket for the duration of the block.
+
+    ``routing``: how :meth:`Frontend.choose_engine` chooses, ``"vllm"`` (vLLM 0.33.0's
+    score, the default) or ``"prefix"`` (prefix-cache affinity weighed against the
+    busiest rank, settings in ``prefix_routing``); see :class:`EngineChooser`.
 
     ``curve_server_key``: the coordinator's ``curve_public_key`` when it runs with
     CURVE (this front-end then connects as a CURVE client with a fresh key pair).
@@ -330,6 +364,8 @@ async def open_frontend(
         client_count=client_count,
         engine_count=engine_count,
         now=trio.current_time(),
+        routing=routing,
+        prefix=prefix_routing,
     )
     handle: Frontend | None = None
     try:

@@ -10,7 +10,7 @@ The rules: the latest publish wins (its wave, and its counts when it has them, �
 publish that does not decode is rejected, counted and the rest of the batch kept; the
 legacy first-request claim (§7.4: if the publish says paused, flip to running at once
 and send one FIRST_REQ, so concurrent requests coalesce behind it); the engine choice
-with vLLM's score and this front-end's in-flight counts (§7.2).
+with vLLM's score or the prefix policy and this front-end's in-flight counts (§7.2).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from typing import final
 
 from . import protocol
-from ._balance import EngineChooser
+from ._balance import EngineChooser, Routing, check_routing
 from ._core import Reject
 from ._errors import CoordinatorError
+from ._router import PrefixRouting
 from ._state import WaveSnapshot, WaveState, check_engine_index
 from .protocol import IDLE_LOAD, EngineLoad
 
@@ -40,7 +41,8 @@ class FrontendState:
 
     ``engine_count``, if known before the first publish, lets :meth:`choose_engine` work
     at once; ``now`` is the clock reading at opening (a silence is measured from it until
-    the first publish arrives).
+    the first publish arrives). ``routing`` and ``prefix`` choose the engine-choice
+    policy (:class:`~trio_dpcoord.EngineChooser`; vLLM's by default).
     """
 
     __slots__ = (
@@ -51,18 +53,31 @@ class FrontendState:
         "_engine_count",
         "_last_publish_time",
         "_opened_at",
+        "_prefix",
         "_publishes_received",
         "_rejected",
+        "_routing",
         "_wave",
     )
 
     def __init__(
-        self, *, client_index: int, client_count: int, engine_count: int | None, now: float
+        self,
+        *,
+        client_index: int,
+        client_count: int,
+        engine_count: int | None,
+        now: float,
+        routing: Routing = "vllm",
+        prefix: PrefixRouting | None = None,
     ) -> None:
         if client_count < 1 or not 0 <= client_index < client_count:
             raise ValueError("need client_count >= 1 and 0 <= client_index < client_count")
         if engine_count is not None and engine_count < 1:
             raise ValueError(f"engine_count must be positive, got {engine_count!r}")
+        self._routing: Routing = check_routing(routing)
+        if prefix is not None and routing != "prefix":
+            raise ValueError('prefix settings need routing="prefix"')
+        self._prefix = prefix
         self._client_index = client_index
         self._client_count = client_count
         self._engine_count = engine_count
@@ -155,8 +170,31 @@ class FrontendState:
             self._counts = latest_counts
         return rejects
 
-    def choose_engine(self) -> int:
-        """The engine for one new request, by vLLM 0.33.0's score with the latest loads;
+    @property
+    def routing(self) -> Routing:
+        return self._routing
+
+    @property
+    def chooser(self) -> EngineChooser | None:
+        """The engine chooser, once the engine count is known and a choice was made."""
+        return self._chooser
+
+    def _ensure_chooser(self, engine_count: int) -> EngineChooser:
+        if self._chooser is None:
+            self._chooser = EngineChooser(
+                engine_count,
+                client_index=self._client_index,
+                client_count=self._client_count,
+                routing=self._routing,
+                prefix=self._prefix,
+            )
+        return self._chooser
+
+    def choose_engine(
+        self, prompt_token_ids: Sequence[int] | None = None, now: float | None = None
+    ) -> int:
+        """The engine for one new request, by the routing policy with the latest loads
+        (``prompt_token_ids`` and the clock reading ``now`` serve the prefix policy);
         counted in flight there until :meth:`request_finished`. :class:`CoordinatorError`
         while the engine count is unknown."""
         loads = self.engine_loads()
@@ -165,11 +203,27 @@ class FrontendState:
                 "engine count unknown: pass engine_count= to open_frontend or wait for "
                 "the first publish (wait_for(lambda f: f.engine_count() > 0))"
             )
-        if self._chooser is None:
-            self._chooser = EngineChooser(
-                len(loads), client_index=self._client_index, client_count=self._client_count
-            )
-        return self._chooser.choose(loads)
+        return self._ensure_chooser(len(loads)).choose(loads, prompt_token_ids, now=now)
+
+    def observe_request(
+        self, engine_index: int, prompt_token_ids: Sequence[int], now: float | None = None
+    ) -> None:
+        """A request went to ``engine_index`` without :meth:`choose_engine` (pinned): the
+        prefix policy learns it (no-op with vLLM's)."""
+        loads = self.engine_loads()
+        if loads:
+            self._ensure_chooser(len(loads)).observe(engine_index, prompt_token_ids, now=now)
+
+    def receive_kv_events(
+        self, engine_index: int, seq: int, payload: bytes, now: float | None = None
+    ) -> bool:
+        """One vLLM KV-event batch of ``engine_index`` for the prefix policy's exact feed;
+        False if rejected (logged, counted) or not routing by prefix."""
+        loads = self.engine_loads()
+        if not loads:
+            return False
+        chooser = self._ensure_chooser(len(loads))
+        return chooser.receive_kv_events(engine_index, seq, payload, now=now)
 
     def request_finished(self, engine_index: int) -> None:
         """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""

@@ -2,89 +2,186 @@
 
 Plain objects, no I/O and no clock of their own: inputs are prompts' token ids, per-rank
 queued work, vLLM KV-cache event batches and clock readings; the output is a rank.
+:class:`~trio_dpcoord.EngineChooser` with ``routing="prefix"`` is how front-ends use it.
 
 The index keys every full block of ``block_size`` prompt tokens by our own hash chained on
 its parent block's key, so no hash seed has to be shared with vLLM. Memory per rank is
-bounded by ``capacity_blocks`` (least recently used go first) and by ``max_age`` (a block
-not seen for that long is forgotten), so a lost event batch cannot leave blocks believed
-cached for ever; a gap or a step back in a rank's event sequence also forgets that rank's
-exact knowledge at once.
+bounded by ``capacity_blocks`` (least recently used go first, the deepest block of a
+prompt before its parents) and by ``max_age`` (a block not seen for that long is
+forgotten), so a lost event batch cannot leave blocks believed cached for ever; a gap or
+a step back in a rank's event sequence also forgets that rank's exact knowledge at once.
 
-Not wired in yet: every front-end still chooses with :class:`~trio_dpcoord.EngineChooser`
-(vLLM's score); this module is private until a policy option exposes it.
+One decision hashes the prompt's blocks once and walks a block -> ranks map from the
+first block, stopping at the first block no rank holds: its cost grows with the prompt
+and the matched depth, not with the number of ranks times the prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
+import random
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import accumulate, chain, islice
+from operator import add
+from typing import Any, Literal
 
 import msgpack
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "KVEventError",
+    "PrefixRouter",
+    "PrefixRouting",
+    "RankPrefixIndex",
+    "RouteDecision",
+    "RouterCounters",
+    "block_keys",
+    "decode_event_batch",
+]
+
 DEFAULT_BLOCK_SIZE = 16
-_ROOT = b"trio_dpcoord.prefix.root"
+"""vLLM's default KV-cache block size."""
+
+Feed = Literal["approximate", "exact"]
+
+_ROOT = 0
+"""The chain's start: the key "before" a prompt's first block."""
+
+_POSITION_SALTS: list[int] = []
+"""Per block position, a fixed random 61-bit salt (one seeded stream, extended on
+demand): a block's contribution depends on where it sits, so reordered blocks differ."""
+_SALT_STREAM = random.Random(0x7472696F)
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, parent: bytes = _ROOT) -> list[bytes]:
-    """Chained keys of the full blocks of ``token_ids`` (a partial last block has none)."""
-    keys: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start : start + block_size]
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(struct.pack(f"<{block_size}q", *block))
-        parent = digest.digest()
-        keys.append(parent)
+def _salts(upto: int) -> list[int]:
+    if len(_POSITION_SALTS) < upto:
+        more = max(upto, 2 * len(_POSITION_SALTS), 4096) - len(_POSITION_SALTS)
+        _POSITION_SALTS.extend(_SALT_STREAM.getrandbits(61) for _ in range(more))
+    return _POSITION_SALTS
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, parent: int = _ROOT, depth: int = 0
+) -> list[int]:
+    """Chained keys of the full blocks of ``token_ids`` (a partial last block has none).
+
+    Key ``i`` is ``parent`` plus the sum, over blocks ``j <= i``, of the hash of block
+    ``j``'s tokens together with the salt of its position ``depth + j``: a running sum,
+    so that hashing and chaining a prompt take one C-level pass each (Python's hash of a
+    tuple of ints does not depend on the process's hash seed). ``parent``/``depth``
+    continue a chain (a vLLM ``BlockStored`` whose parent block is known). Distinct
+    prefixes collide about as often as random 64-bit values do; a collision only
+    misroutes one request.
+    """
+    blocks = len(token_ids) // block_size
+    if blocks == 0:
+        return []
+    salts = islice(_salts(depth + blocks), depth, None)
+    tokens = iter(token_ids)
+    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it.
+    hashes = map(hash, zip(*(tokens,) * block_size, salts, strict=False))
+    keys = list(accumulate(hashes, add, initial=parent))
+    del keys[0]
     return keys
 
 
 class RankPrefixIndex:
-    """The blocks believed cached on one rank: LRU over ``capacity_blocks``, ``max_age``."""
+    """The blocks believed cached on one rank: LRU over ``capacity_blocks``, ``max_age``.
 
-    def __init__(self, capacity_blocks: int, max_age: float) -> None:
+    ``owners``, shared by the ranks of one router, maps a block key to the bit mask of
+    the ranks holding it (this rank's bit is ``bit``); a lone index keeps its own.
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        max_age: float,
+        *,
+        bit: int = 1,
+        owners: dict[int, int] | None = None,
+    ) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         if max_age <= 0:
             raise ValueError(f"max_age must be > 0, got {max_age}")
         self.capacity_blocks = capacity_blocks
         self.max_age = max_age
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._bit = bit
+        self._owners: dict[int, int] = {} if owners is None else owners
+        self._seen: OrderedDict[int, float] = OrderedDict()
+        """Key -> last seen; least recently seen first."""
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def __contains__(self, key: bytes) -> bool:
+    def __contains__(self, key: int) -> bool:
         return key in self._seen
 
-    def store(self, keys: Iterable[bytes], now: float) -> None:
-        for key in keys:
-            self._seen[key] = now
-            self._seen.move_to_end(key)
-        while len(self._seen) > self.capacity_blocks:
-            self._seen.popitem(last=False)
+    def last_seen(self, key: int) -> float | None:
+        return self._seen.get(key)
 
-    def remove(self, keys: Iterable[bytes]) -> None:
+    def store(self, keys: Sequence[int], now: float) -> None:
+        """``keys`` (one prompt's chain, root first) are cached here as of ``now``.
+
+        Stored deepest first, so that the root ends most recent: eviction then takes a
+        prompt's last blocks before the blocks every longer prompt needs first.
+        """
+        seen, owners, bit = self._seen, self._owners, self._bit
+        pop, get = seen.pop, owners.get
+        for key in reversed(keys):
+            if pop(key, None) is None:
+                owners[key] = get(key, 0) | bit
+            seen[key] = now
+        self._evict_over_capacity()
+
+    def _evict_over_capacity(self) -> None:
+        seen, owners = self._seen, self._owners
+        excess = len(seen) - self.capacity_blocks
+        if excess <= 0:
+            return
+        keep = ~self._bit
+        pop, get = seen.popitem, owners.get
+        for _ in range(excess):
+            key = pop(last=False)[0]
+            mask = get(key, 0) & keep
+            if mask:
+                owners[key] = mask
+            else:
+                del owners[key]
+
+    def _disown(self, key: int) -> None:
+        mask = self._owners.get(key, 0) & ~self._bit
+        if mask:
+            self._owners[key] = mask
+        else:
+            self._owners.pop(key, None)
+
+    def remove(self, keys: Iterable[int]) -> None:
         for key in keys:
-            self._seen.pop(key, None)
+            if self._seen.pop(key, None) is not None:
+                self._disown(key)
 
     def clear(self) -> None:
+        for key in self._seen:
+            self._disown(key)
         self._seen.clear()
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
-        while self._seen:
-            key, seen = next(iter(self._seen.items()))
-            if now - seen <= self.max_age:
+        seen = self._seen
+        while seen:
+            key, last = next(iter(seen.items()))
+            if now - last <= self.max_age:
                 break
-            del self._seen[key]
+            del seen[key]
+            self._disown(key)
 
-    def matched_blocks(self, keys: Sequence[bytes], now: float) -> int:
+    def matched_blocks(self, keys: Sequence[int], now: float) -> int:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
         matched = 0
@@ -186,61 +283,154 @@ def decode_event_batch(payload: bytes) -> EventBatch:
     return EventBatch(float(ts), events, rank)
 
 
+@dataclass(frozen=True)
+class PrefixRouting:
+    """The prefix policy's settings (``EngineChooser(..., prefix=PrefixRouting(...))``).
+
+    ``block_size``: tokens per block, as the engines' ``--block-size`` (vLLM: 16); only
+    full blocks are matched. ``capacity_blocks``: blocks remembered per rank; set it to
+    the engines' KV-cache size in blocks (vLLM logs it as ``# GPU blocks``), since an
+    index larger than the real cache believes evicted blocks are still there (the
+    default, 16,384 blocks = 262,144 tokens, is a mid-size GPU's; the index costs about
+    250 bytes a block). ``max_age``: seconds after which an unseen block is forgotten
+    (within ``max_age / 8`` more), the bound on stale beliefs when events are lost.
+    ``imbalance_abs`` (tokens) and ``imbalance_rel``: when the busiest rank's queued
+    work exceeds the idlest's by more than ``imbalance_abs`` *and* by a factor of more
+    than ``imbalance_rel``, the loads are imbalanced beyond what affinity may cost and
+    the guard sends the request to the least loaded rank (SGLang's cache-aware router
+    has the same two thresholds, in requests). ``feed``: ``"approximate"`` takes every
+    routed prompt as cached on its rank; ``"exact"`` learns only from the engines' KV
+    events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`).
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    capacity_blocks: int = 16384
+    max_age: float = 600.0
+    imbalance_abs: float = 32768.0
+    imbalance_rel: float = 2.0
+    feed: Feed = "approximate"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
+        if not self.max_age > 0:
+            raise ValueError(f"max_age must be > 0, got {self.max_age}")
+        if not self.imbalance_abs >= 0 or not self.imbalance_rel >= 1:
+            raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
+        if self.feed not in ("approximate", "exact"):
+            raise ValueError(f"feed must be 'approximate' or 'exact', got {self.feed!r}")
+
+
 @dataclass
 class RouterCounters:
+    """What the router did: decisions (pinned ones included), the prompt tokens they
+    routed and how many of those were believed cached on the chosen rank, guard
+    fallbacks, KV-event batches applied, rejected (undecodable or from an unknown rank)
+    and sequence gaps (lost or reordered batches, each of which forgot that rank's
+    exact knowledge)."""
+
     decisions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     guard_fallbacks: int = 0
     event_batches: int = 0
     rejected_event_batches: int = 0
     event_gaps: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """One choice: the rank, the prompt's tokens believed cached there, and whether the
+    imbalance guard made it (least loaded, affinity ignored)."""
+
+    rank: int
+    cached_tokens: int
+    guarded: bool
+
+
 @dataclass
 class _ExactRank:
     last_seq: int | None = None
-    vllm_to_ours: dict[Any, bytes] = field(default_factory=dict)
+    vllm_to_ours: dict[Any, tuple[int, int]] = field(default_factory=dict)
+    """vLLM's block hash -> (our key, the block's depth in its chain)."""
+
+
+def _first_from(values: Sequence[float], value: float, start: int) -> int:
+    """The first index of ``value`` at or after ``start``, wrapping around."""
+    try:
+        return values.index(value, start)
+    except ValueError:
+        return values.index(value)
 
 
 class PrefixRouter:
     """Chooses the rank that keeps the busiest rank's work lowest.
 
-    A rank's work is its queued work (loads passed in, in tokens) plus, for the rank that
-    would take the request, the request's uncached prompt tokens there. Ties go to the most
-    cached tokens, then to rotation. When the ranks' queued work is imbalanced beyond both
-    ``imbalance_abs`` and ``imbalance_rel`` (max - min > abs and max > rel x min), the
-    guard chooses the least loaded rank. A pinned rank is returned as is.
-    ``feed="approximate"`` takes a routed prompt as cached on the chosen rank;
-    ``feed="exact"`` learns only from vLLM's KV events (:meth:`receive_kv_events`).
+    A rank's work is its queued work (``queued_work``, in tokens, passed in) plus, for
+    the rank that would take the request, the request's uncached prompt tokens there:
+    with ranks stepping in lock-step, every step lasts as long as the busiest rank's, so
+    that is the cost to minimise. Ties go to the most cached tokens, then to the rank
+    whose own work ends lowest, then to rotation (a start that advances by one per
+    decision). With nothing cached anywhere that is exactly the least loaded rank. When
+    the ranks' queued work is imbalanced beyond both thresholds (see
+    :class:`PrefixRouting`) the guard chooses the least loaded rank. A pinned rank is
+    returned as is. Every routed or pinned prompt is learnt on its rank with
+    ``feed="approximate"``; ``feed="exact"`` learns only from :meth:`receive_kv_events`.
     """
 
     def __init__(
-        self,
-        ranks: int,
-        *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        capacity_blocks: int = 65536,
-        max_age: float = 600.0,
-        imbalance_abs: float = 32768.0,
-        imbalance_rel: float = 4.0,
-        feed: str = "approximate",
+        self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if feed not in ("approximate", "exact"):
-            raise ValueError(f"feed must be 'approximate' or 'exact', got {feed!r}")
-        self.ranks = ranks
-        self.block_size = block_size
-        self.feed = feed
-        self.imbalance_abs = imbalance_abs
-        self.imbalance_rel = imbalance_rel
-        self.indexes = [RankPrefixIndex(capacity_blocks, max_age) for _ in range(ranks)]
-        self._exact = [_ExactRank() for _ in range(ranks)]
-        self._rotation = 0
+        self.routing = routing if routing is not None else PrefixRouting()
+        self.block_size = self.routing.block_size
+        self.feed: Feed = self.routing.feed
+        self._owners: dict[int, int] = {}
+        """Block key -> bit mask of the ranks believed to hold it."""
+        self._all = 0
+        self._byte_ranks: list[list[tuple[int, ...]]] = []
+        self.indexes: list[RankPrefixIndex] = []
+        self._exact: list[_ExactRank] = []
+        self.ranks = 0
+        self.resize(ranks)
+        self._rotation = start % ranks
+        self._next_sweep = -float("inf")
         self.counters = RouterCounters()
 
+    def resize(self, ranks: int) -> None:
+        """Elastic EP: follow a new rank count (ranks beyond it are forgotten)."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        for index in self.indexes[ranks:]:
+            index.clear()
+        del self.indexes[ranks:], self._exact[ranks:]
+        routing = self.routing
+        for rank in range(len(self.indexes), ranks):
+            self.indexes.append(
+                RankPrefixIndex(
+                    routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
+                )
+            )
+            self._exact.append(_ExactRank())
+        self.ranks = ranks
+        self._all = (1 << ranks) - 1
+        width = (ranks + 7) // 8
+        self._byte_ranks = [
+            [tuple(8 * offset + i for i in range(8) if byte >> i & 1) for byte in range(256)]
+            for offset in range(width)
+        ]
+        self._rotation = getattr(self, "_rotation", 0) % ranks
+
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks remembered over all ranks (each at most ``capacity_blocks``)."""
+        return sum(len(index) for index in self.indexes)
+
     def cached_tokens(self, rank: int, token_ids: Sequence[int], now: float) -> int:
+        """The leading tokens of ``token_ids`` believed cached on ``rank`` at ``now``."""
         keys = block_keys(token_ids, self.block_size)
         return self.indexes[rank].matched_blocks(keys, now) * self.block_size
 
@@ -252,51 +442,133 @@ class PrefixRouter:
         pinned_rank: int | None = None,
     ) -> int:
         """The rank for a prompt of ``token_ids`` given each rank's queued work (tokens)."""
+        return self.route(token_ids, queued_work, now, pinned_rank).rank
+
+    def route(
+        self,
+        token_ids: Sequence[int],
+        queued_work: Sequence[float],
+        now: float,
+        pinned_rank: int | None = None,
+    ) -> RouteDecision:
+        """:meth:`choose`, with how much was cached there and whether the guard chose."""
         if len(queued_work) != self.ranks:
             raise ValueError(f"queued_work has {len(queued_work)} ranks, expected {self.ranks}")
+        if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
+            raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
         keys = block_keys(token_ids, self.block_size)
+        if now >= self._next_sweep:
+            for index in self.indexes:
+                index.expire(now)
+            self._next_sweep = now + self.routing.max_age / 8
+        groups = self._walk(keys)
         if pinned_rank is not None:
-            if not 0 <= pinned_rank < self.ranks:
-                raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
-            chosen = pinned_rank
+            depth = self._depth_of(groups, pinned_rank)
+            decision = RouteDecision(pinned_rank, depth * self.block_size, False)
         else:
-            chosen = self._pick(keys, len(token_ids), queued_work, now)
-        if self.feed == "approximate":
-            self.indexes[chosen].store(keys, now)
-        return chosen
+            decision = self._pick(groups, len(token_ids), queued_work)
+        self.counters.prompt_tokens += len(token_ids)
+        self.counters.cached_tokens += decision.cached_tokens
+        if self.feed == "approximate" and keys:
+            self.indexes[decision.rank].store(keys, now)
+        return decision
+
+    def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
+        the ranks holding exactly that many), deepest last; ranks holding none omitted."""
+        owners = self._owners.get
+        alive = self._all
+        groups: list[tuple[int, int]] = []
+        depth = 0
+        for key in keys:
+            mask = owners(key, 0) & alive
+            if mask != alive:
+                if depth:
+                    groups.append((depth, alive ^ mask))
+                alive = mask
+                if not alive:
+                    return groups
+            depth += 1
+        if depth:
+            groups.append((depth, alive))
+        return groups
+
+    def _depth_of(self, groups: list[tuple[int, int]], rank: int) -> int:
+        bit = 1 << rank
+        for depth, mask in groups:
+            if mask & bit:
+                return depth
+        return 0
+
+    def _members(self, mask: int) -> list[int]:
+        """The ranks of ``mask``, ascending (a byte at a time, through a table)."""
+        table = self._byte_ranks
+        members: list[int] = []
+        for offset, byte in enumerate(mask.to_bytes(len(table), "little")):
+            if byte:
+                members.extend(table[offset][byte])
+        return members
 
     def _pick(
-        self, keys: list[bytes], prompt_len: int, queued: Sequence[float], now: float
-    ) -> int:
+        self, groups: list[tuple[int, int]], prompt_len: int, queued: Sequence[float]
+    ) -> RouteDecision:
+        ranks = self.ranks
         start = self._rotation
-        self._rotation = (self._rotation + 1) % self.ranks
+        self._rotation = (start + 1) % ranks
+        block = self.block_size
         low, high = min(queued), max(queued)
-        if high - low > self.imbalance_abs and high > self.imbalance_rel * max(low, 1.0):
+        least = _first_from(queued, low, start)
+        least_depth = self._depth_of(groups, least)
+        if ranks == 1:
+            return RouteDecision(0, least_depth * block, False)
+        routing = self.routing
+        if high - low > routing.imbalance_abs and high > routing.imbalance_rel * max(low, 1.0):
             self.counters.guard_fallbacks += 1
-            return min(range(self.ranks), key=lambda r: (queued[r], (r - start) % self.ranks))
-        # The busiest rank after placing on r is max(top other, queued[r] + uncached[r]).
-        order = sorted(range(self.ranks), key=lambda r: queued[r], reverse=True)
-        first, second = order[0], (order[1] if self.ranks > 1 else order[0])
-        best: tuple[float, int, int] | None = None
-        chosen = start
-        for offset in range(self.ranks):
-            rank = (start + offset) % self.ranks
-            cached = self.indexes[rank].matched_blocks(keys, now) * self.block_size
-            others = queued[second] if rank == first else queued[first]
-            if self.ranks == 1:
-                others = 0.0
-            busiest = max(others, queued[rank] + prompt_len - cached)
-            candidate = (busiest, -cached, offset)
+            return RouteDecision(least, least_depth * block, True)
+        # A rank holding no more than the least loaded one cannot beat it; of the ranks
+        # holding the same deeper prefix, only the least loaded one (rotation on ties)
+        # can: the candidates are one per depth.
+        candidates = [(least, least_depth)]
+        for depth, mask in groups:
+            if depth > least_depth:
+                members = self._members(mask)
+                if len(members) == 1:
+                    candidates.append((members[0], depth))
+                    continue
+                value = min(map(queued.__getitem__, members))
+                cut = bisect_left(members, start)
+                for rank in chain(islice(members, cut, None), islice(members, cut)):
+                    if queued[rank] == value:
+                        candidates.append((rank, depth))
+                        break
+        if len(candidates) == 1:
+            return RouteDecision(least, least_depth * block, False)
+        # Placing on r leaves the busiest at max(the busiest other rank, r's own work).
+        top = queued.index(high)
+        if queued.count(high) > 1:
+            second = high
+        else:
+            rest = list(queued)
+            rest[top] = low
+            second = max(rest)
+        best: tuple[float, int, float, int] | None = None
+        chosen, chosen_depth = least, least_depth
+        for rank, depth in candidates:
+            cached = depth * block
+            own = queued[rank] + prompt_len - cached
+            others = second if rank == top else high
+            candidate = (max(others, own), -cached, own, (rank - start) % ranks)
             if best is None or candidate < best:
-                best, chosen = candidate, rank
-        return chosen
+                best, chosen, chosen_depth = candidate, rank, depth
+        return RouteDecision(chosen, chosen_depth * block, False)
 
     def receive_kv_events(self, rank: int, seq: int, payload: bytes, now: float) -> bool:
         """Apply one engine's KV-event batch (``seq`` from the PUB frame); False if rejected.
 
         A sequence gap or step back means lost or reordered batches: the rank's exact
-        knowledge is forgotten, since what it would now claim could be stale.
+        knowledge is forgotten, since what it would now claim could be stale. Rejected
+        batches are logged at WARNING and counted; nothing else changes.
         """
         if not 0 <= rank < self.ranks:
             self.counters.rejected_event_batches += 1
@@ -321,25 +593,28 @@ class PrefixRouter:
         self.counters.event_batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored):
-                parent = _ROOT
-                if event.parent_block_hash is not None:
-                    known = state.vllm_to_ours.get(event.parent_block_hash)
-                    if known is None or known not in index:
-                        continue  # parent unknown: the chain cannot be matched anyway
-                    parent = known
-                ours = block_keys(event.token_ids, event.block_size, parent)
                 if event.block_size != self.block_size:
                     continue  # keys of another block size never match our prompts'
-                for theirs, key in zip(event.block_hashes, ours, strict=True):
-                    state.vllm_to_ours[theirs] = key
+                parent, depth = _ROOT, 0
+                if event.parent_block_hash is not None:
+                    known = state.vllm_to_ours.get(event.parent_block_hash)
+                    if known is None or known[0] not in index:
+                        continue  # parent unknown: the chain cannot be matched anyway
+                    parent, depth = known[0], known[1] + 1
+                ours = block_keys(event.token_ids, event.block_size, parent, depth)
+                for offset, (theirs, key) in enumerate(
+                    zip(event.block_hashes, ours, strict=True)
+                ):
+                    state.vllm_to_ours[theirs] = (key, depth + offset)
                 index.store(ours, now)
             elif isinstance(event, BlockRemoved):
-                index.remove(
-                    k for h in event.block_hashes if (k := state.vllm_to_ours.pop(h, None))
-                )
+                gone = (state.vllm_to_ours.pop(h, None) for h in event.block_hashes)
+                index.remove(known[0] for known in gone if known is not None)
             else:
                 index.clear()
                 state.vllm_to_ours.clear()
         if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
-            state.vllm_to_ours = {h: k for h, k in state.vllm_to_ours.items() if k in index}
+            state.vllm_to_ours = {
+                h: known for h, known in state.vllm_to_ours.items() if known[0] in index
+            }
         return True

@@ -31,6 +31,7 @@ processes through a command prefix (``ip netns exec NODE``, ``ssh NODE``),
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -42,6 +43,7 @@ from typing import Any, Literal, Protocol
 import trio
 
 from .. import CoordinatorView, PrivateIpcDirectory, open_coordinator, open_frontend
+from .._balance import Routing, check_routing
 from .fleet import StandaloneCoordinator, open_engine_processes, open_serve_process
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
@@ -125,12 +127,17 @@ class ClusterConfig:
     """Extra options for ``trio-dpcoord serve`` in standalone mode (they come last)."""
     record_timeline: bool = False
     """Record engine states, wake-ups and requests in flight (:attr:`ClusterReport.timeline`)."""
+    routing: Routing = "vllm"
+    """The front-end's engine choice: vLLM's score or ``"prefix"`` (see
+    :class:`~trio_dpcoord.EngineChooser`); give the load ``sessions`` for prompts that
+    share prefixes."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("engines must be >= 1")
         if self.mode not in ("inproc", "standalone"):
             raise ValueError(f"mode must be inproc or standalone, got {self.mode!r}")
+        check_routing(self.routing)
 
 
 @dataclass(slots=True)
@@ -142,6 +149,9 @@ class ClusterReport:
     wake_path: str
     seed: int
     planned: int
+    routing: str = "vllm"
+    routing_counters: dict[str, int] | None = None
+    """With the prefix routing: the router's counters (``RouterCounters``) at the end."""
     requests: int = 0
     completed: int = 0
     waves: int = 0
@@ -209,6 +219,8 @@ class ClusterReport:
             "mode": self.mode,
             "engines": self.engines,
             "wake_path": self.wake_path,
+            "routing": self.routing,
+            "routing_counters": self.routing_counters,
             "seed": self.seed,
             "requests": self.requests,
             "completed": self.completed,
@@ -364,6 +376,7 @@ async def run_cluster(
         wake_path=config.wake_path,
         seed=config.load.seed,
         planned=config.load.requests,
+        routing=config.routing,
     )
     run = _ClusterRun(config, report, progress, log_line)
     try:
@@ -422,6 +435,7 @@ class _ClusterRun:
                 view,
                 config.engines,
                 wake_path=config.wake_path,
+                routing=config.routing,
                 request_address=tcp and f"{tcp}:0",
                 completion_address=tcp and f"{tcp}:0",
             )
@@ -566,5 +580,8 @@ def _collect(
     report.pauses = frontend.pauses
     report.wake_latencies = list(frontend.wake_latencies)
     report.resubmitted = frontend.resubmitted
+    counters = frontend.chooser.router_counters
+    if counters is not None:
+        report.routing_counters = dataclasses.asdict(counters)
     if coordinator is not None:
         report.coordinator_errors = coordinator.counters().errors

@@ -43,6 +43,7 @@ import trio
 import zmq
 
 from .. import CoordinatorView, EngineChooser, PrivateIpcDirectory, protocol
+from .._balance import Routing
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 WakePath = Literal["engine", "frontend", "both"]
 WAKE_PATHS: tuple[WakePath, ...] = ("engine", "frontend", "both")
+
+_DEFAULT_PROMPT = (1, 2, 3, 4)
 
 TokenListener = Callable[[tuple[int, ...], "int | None"], None]
 """Called with each output of one request: its new token ids and its finish reason
@@ -104,6 +107,7 @@ class SimFrontend:
         router: AsyncSocket,
         request_address: str,
         completion_address: str,
+        routing: Routing = "vllm",
     ) -> None:
         if wake_path not in WAKE_PATHS:
             raise ValueError(f"wake_path must be one of {WAKE_PATHS}, got {wake_path!r}")
@@ -112,13 +116,14 @@ class SimFrontend:
         self.wake_path: WakePath = wake_path
         self.request_address = request_address
         self.completion_address = completion_address
-        self.chooser = EngineChooser(engine_count)
+        self.chooser = EngineChooser(engine_count, routing=routing)
         self._router = router
         self._observers = trio.lowlevel.ParkingLot()
         self._next_request = 0
         self._next_call = 1
         self._pending: dict[str, int] = {}
         self._max_tokens: dict[str, int | None] = {}
+        self._prompts: dict[str, tuple[int, ...]] = {}
         self._lost: set[int] = set()
         self._orphans: list[str] = []
         self._calls: dict[int, _Call] = {}
@@ -213,11 +218,14 @@ class SimFrontend:
         *,
         engine: int | None = None,
         on_output: TokenListener | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> str:
         """Stamp, route and send one request; returns its id.
 
         ``engine`` pins the request to one engine (vLLM's explicit ``data_parallel_rank``
-        bypass, §7.2); by default the shared engine-choice score picks it.
+        bypass, §7.2); by default the shared engine chooser picks it (with the prefix
+        policy, by ``prompt_token_ids``: sent as the request's prompt, a fixed 4-token
+        one when not given).
         ``on_output`` receives the request's tokens as the engine's outputs arrive, up to
         and including the one that finishes it.
         """
@@ -228,6 +236,9 @@ class SimFrontend:
         self._next_request += 1
         self.sent += 1
         self._max_tokens[request_id] = max_tokens
+        self._prompts[request_id] = (
+            _DEFAULT_PROMPT if prompt_token_ids is None else tuple(prompt_token_ids)
+        )
         if on_output is not None:
             self._listeners[request_id] = on_output
         await self._send_request(request_id, engine)
@@ -248,13 +259,16 @@ class SimFrontend:
         """Stamp with the coordinator's wave, choose the engine unless given, send ADD."""
         snapshot = self.view.snapshot()
         self._observe_front_wave(snapshot.current_wave)
+        prompt = self._prompts[request_id]
         if engine is None:
-            engine = self.chooser.choose(self._loads())
+            engine = self.chooser.choose(self._loads(), prompt, now=trio.current_time())
+        else:
+            self.chooser.observe(engine, prompt, now=trio.current_time())
         if self._wake is None and not any(self.engine_running):
             self._wake = _WakeMeasurement(trio.current_time(), set(range(self.engine_count)))
         request = protocol.EngineCoreRequest(
             request_id=request_id,
-            prompt_token_ids=(1, 2, 3, 4),
+            prompt_token_ids=prompt,
             arrival_time=time.time(),
             current_wave=snapshot.current_wave,
             max_tokens=self._max_tokens[request_id],
@@ -427,6 +441,7 @@ class SimFrontend:
                 # after the loss was reported): nothing to resubmit.
                 self._orphans.remove(request_id)
                 self._max_tokens.pop(request_id, None)
+                self._prompts.pop(request_id, None)
                 self.completed += 1
                 continue
             if engine is None:
@@ -435,6 +450,7 @@ class SimFrontend:
                 continue
             self.chooser.finished(engine)
             self._max_tokens.pop(request_id, None)
+            self._prompts.pop(request_id, None)
             self.completed += 1
         if out.finished_requests:
             self._record_in_flight()
@@ -481,8 +497,11 @@ async def open_sim_frontend(
     wake_path: WakePath = "both",
     request_address: str | None = None,
     completion_address: str | None = None,
+    routing: Routing = "vllm",
 ) -> AsyncIterator[SimFrontend]:
     """Bind the request ROUTER and completion PULL, start the receivers, yield the front-end.
+
+    ``routing`` is the engine chooser's policy (:class:`~trio_dpcoord.EngineChooser`).
 
     Addresses default to ``ipc://`` paths in a private temporary directory, removed on
     exit. Engines connect to :attr:`SimFrontend.request_address` and
@@ -517,6 +536,7 @@ async def open_sim_frontend(
                 router=router,
                 request_address=bound_requests,
                 completion_address=bound_completions,
+                routing=routing,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(frontend._hello_receiver)
@@ -546,15 +566,42 @@ class LoadPlan:
     gap: tuple[float, float] = (0.0, 0.15)
     tokens: tuple[int, int] = (4, 16)
     pause_every: int = 5
+    sessions: int = 0
+    """0: every request sends the fixed 4-token prompt. N: multi-turn chat over N
+    sessions sharing a 256-token system prompt; each turn resends its session's
+    history plus 16-64 new tokens (history capped at 2,048 tokens), from its own seeded
+    generator, so the bursts and token counts stay those of ``seed``."""
 
     def __post_init__(self) -> None:
-        if self.requests < 0 or self.pause_every < 0:
-            raise ValueError("requests and pause_every must be >= 0")
+        if self.requests < 0 or self.pause_every < 0 or self.sessions < 0:
+            raise ValueError("requests, pause_every and sessions must be >= 0")
         for name, (low, high) in (("burst", self.burst), ("tokens", self.tokens)):
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must be 1 <= MIN <= MAX, got {low} {high}")
         if not 0 <= self.gap[0] <= self.gap[1]:
             raise ValueError(f"gap must be 0 <= MIN <= MAX, got {self.gap}")
+
+
+class _ChatPrompts:
+    """Multi-turn chat prompts: sessions sharing a system prompt, each turn resending
+    its session's history (the traffic prefix caching pays off on)."""
+
+    SYSTEM_TOKENS = 256
+    HISTORY_CAP = 2048
+
+    def __init__(self, sessions: int, seed: int) -> None:
+        self._rng = random.Random(f"chat-{seed}")
+        self._system = [self._rng.randrange(1, 32000) for _ in range(self.SYSTEM_TOKENS)]
+        self._histories: list[list[int]] = [[] for _ in range(sessions)]
+
+    def next_turn(self) -> list[int]:
+        rng = self._rng
+        history = self._histories[rng.randrange(len(self._histories))]
+        turn = [rng.randrange(1, 32000) for _ in range(rng.randint(16, 64))]
+        if len(history) + len(turn) > self.HISTORY_CAP:
+            history.clear()  # the session ends; a new one starts in its place
+        history.extend(turn)
+        return self._system + history
 
 
 async def generate_load(
@@ -569,12 +616,14 @@ async def generate_load(
     finished (before the pause and the gap): a hook for fault injection.
     """
     rng = random.Random(plan.seed)
+    chat = _ChatPrompts(plan.sessions, plan.seed) if plan.sessions else None
     sent = 0
     bursts = 0
     while sent < plan.requests:
         size = min(rng.randint(*plan.burst), plan.requests - sent)
         for _ in range(size):
-            await frontend.submit(max_tokens=rng.randint(*plan.tokens))
+            prompt = chat.next_turn() if chat is not None else None
+            await frontend.submit(max_tokens=rng.randint(*plan.tokens), prompt_token_ids=prompt)
             # Spread some requests over a few steps, so that bursts straddle steps.
             await trio.sleep(rng.uniform(0.0, 0.003) if rng.random() < 0.2 else 0)
         sent += size
