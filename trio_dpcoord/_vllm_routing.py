@@ -409,9 +409,7 @@ class _KVEventFollower:
                 len(frames),
             )
         else:
-            self._state.receive_kv_events(
-                engine_index, int.from_bytes(frames[1], "big"), frames[2]
-            )
+            self._state.receive_kv_events(engine_index, int.from_bytes(frames[1], "big"), frames[2])
         ready = [future for count, future in self._waiters if count <= self._applied]
         self._waiters = [(c, f) for c, f in self._waiters if c > self._applied]
         for future in ready:
