@@ -354,7 +354,10 @@ class _KVEventFollower:
     def ensure_started(self) -> None:
         if self._tasks:
             return
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not in vLLM's loop (yet): the next choice made there starts them
         for engine_index, (address, topic) in enumerate(self._sources):
             self._tasks.append(loop.create_task(self._follow(engine_index, address, topic)))
         logger.info(
@@ -409,7 +412,13 @@ class _KVEventFollower:
                 len(frames),
             )
         else:
-            self._state.receive_kv_events(engine_index, int.from_bytes(frames[1], "big"), frames[2])
+            try:
+                self._state.receive_kv_events(
+                    engine_index, int.from_bytes(frames[1], "big"), frames[2]
+                )
+            except Exception:  # a batch the router could not apply: not worth the task
+                self._state.router.counters.rejected_event_batches += 1
+                logger.exception("KV event batch of engine %d could not be applied", engine_index)
         ready = [future for count, future in self._waiters if count <= self._applied]
         self._waiters = [(c, f) for c, f in self._waiters if c > self._applied]
         for future in ready:
