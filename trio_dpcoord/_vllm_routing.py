@@ -107,6 +107,10 @@ def install(client_class: type, late_interaction_index: Callable[[Any, int], int
     return True
 
 
+fallbacks = 0
+"""Requests for which the prefix-aware choice failed and vLLM's own was used instead."""
+
+
 def routing_state(client: Any) -> RoutingState | None:
     """The routing state of a client that has routed a request (for tests and metrics)."""
     return _STATES.get(client)
@@ -133,22 +137,35 @@ def choose_engine(
         or late_interaction_index(request.pooling_params, len(engines)) is not None
     ):
         return original(client, request)
-    state = _STATES.get(client)
-    if state is None or state.ranks != len(engines):
-        if state is not None:
-            state.stop()  # the fleet was resized (elastic EP): start afresh
-        state = _STATES[client] = RoutingState(client)
-    if request.data_parallel_rank is not None:
-        engine = original(client, request)
-        state.note_pinned(token_ids, engines.index(engine))
-        return engine
-    streaming: set[str] | None = getattr(client, "streaming_reqs", None)  # vLLM 0.33
-    if streaming is not None:
-        if request.resumable:
-            streaming.add(request.request_id)
-        else:
-            streaming.discard(request.request_id)
-    index = state.choose(client, token_ids)
+    try:
+        state = _STATES.get(client)
+        if state is None or state.ranks != len(engines):
+            if state is not None:
+                state.stop()  # the fleet was resized (elastic EP): start afresh
+            state = _STATES[client] = RoutingState(client)
+        if request.data_parallel_rank is not None:
+            engine = original(client, request)
+            state.note_pinned(token_ids, engines.index(engine))
+            return engine
+        streaming: set[str] | None = getattr(client, "streaming_reqs", None)  # vLLM 0.33
+        if streaming is not None:
+            if request.resumable:
+                streaming.add(request.request_id)
+            else:
+                streaming.discard(request.request_id)
+        index = state.choose(client, token_ids)
+    except Exception:
+        # A request must not fail for want of a cache hint: vLLM's own choice serves it.
+        global fallbacks
+        fallbacks += 1
+        logger.exception(
+            "prefix-aware choice failed for request %s (%d so far); vLLM's choice used",
+            request.request_id,
+            fallbacks,
+        )
+        if request.request_id in client.reqs_in_flight:  # the pinned path got that far
+            return client.reqs_in_flight[request.request_id]
+        return original(client, request)
     # vLLM's bookkeeping after its own choice, so the next choices and aborts see it.
     client.lb_engines[index][0] += client.client_count
     client.eng_start_index = (client.eng_start_index + 1) % len(engines)

