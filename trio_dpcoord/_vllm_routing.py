@@ -271,8 +271,20 @@ class RoutingState:
         )
 
     def stop(self) -> None:
+        """Stop following KV events; log what the router did (at the client's shutdown)."""
         if self.follower is not None:
             self.follower.stop()
+        counters = self.router.counters
+        logger.info(
+            "prefix-aware engine choice (%s): %d decisions, %d guard fallbacks, %d KV event "
+            "batches applied, %d rejected, %d sequence gaps",
+            self.router.feed,
+            counters.decisions,
+            counters.guard_fallbacks,
+            counters.event_batches,
+            counters.rejected_event_batches,
+            counters.event_gaps,
+        )
 
 
 def subscribe_endpoint(endpoint: str) -> str | None:
