@@ -111,6 +111,10 @@ async def test_exact_mode_follows_vllms_kv_events(routing_root: Path, tmp_path: 
     report, stderr = await run_routing(routing_root, "prefix", kv_events_dir=tmp_path)
     assert report["kv"] == {"feed": "exact", "event_batches": 2, "rejected_event_batches": 1}
     assert "2 frames, not (topic, seq, batch); ignored" in stderr, stderr
+    # the client's shutdown (vLLM's, with ours first) stops the followers and says so
+    assert "(exact): 4 decisions, 0 guard fallbacks, 2 KV event batches applied, 1 rejected" in (
+        stderr
+    ), stderr
     choices = report["choices"]
     # ties go by rotation: engine 1 was next, but engine 0 reported the prompt's blocks
     assert choices["warm_up"] == 0 and choices["after_stored"] == 0, choices
