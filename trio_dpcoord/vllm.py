@@ -1,5 +1,8 @@
 """Run trio_dpcoord in place of vLLM's own DP coordinator: ``TRIO_DPCOORD_VLLM=1``.
 
+(The same entry point also offers a prefix-aware engine choice for vLLM's API servers,
+``TRIO_DPCOORD_VLLM_ROUTING=prefix``: see :mod:`trio_dpcoord._vllm_routing`.)
+
 vLLM (0.32, 0.33) builds its ``DPCoordinator`` inside ``launch_core_engines`` and offers no
 option to choose another. This module is a ``vllm.general_plugins`` entry point (see
 pyproject.toml): vLLM calls :func:`register` in every one of its processes. Unless the
@@ -133,15 +136,74 @@ def _vllm_log_level() -> str:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: switch the coordinator if opted in.
+    """The ``vllm.general_plugins`` entry point: what the user opted in to, nothing else.
 
     Called by vLLM's ``load_general_plugins()`` in every vLLM process (``EngineArgs``
-    runs it before any coordinator exists). Without ``TRIO_DPCOORD_VLLM=1`` it returns
-    at once. With it, on a vLLM version other than 0.32.x or 0.33.x, or one whose coordinator
-    target does not take the parameters we know, it logs a WARNING and changes nothing.
-    Otherwise it installs :func:`run_coordinator` as ``DPCoordinatorProc.run_coordinator``
-    and logs it, at INFO in the main process and at DEBUG in vLLM's child processes
-    (engine cores and workers call it too), so a deployment says it once. Idempotent.
+    runs it before any coordinator exists). Two independent opt-ins:
+    ``TRIO_DPCOORD_VLLM=1`` switches the DP coordinator (:func:`_register_coordinator`),
+    ``TRIO_DPCOORD_VLLM_ROUTING=prefix`` the API servers' engine choice
+    (:func:`_register_routing`). With neither set it returns at once. Idempotent.
+    """
+    _register_coordinator()
+    _register_routing()
+
+
+def _register_routing() -> None:
+    """Install the prefix-aware engine choice if ``TRIO_DPCOORD_VLLM_ROUTING=prefix``.
+
+    It replaces ``DPLBAsyncMPClient.get_core_engine_for_request`` (see
+    :mod:`trio_dpcoord._vllm_routing`); the class is used only in API-server processes,
+    so engine cores and workers, which load plugins too, are unaffected. Any other
+    non-empty value, or a vLLM other than 0.32.x / 0.33.x, logs a WARNING and changes
+    nothing.
+    """
+    from ._vllm_routing import PREFIX, ROUTING_VARIABLE, install, routing_setting
+
+    setting = routing_setting()
+    if setting is None:
+        return
+    _log_through_vllm(_vllm_log_level())
+    if setting != PREFIX:
+        logger.warning(
+            "%s=%r is ignored: set it to %r for prefix-aware engine choice",
+            ROUTING_VARIABLE,
+            setting,
+            PREFIX,
+        )
+        return
+    from vllm.version import __version__ as vllm_version
+
+    if not verified_vllm_version(vllm_version):
+        logger.warning(
+            "%s=%s has no effect on vLLM %s: verified with vLLM 0.32.x and 0.33.x only; "
+            "vLLM's own engine choice stays in use",
+            ROUTING_VARIABLE,
+            PREFIX,
+            vllm_version,
+        )
+        return
+    from vllm.v1.engine import core_client
+
+    if install(core_client.DPLBAsyncMPClient, core_client.get_late_interaction_engine_index):
+        log = logger.info if multiprocessing.parent_process() is None else logger.debug
+        log(
+            "%s=%s: vLLM %s's API servers will choose engines with trio_dpcoord's "
+            "prefix-aware policy",
+            ROUTING_VARIABLE,
+            PREFIX,
+            vllm_version,
+        )
+
+
+def _register_coordinator() -> None:
+    """Switch the coordinator if ``TRIO_DPCOORD_VLLM=1``.
+
+    Without it, it returns at once. With it, on a vLLM version other than 0.32.x or
+    0.33.x, or one whose coordinator target does not take the parameters we know, it
+    logs a WARNING and changes nothing. Otherwise it installs :func:`run_coordinator` as
+    ``DPCoordinatorProc.run_coordinator`` and logs it, at INFO in the main process and at
+    DEBUG in vLLM's child processes (engine cores and workers call it too), so a
+    deployment says it once.
     """
     setting = os.environ.get(ENABLE_VARIABLE, "")
     if setting != "1":

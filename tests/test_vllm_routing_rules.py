@@ -1,0 +1,57 @@
+"""The pure rules of ``TRIO_DPCOORD_VLLM_ROUTING`` (no vLLM): vLLM's score, where to subscribe.
+
+``trio_dpcoord._vllm_routing`` is private; its rules are tested here directly (the
+behaviour inside vLLM's client is ``tests/test_vllm_routing.py``'s).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# private import (documented exception): unit tests of the private module itself
+from trio_dpcoord._vllm_routing import routing_setting, subscribe_endpoint, vllm_score
+
+
+@pytest.mark.parametrize(
+    ("waiting", "running", "kv_usage", "in_flight", "clients", "expected"),
+    [
+        (0, 0, 0.0, 0, 1, 0.0),
+        (2, 3, 0.2, 1, 1, 5.0),  # the snapshot wins over the in-flight floor
+        (0, 1, 0.0, 3, 2, 6.0),  # client_count x in-flight wins
+        (4, 0, 0.5, 0, 1, 4.0),  # KV usage at 50 %: no penalty yet
+        (4, 0, 1.0, 0, 1, 16.0),  # at 100 %: 3x the waiting count on top
+    ],
+)
+def test_vllm_score_is_vllms(
+    waiting: int, running: int, kv_usage: float, in_flight: int, clients: int, expected: float
+) -> None:
+    assert vllm_score(waiting, running, kv_usage, in_flight, clients) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("tcp://*:5557", "tcp://127.0.0.1:5557"),
+        ("tcp://0.0.0.0:5558", "tcp://127.0.0.1:5558"),
+        ("tcp://[::]:5557", "tcp://[::1]:5557"),
+        ("tcp://10.1.2.3:6000", "tcp://10.1.2.3:6000"),
+        ("ipc:///tmp/kv-0", "ipc:///tmp/kv-0"),
+        ("tcp://*:0", None),  # not resolved yet
+        ("inproc://cache_dp1", None),  # inside the engine's own process
+        ("tcp://*:port", None),
+        ("udp://x:1", None),
+    ],
+)
+def test_subscribe_endpoint(endpoint: str, expected: str | None) -> None:
+    assert subscribe_endpoint(endpoint) == expected
+
+
+def test_routing_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRIO_DPCOORD_VLLM_ROUTING", raising=False)
+    assert routing_setting() is None
+    monkeypatch.setenv("TRIO_DPCOORD_VLLM_ROUTING", "")
+    assert routing_setting() is None
+    monkeypatch.setenv("TRIO_DPCOORD_VLLM_ROUTING", "prefix")
+    assert routing_setting() == "prefix"
+    monkeypatch.setenv("TRIO_DPCOORD_VLLM_ROUTING", "on")
+    assert routing_setting() == "on"

@@ -1,0 +1,455 @@
+"""Prefix-aware engine choice inside vLLM's API server: ``TRIO_DPCOORD_VLLM_ROUTING=prefix``.
+
+vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request`` (the front-end's engine choice in
+every API-server process of ``vllm serve --data-parallel-size N``) scores each engine by
+its queue alone. With this variable set, the ``vllm.general_plugins`` entry point
+(:func:`trio_dpcoord.vllm.register`) replaces that method with :func:`choose_engine`:
+trio_dpcoord's :class:`~trio_dpcoord._router.PrefixRouter`, which weighs the prompt tokens
+an engine already holds in its prefix cache against the busiest engine's work.
+
+What stays vLLM's, because vLLM has reasons we must not override (the original method
+decides, and does its own bookkeeping):
+- a request that names its engine (``data_parallel_rank``);
+- a request already in flight under its id (streaming-input session affinity: every
+  chunk of a resumable session goes where the first one went);
+- late-interaction pooling (queries sharing a key are pinned where their embeddings are);
+- a request without prompt token ids (prompt embeddings): nothing to match.
+
+The load part is vLLM's own score, from the state vLLM's client keeps: the coordinator's
+``lb_engines`` snapshot (waiting, running, KV usage) and the client's exact in-flight
+counts, ``max(client_count x in_flight, waiting + running)`` plus vLLM's KV-pressure
+penalty on waiting requests. The router weighs work in tokens, so the score is taken
+times the mean prompt length this front-end has routed (a queued request stands for that
+many tokens to prefill). After a choice the client's state is updated exactly as vLLM's
+method updates it (the local waiting count, the rotating start, ``reqs_in_flight`` and
+``engine_inflight``), so aborts, outputs and the next choices work unchanged.
+
+What each engine holds is learnt one of two ways:
+- *approximate* (the default): a prompt routed to an engine is taken as cached there;
+- *exact*, when vLLM runs with ``--kv-events-config`` (a ``zmq`` publisher with
+  ``enable_kv_cache_events``): each engine publishes its cache's ``BlockStored`` /
+  ``BlockRemoved`` / ``AllBlocksCleared`` events, and :class:`_KVEventFollower` feeds them
+  to the router. Only engines whose endpoint this process can connect to count: a
+  wildcard bind (``tcp://*:5557``, vLLM's default) is taken as this host; a port 0 not
+  yet resolved, or an ``inproc`` endpoint (inside the engine's own process), is not
+  reachable, and then the router stays approximate.
+
+Nothing here imports vLLM, trio or zmq at module level: the plugin is imported by every
+vLLM process, and only API-server processes that opted in need this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._router import PrefixRouter, block_keys
+
+__all__ = ["ROUTING_VARIABLE", "choose_engine", "install", "routing_setting", "routing_state"]
+
+logger = logging.getLogger(__name__)
+
+ROUTING_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING"
+"""Set to ``prefix`` to opt in; unset or empty leaves vLLM's engine choice untouched."""
+
+PREFIX = "prefix"
+
+_DEFAULT_BLOCK_SIZE = 16  # vLLM's default --block-size
+_MEAN_PROMPT_WEIGHT = 1.0 / 16  # how fast the mean prompt length follows the traffic
+
+
+def routing_setting() -> str | None:
+    """``"prefix"`` when opted in; None when unset or empty; the raw value otherwise."""
+    setting = os.environ.get(ROUTING_VARIABLE, "")
+    return setting or None
+
+
+# vLLM's original method, saved by install() (one per patched class).
+_ORIGINALS: dict[type, Callable[[Any, Any], Any]] = {}
+_STATES: weakref.WeakKeyDictionary[Any, RoutingState] = weakref.WeakKeyDictionary()
+
+
+def install(client_class: type, late_interaction_index: Callable[[Any, int], int | None]) -> bool:
+    """Replace ``client_class.get_core_engine_for_request`` with :func:`choose_engine`.
+
+    ``late_interaction_index`` is vLLM's ``get_late_interaction_engine_index`` (as the
+    method itself calls it). Returns False if it was installed already (idempotent).
+    """
+    current = client_class.__dict__.get("get_core_engine_for_request")
+    if current is None:
+        raise TypeError(f"{client_class.__name__} has no get_core_engine_for_request")
+    if getattr(current, "_trio_dpcoord_prefix", False):
+        return False
+    _ORIGINALS[client_class] = current
+
+    def get_core_engine_for_request(self: Any, request: Any) -> Any:
+        return choose_engine(self, request, current, late_interaction_index)
+
+    get_core_engine_for_request._trio_dpcoord_prefix = True  # type: ignore[attr-defined]
+    get_core_engine_for_request.__doc__ = choose_engine.__doc__
+    client_class.get_core_engine_for_request = get_core_engine_for_request  # type: ignore[attr-defined]
+
+    original_shutdown = client_class.shutdown  # type: ignore[attr-defined]
+
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _STATES.pop(self, None)
+        if state is not None:
+            state.stop()
+        return original_shutdown(self, *args, **kwargs)
+
+    client_class.shutdown = shutdown  # type: ignore[attr-defined]
+    return True
+
+
+fallbacks = 0
+"""Requests for which the prefix-aware choice failed and vLLM's own was used instead."""
+
+
+def routing_state(client: Any) -> RoutingState | None:
+    """The routing state of a client that has routed a request (for tests and metrics)."""
+    return _STATES.get(client)
+
+
+def choose_engine(
+    client: Any,
+    request: Any,
+    original: Callable[[Any, Any], Any],
+    late_interaction_index: Callable[[Any, int], int | None],
+) -> Any:
+    """trio_dpcoord's prefix-aware choice of ``client``'s engine for ``request``.
+
+    vLLM's ``original`` method decides a pinned rank, streaming-input affinity,
+    late-interaction pooling and prompts without token ids (see the module's docstring);
+    every other request goes where :class:`PrefixRouter` says, and the client's state is
+    updated as vLLM's method updates it.
+    """
+    engines: Sequence[Any] = client.core_engines
+    token_ids = request.prompt_token_ids
+    if (
+        request.request_id in client.reqs_in_flight
+        or token_ids is None
+        or late_interaction_index(request.pooling_params, len(engines)) is not None
+    ):
+        return original(client, request)
+    try:
+        state = _STATES.get(client)
+        if state is None or state.ranks != len(engines):
+            if state is not None:
+                state.stop()  # the fleet was resized (elastic EP): start afresh
+            state = _STATES[client] = RoutingState(client)
+        if request.data_parallel_rank is not None:
+            engine = original(client, request)
+            state.note_pinned(token_ids, engines.index(engine))
+            return engine
+        streaming: set[str] | None = getattr(client, "streaming_reqs", None)  # vLLM 0.33
+        if streaming is not None:
+            if request.resumable:
+                streaming.add(request.request_id)
+            else:
+                streaming.discard(request.request_id)
+        index = state.choose(client, token_ids)
+    except Exception:
+        # A request must not fail for want of a cache hint: vLLM's own choice serves it.
+        global fallbacks
+        fallbacks += 1
+        logger.exception(
+            "prefix-aware choice failed for request %s (%d so far); vLLM's choice used",
+            request.request_id,
+            fallbacks,
+        )
+        if request.request_id in client.reqs_in_flight:  # the pinned path got that far
+            return client.reqs_in_flight[request.request_id]
+        return original(client, request)
+    # vLLM's bookkeeping after its own choice, so the next choices and aborts see it.
+    client.lb_engines[index][0] += client.client_count
+    client.eng_start_index = (client.eng_start_index + 1) % len(engines)
+    engine = engines[index]
+    client.reqs_in_flight[request.request_id] = engine
+    client.engine_inflight[engine] += 1
+    return engine
+
+
+def vllm_score(
+    waiting: float, running: float, kv_usage: float, in_flight: int, clients: int
+) -> float:
+    """vLLM 0.33.0's load score of one engine (``DPLBAsyncMPClient``), as it computes it."""
+    score = max(clients * in_flight, waiting + running)
+    if waiting:
+        score += waiting * 6.0 * max(0.0, kv_usage - 0.5)
+    return float(score)
+
+
+class RoutingState:
+    """One client's router, its mean prompt length and (exact mode) its event followers.
+
+    The router's rank ``j`` is the client's engine ``(j + offset) % n``, ``offset`` being
+    vLLM's starting engine for this client (``n x client_index // client_count``): the
+    router breaks ties from its rank 0, so API servers spread their first choices over
+    the engines as vLLM's rotating start does.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.ranks: int = len(client.core_engines)
+        self.offset: int = (self.ranks * int(client.client_index)) // int(client.client_count)
+        cache_config = getattr(client.vllm_config, "cache_config", None)
+        block_size = getattr(cache_config, "block_size", None)
+        if not isinstance(block_size, int) or block_size < 1:
+            block_size = _DEFAULT_BLOCK_SIZE
+        capacity_tokens = getattr(cache_config, "kv_cache_size_tokens", None)
+        options: dict[str, Any] = {}
+        if isinstance(capacity_tokens, int) and capacity_tokens >= block_size:
+            options["capacity_blocks"] = capacity_tokens // block_size
+        sources = _event_sources(client, self.ranks)
+        self.router = PrefixRouter(
+            self.ranks,
+            block_size=block_size,
+            feed="exact" if sources is not None else "approximate",
+            **options,
+        )
+        self.mean_prompt_tokens = 0.0
+        self.follower: _KVEventFollower | None = None
+        if sources is not None:
+            self.follower = _KVEventFollower(self, client, sources)
+        logger.info(
+            "%s=%s: prefix-aware engine choice over %d engines (%s, block size %d)",
+            ROUTING_VARIABLE,
+            PREFIX,
+            self.ranks,
+            "exact, from vLLM's KV events" if self.follower else "approximate",
+            block_size,
+        )
+
+    def _to_router(self, engine_index: int) -> int:
+        return (engine_index - self.offset) % self.ranks
+
+    def _to_engine(self, router_rank: int) -> int:
+        return (router_rank + self.offset) % self.ranks
+
+    def _learn_prompt_length(self, length: int) -> None:
+        if self.mean_prompt_tokens == 0.0:
+            self.mean_prompt_tokens = float(length)
+        else:
+            self.mean_prompt_tokens += _MEAN_PROMPT_WEIGHT * (length - self.mean_prompt_tokens)
+
+    def choose(self, client: Any, token_ids: Sequence[int]) -> int:
+        """The engine index for a prompt, from vLLM's loads and the prefix index."""
+        if self.follower is not None:
+            self.follower.ensure_started()
+        self._learn_prompt_length(len(token_ids))
+        engines = client.core_engines
+        work = [0.0] * self.ranks
+        for index in range(self.ranks):
+            waiting, running, kv_usage = client.lb_engines[index]
+            score = vllm_score(
+                waiting,
+                running,
+                kv_usage,
+                client.engine_inflight[engines[index]],
+                client.client_count,
+            )
+            work[self._to_router(index)] = score * self.mean_prompt_tokens
+        rank = self.router.choose(token_ids, work, time.monotonic())
+        return self._to_engine(rank)
+
+    def note_pinned(self, token_ids: Sequence[int], engine_index: int) -> None:
+        """A pinned request's prompt is cached where vLLM sent it (approximate feed)."""
+        self._learn_prompt_length(len(token_ids))
+        if self.router.feed == "approximate":
+            self.router.indexes[self._to_router(engine_index)].store(
+                block_keys(token_ids, self.router.block_size), time.monotonic()
+            )
+
+    def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
+        return self.router.receive_kv_events(
+            self._to_router(engine_index), seq, payload, time.monotonic()
+        )
+
+    def stop(self) -> None:
+        """Stop following KV events; log what the router did (at the client's shutdown)."""
+        if self.follower is not None:
+            self.follower.stop()
+        counters = self.router.counters
+        logger.info(
+            "prefix-aware engine choice (%s): %d decisions, %d guard fallbacks, %d KV event "
+            "batches applied, %d rejected, %d sequence gaps",
+            self.router.feed,
+            counters.decisions,
+            counters.guard_fallbacks,
+            counters.event_batches,
+            counters.rejected_event_batches,
+            counters.event_gaps,
+        )
+
+
+def subscribe_endpoint(endpoint: str) -> str | None:
+    """Where a SUB socket of this host connects for a publisher bound at ``endpoint``.
+
+    A wildcard host (``*``, ``0.0.0.0``, ``::``) is this host; ``ipc://`` is as given;
+    a tcp port 0 (not resolved yet) and ``inproc://`` (another process's) are unreachable:
+    None.
+    """
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return None
+    host, _, port = endpoint[6:].rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return None
+    if host in ("*", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]", "[*]"):
+        host = "[::1]"
+    return f"tcp://{host}:{port}"
+
+
+def _event_sources(client: Any, ranks: int) -> list[tuple[str, bytes]] | None:
+    """(endpoint, topic) per engine index if every engine's KV events can be followed."""
+    sources_of = getattr(client, "get_kv_event_sources", None)
+    if sources_of is None:
+        return None
+    by_rank: dict[int, Any] = sources_of()
+    if not by_rank:
+        return None
+    found: list[tuple[str, bytes]] = []
+    for engine in client.core_engines:
+        rank = int.from_bytes(engine, "little")  # vLLM's engine identity: its rank
+        config = by_rank.get(rank)
+        if config is None:
+            logger.warning("no KV events from engine %d: prefix choice stays approximate", rank)
+            return None
+        endpoint = getattr(config, "endpoint", None)
+        enabled = getattr(config, "enable_kv_cache_events", False)
+        publisher = getattr(config, "publisher", None)
+        address = subscribe_endpoint(endpoint) if isinstance(endpoint, str) else None
+        if not enabled or publisher != "zmq" or address is None:
+            logger.warning(
+                "engine %d's KV events (publisher %r, endpoint %r) cannot be followed from "
+                "here: prefix choice stays approximate",
+                rank,
+                publisher,
+                endpoint,
+            )
+            return None
+        topic = getattr(config, "topic", "") or ""
+        found.append((address, topic.encode()))
+    return found
+
+
+class _KVEventFollower:
+    """Feeds each engine's KV-event batches to the router: asyncio tasks in vLLM's loop.
+
+    Why asyncio tasks, and not trio: vLLM's API server is an asyncio process, and the
+    router is read by ``get_core_engine_for_request``, which vLLM calls synchronously in
+    that loop. A trio run would need a thread of its own (a stray thread, and a lock
+    around the router on every choice); a task in vLLM's loop reading a ``zmq.asyncio``
+    SUB socket, as vLLM's own stats task reads the coordinator's, updates the router
+    between choices with no lock and no thread. One task per engine owns its socket.
+
+    Frames are vLLM's ``ZmqEventPublisher``'s: ``(topic, seq as 8 bytes big-endian,
+    msgpack EventBatch)``. A frame that is not is logged and counted (the router's
+    ``rejected_event_batches``) and the task goes on; the router forgets an engine's exact
+    knowledge on a sequence gap, so a lost batch never leaves blocks believed cached.
+    Started on the first choice (vLLM builds the client before its loop runs requests);
+    stopped by the client's ``shutdown()``.
+    """
+
+    def __init__(self, state: RoutingState, client: Any, sources: list[tuple[str, bytes]]) -> None:
+        self._state = state
+        self._context = client.ctx
+        self._sources = sources
+        self._tasks: list[asyncio.Task[None]] = []
+        self._applied = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    @property
+    def applied(self) -> int:
+        """Event batches received from the engines so far (applied or rejected)."""
+        return self._applied
+
+    async def wait_applied(self, count: int) -> None:
+        """Return once ``count`` batches have been received (for tests)."""
+        if self._applied >= count:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.append((count, future))
+        await future
+
+    def ensure_started(self) -> None:
+        if self._tasks:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not in vLLM's loop (yet): the next choice made there starts them
+        for engine_index, (address, topic) in enumerate(self._sources):
+            self._tasks.append(loop.create_task(self._follow(engine_index, address, topic)))
+        logger.info(
+            "following vLLM's KV events at %s", ", ".join(address for address, _ in self._sources)
+        )
+
+    def stop(self) -> None:
+        """Cancel the tasks (from any thread: vLLM may shut down from another)."""
+        for task in self._tasks:
+            loop = task.get_loop()
+            if loop.is_closed():
+                continue
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                task.cancel()
+            else:
+                loop.call_soon_threadsafe(task.cancel)
+        self._tasks.clear()
+
+    async def _follow(self, engine_index: int, address: str, topic: bytes) -> None:
+        import zmq
+        import zmq.asyncio
+
+        context = self._context
+        if not isinstance(context, zmq.asyncio.Context):
+            context = zmq.asyncio.Context(context)
+        socket = context.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.SUBSCRIBE, topic)
+            socket.connect(address)
+            while True:
+                frames = await socket.recv_multipart()
+                self._receive(engine_index, frames)
+        except asyncio.CancelledError:
+            raise
+        except zmq.ZMQError as exc:  # vLLM terminated the context at shutdown
+            logger.debug("KV events of engine %d: %s; no longer following", engine_index, exc)
+        finally:
+            with contextlib.suppress(Exception):
+                socket.close(linger=0)
+
+    def _receive(self, engine_index: int, frames: list[bytes]) -> None:
+        self._applied += 1
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._state.router.counters.rejected_event_batches += 1
+            logger.warning(
+                "KV events of engine %d: %d frames, not (topic, seq, batch); ignored",
+                engine_index,
+                len(frames),
+            )
+        else:
+            try:
+                self._state.receive_kv_events(
+                    engine_index, int.from_bytes(frames[1], "big"), frames[2]
+                )
+            except Exception:  # a batch the router could not apply: not worth the task
+                self._state.router.counters.rejected_event_batches += 1
+                logger.exception("KV event batch of engine %d could not be applied", engine_index)
+        ready = [future for count, future in self._waiters if count <= self._applied]
+        self._waiters = [(c, f) for c, f in self._waiters if c > self._applied]
+        for future in ready:
+            if not future.done():
+                future.set_result(None)
