@@ -13,6 +13,9 @@ users get.
 * :mod:`.cluster` — :func:`run_cluster`: coordinator + front-end + N engine processes
   + load, as ``examples/launch_cluster.py`` runs it; :func:`open_engine_fleet` for
   other front-ends (``examples/http_frontend.py``);
+* :mod:`.engine_core` — the same rank speaking vLLM's engine-core protocol (handshake,
+  ``EngineCoreRequest``/``EngineCoreOutputs``, utility calls), a fleet of them behind
+  :func:`trio_dpcoord.open_engine_client` (one code path for simulated and real engines);
 * :mod:`.timeline` — what the front-end saw over time, and :func:`plot_timeline`.
 """
 
@@ -36,6 +39,13 @@ from .engine import (
     run_engine,
     run_sim_engine,
 )
+from .engine_core import (
+    EngineCoreFleet,
+    SimEngineCore,
+    open_engine_core_fleet,
+    open_sim_engine_client,
+    run_engine_core_cluster,
+)
 from .frontend import (
     LoadPlan,
     SimFrontend,
@@ -54,20 +64,25 @@ __all__ = [
     "CoordinatorLostError",
     "EmbeddedCoordinator",
     "EngineConfig",
+    "EngineCoreFleet",
     "EngineProtocolError",
     "LoadPlan",
     "Mode",
     "Progress",
     "SimEngine",
+    "SimEngineCore",
     "SimFrontend",
     "Timeline",
     "TokenListener",
     "WakePath",
     "generate_load",
+    "open_engine_core_fleet",
     "open_engine_fleet",
+    "open_sim_engine_client",
     "open_sim_frontend",
     "plot_timeline",
     "run_cluster",
     "run_engine",
+    "run_engine_core_cluster",
     "run_sim_engine",
 ]
