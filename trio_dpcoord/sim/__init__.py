@@ -40,6 +40,7 @@ from .engine import (
     run_sim_engine,
 )
 from .engine_core import (
+    ENGINE_CLIENT_MODE,
     EngineCoreFleet,
     SimEngineCore,
     open_engine_core_fleet,
@@ -57,6 +58,7 @@ from .frontend import (
 from .timeline import Timeline, plot_timeline
 
 __all__ = [
+    "ENGINE_CLIENT_MODE",
     "AllReduceResult",
     "ClusterConfig",
     "ClusterReport",

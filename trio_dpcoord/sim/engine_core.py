@@ -65,6 +65,7 @@ from .engine import _FINISH_ABORT, HEARTBEAT_OPTIONS, EngineConfig, EngineProtoc
 from .engine import _Request as _SimRequest
 
 __all__ = [
+    "ENGINE_CLIENT_MODE",
     "SIM_VLLM_VERSION",
     "EngineCoreFleet",
     "SimEngineCore",
@@ -78,6 +79,9 @@ logger = logging.getLogger(__name__)
 
 SIM_VLLM_VERSION: Final = "trio_dpcoord.sim"
 """The ``vllm_version`` a simulated engine reports in its ready response."""
+
+ENGINE_CLIENT_MODE: Final = "engine-client"
+""":attr:`ClusterReport.mode` of a run through the engine client (its coordinator inside)."""
 
 _PAUSED_EVENTS: Final = frozenset({messages.EVENT_PAUSED, messages.EVENT_RESUMED})
 
@@ -265,7 +269,7 @@ async def open_engine_core_fleet(
     naming its rank, pid and exit status). Leaving the block stops and reaps every one.
     """
     if report is None:
-        report = ClusterReport("engine-core", config.engines, config.wake_path, 0, 0)
+        report = ClusterReport(ENGINE_CLIENT_MODE, config.engines, "both", 0, 0)
     workdir = PrivateIpcDirectory()
     collective = config.collective_address or workdir.address("collective")
 
@@ -344,7 +348,9 @@ async def run_engine_core_cluster(
     engine-core processes by :func:`open_engine_client`; failures end the run and are
     recorded in the report, not raised."""
     plan = config.load
-    report = ClusterReport("engine-core", config.engines, "engine", plan.seed, plan.requests)
+    # the client notifies the first request to a paused fleet, and the engines report
+    # start_wave (vLLM >= 0.33): both wake paths
+    report = ClusterReport(ENGINE_CLIENT_MODE, config.engines, "both", plan.seed, plan.requests)
     started = trio.current_time()
     client: EngineClient | None = None
     try:
