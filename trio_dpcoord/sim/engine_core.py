@@ -18,8 +18,9 @@ running queues, steps, lock-step collective and coordinator sockets, docs/protoc
   abort from their client), UTILITY (``pause_scheduler`` with vLLM's ``mode``:
   ``"abort"`` first finishes every request with finish reason ``abort``, then the
   two-phase pause of §6.8 answers the call once every rank agreed;
-  ``resume_scheduler``, ``is_scheduler_paused``, ``is_sleeping``, ``get_weight_version``;
-  anything else is answered with vLLM's failure message).
+  ``resume_scheduler`` with 0.33's all-rank barrier, ``is_scheduler_paused``,
+  ``is_sleeping``, ``get_weight_version``; anything else is answered with vLLM's
+  failure message).
 * **Outputs.** ``EngineCoreOutputs`` per step with each request's new token id and
   finish reason; utility answers as vLLM's ``UtilityOutput`` ``[call_id, failure,
   [None, result]]``; no status events. A rank whose collective times out (its DP group is
@@ -159,6 +160,9 @@ class SimEngineCore(SimEngine):
         )
 
     async def _on_utility(self, call: messages.UtilityCall) -> None:
+        if call.method == messages.RESUME_SCHEDULER:
+            await self._resume_with_barrier(call)
+            return
         if call.method == messages.PAUSE_SCHEDULER:
             mode = call.args[0] if call.args else "abort"
             if mode not in ("abort", "keep", "wait"):
@@ -174,6 +178,30 @@ class SimEngineCore(SimEngine):
                 if dropped:
                     await self._send_outputs([(r, _FINISH_ABORT) for r in dropped])
         await super()._on_utility(call)
+
+    async def _resume_with_barrier(self, call: messages.UtilityCall) -> None:
+        """vLLM 0.33's ``DPEngineCoreProc.resume_scheduler``: an engine that is not
+        stepping resumes, then meets every rank in an all-reduce (the resume call goes to
+        all of them) so that none starts stepping while a peer would still drop the
+        coordinator's ``START_DP_WAVE``; the group steps if any rank kept requests."""
+        if not self.engines_running:
+            self.scheduler_paused = False
+            self.ignore_start_dp_wave = False
+            assert self._collective is not None
+            result = await self._collective.step(
+                wave=self.current_wave,
+                step=0,  # no step of a wave is 0: the barrier is a round of its own
+                has_unfinished=self._has_unfinished(),
+                pending_pause=False,
+            )
+            self.engines_running = result.unfinished > 0
+            logger.debug(
+                "rank %d: resumed at wave %d (group running: %s)",
+                self.rank,
+                self.current_wave,
+                self.engines_running,
+            )
+        await self._utility_answer(call.call_id, None, None)
 
     async def _other_utility(self, call: messages.UtilityCall) -> None:
         answers: dict[str, Callable[[], object]] = {
