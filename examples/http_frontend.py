@@ -594,7 +594,7 @@ async def run_engine_client(args: argparse.Namespace) -> int:
                 pids = list(fleet.pids) if fleet is not None else []
                 _emit({"url": binds[0], "pid": os.getpid(), "engine_pids": pids})
             if fleet is not None:  # the engines stop first: their going is no outage
-                client.coordinator.expect_shutdown()
+                client.expect_shutdown()
                 await fleet.stop()
             helpers.cancel_scope.cancel()
     for failure in failures:

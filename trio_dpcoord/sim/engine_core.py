@@ -363,7 +363,7 @@ async def open_sim_engine_client(
             try:
                 yield client, fleet
             finally:
-                client.coordinator.expect_shutdown()
+                client.expect_shutdown()
                 with trio.CancelScope(shield=True):
                     await fleet.stop()
 
@@ -391,13 +391,13 @@ async def run_engine_core_cluster(
                 config, on_failure=engine_failed, log_line=log_line, report=report
             ) as (client, _):
                 await _client_load(client, config, report)
+                with trio.move_on_after(1.0):  # count the last wave too
+                    await client.coordinator.wait_for(lambda c: not c.snapshot().engines_running)
                 report.coordinator_errors = client.coordinator.counters().errors
                 report.waves = client.coordinator.counters().waves_completed
     except Exception as exc:  # an engine-client error, or a request's (in a group)
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("engine-core cluster run failed")
-    if client is not None:
-        report.waves = client.coordinator.counters().waves_completed
     report.duration = trio.current_time() - started
     return report
 
