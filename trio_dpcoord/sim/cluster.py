@@ -39,7 +39,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,6 +433,31 @@ async def _reap(processes: list[trio.Process], *, grace: float) -> None:
             await process.wait()
 
 
+def engine_command(config: ClusterConfig, rank: int, addresses: Sequence[str]) -> list[str]:
+    """The command line of rank ``rank``'s engine process: ``config``'s step model and
+    prefix, and ``addresses`` (the ``--...-address`` options of its sockets)."""
+    prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
+    command = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "trio_dpcoord.sim",
+        "engine",
+        f"--rank={rank}",
+        f"--engines={config.engines}",
+        *addresses,
+        f"--step-time={config.step_time}",
+        f"--max-running={config.max_running}",
+        f"--sync-interval={config.sync_interval}",
+        f"--collective-timeout={config.collective_timeout}",
+        f"--log-level={config.engine_log_level}",
+        "--exit-on-stdin-eof",
+    ]
+    if config.wake_path == "frontend":
+        command.append("--legacy-wake")
+    return command
+
+
 @asynccontextmanager
 async def _engine_fleet(
     config: ClusterConfig,
@@ -445,30 +470,17 @@ async def _engine_fleet(
     log_line: Callable[[str], None],
 ) -> AsyncIterator[_Fleet]:
     def command(rank: int) -> list[str]:
-        prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
-        command = [
-            *prefix,
-            sys.executable,
-            "-m",
-            "trio_dpcoord.sim",
-            "engine",
-            f"--rank={rank}",
-            f"--engines={config.engines}",
-            f"--coordinator-input={coordinator_input}",
-            f"--coordinator-output={coordinator_output}",
-            f"--request-address={frontend.request_address}",
-            f"--completion-address={frontend.completion_address}",
-            f"--collective-address={collective_address}",
-            f"--step-time={config.step_time}",
-            f"--max-running={config.max_running}",
-            f"--sync-interval={config.sync_interval}",
-            f"--collective-timeout={config.collective_timeout}",
-            f"--log-level={config.engine_log_level}",
-            "--exit-on-stdin-eof",
-        ]
-        if config.wake_path == "frontend":
-            command.append("--legacy-wake")
-        return command
+        return engine_command(
+            config,
+            rank,
+            [
+                f"--coordinator-input={coordinator_input}",
+                f"--coordinator-output={coordinator_output}",
+                f"--request-address={frontend.request_address}",
+                f"--completion-address={frontend.completion_address}",
+                f"--collective-address={collective_address}",
+            ],
+        )
 
     fleet = _Fleet(
         report,

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import random
 import socket
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -60,7 +59,7 @@ from .._engine_protocol import (
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
-from .cluster import ClusterConfig, ClusterReport, _default_log_line, _Fleet
+from .cluster import ClusterConfig, ClusterReport, _default_log_line, _Fleet, engine_command
 from .collective import CollectiveTimeoutError
 from .engine import _FINISH_ABORT, HEARTBEAT_OPTIONS, EngineConfig, EngineProtocolError, SimEngine
 from .engine import _Request as _SimRequest
@@ -302,24 +301,8 @@ async def open_engine_core_fleet(
     collective = config.collective_address or workdir.address("collective")
 
     def command(rank: int) -> list[str]:
-        prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
-        return [
-            *prefix,
-            sys.executable,
-            "-m",
-            "trio_dpcoord.sim",
-            "engine",
-            f"--rank={rank}",
-            f"--engines={config.engines}",
-            f"--handshake-address={handshake_address}",
-            f"--collective-address={collective}",
-            f"--step-time={config.step_time}",
-            f"--max-running={config.max_running}",
-            f"--sync-interval={config.sync_interval}",
-            f"--collective-timeout={config.collective_timeout}",
-            f"--log-level={config.engine_log_level}",
-            "--exit-on-stdin-eof",
-        ]
+        addresses = [f"--handshake-address={handshake_address}"]
+        return engine_command(config, rank, [*addresses, f"--collective-address={collective}"])
 
     fleet = _Fleet(report, log_line, None, command=command)
     fleet.on_failure = lambda: on_failure(report.engine_failures[-1])
