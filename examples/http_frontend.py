@@ -20,13 +20,17 @@ coordinator's Prometheus metrics and this front-end's own, in one registry),
 ``GET /v1/models`` (the one model, as OpenAI clients list it first), ``GET /health``.
 Each completion also reports ``dp_wave``, the wave stamped on it.
 
-Real vLLM engines: ``--engine-client tcp://HOST:PORT`` serves ``--engines`` DP engine
-cores started elsewhere with ``vllm serve MODEL --headless --data-parallel-size N
+Through the engine client (one code path for real and simulated engines):
+``--engines-from vllm --handshake-address tcp://HOST:PORT`` serves ``--engines`` DP
+engine cores started elsewhere with ``vllm serve MODEL --headless --data-parallel-size N
 --data-parallel-address HOST --data-parallel-rpc-port PORT`` (on other hosts: bind HOST on
 an address they reach, ``--allow-remote``) through :func:`trio_dpcoord.open_engine_client`,
-the coordinator inside it; a prompt of token ids (``"prompt": [3, 4, 5]``) is sent as is,
-any other prompt as a fixed token-id prompt (the tiny test models have no tokenizer), and
-the completion's ``token_ids`` are in each choice.
+the coordinator inside it (``--engine-client tcp://HOST:PORT`` is the same);
+``--engines-from sim`` starts ``--engines`` simulated engine processes that speak vLLM's
+engine-core protocol (:mod:`trio_dpcoord.sim.engine_core`) and serves them through the
+same client. A prompt of token ids (``"prompt": [3, 4, 5]``) is sent as is, any other
+prompt as a fixed token-id prompt (the tiny test models have no tokenizer), and the
+completion's ``token_ids`` are in each choice.
 
 Once listening, the first stdout line is one JSON object:
 ``{"url": "http://127.0.0.1:8000", "pid": ..., "engine_pids": [...]}``.
@@ -66,7 +70,15 @@ from trio_dpcoord import (
     open_engine_client,
 )
 from trio_dpcoord.metrics import CoordinatorCollector
-from trio_dpcoord.sim import ClusterConfig, SimFrontend, open_engine_fleet, open_sim_frontend
+from trio_dpcoord.sim import (
+    ClusterConfig,
+    EngineCoreFleet,
+    SimFrontend,
+    open_engine_core_fleet,
+    open_engine_fleet,
+    open_sim_frontend,
+)
+from trio_dpcoord.sim.engine_core import free_tcp_address
 
 logger = logging.getLogger("http_frontend")
 
@@ -484,21 +496,38 @@ def _parser() -> argparse.ArgumentParser:
         help="shut down when standard input closes (the parent process is gone)",
     )
     parser.add_argument(
+        "--engines-from",
+        choices=("sim", "vllm"),
+        default=None,
+        help="serve through the engine client (open_engine_client): simulated engine "
+        "processes speaking vLLM's engine-core protocol (sim), or real vLLM engines "
+        "started with --headless that connect to --handshake-address (vllm); "
+        "default: the simulation's own front-end",
+    )
+    parser.add_argument(
+        "--handshake-address",
+        metavar="tcp://HOST:PORT",
+        help="the engine handshake address the client binds (the engines' "
+        "--data-parallel-address/--data-parallel-rpc-port); needed with "
+        "--engines-from vllm, a free loopback port by default with sim",
+    )
+    parser.add_argument(
         "--engine-client",
         metavar="tcp://HOST:PORT",
-        help="serve real vLLM engines (started with --headless and this address as "
-        "--data-parallel-address/--data-parallel-rpc-port) instead of simulated ones",
+        help="the same as --engines-from vllm --handshake-address tcp://HOST:PORT",
     )
     parser.add_argument(
         "--allow-remote",
         action="store_true",
-        help="with --engine-client: bind on a host other than loopback (unauthenticated)",
+        help="with the engine client: bind on a host other than loopback "
+        "(unauthenticated)",
     )
     parser.add_argument(
         "--startup-timeout",
         type=float,
         default=600.0,
-        help="with --engine-client: seconds to wait for every engine (default: %(default)s)",
+        help="with the engine client: seconds to wait for every engine "
+        "(default: %(default)s)",
     )
     parser.add_argument("--log-level", default="WARNING", help="(default: %(default)s)")
     return parser
@@ -510,8 +539,11 @@ def _emit(record: dict[str, Any]) -> None:
 
 
 async def run_engine_client(args: argparse.Namespace) -> int:
-    """The ``--engine-client`` mode: real engines, the coordinator inside the client."""
+    """Serve through the engine client, the coordinator inside it: real vLLM engines
+    (``--engines-from vllm``) or simulated engine-core processes started here
+    (``--engines-from sim``); everything past the engines' start is the same code."""
     shutdown = trio.Event()
+    failures: list[str] = []
     app: CompletionsApp | None = None
 
     def stop(reason: str) -> None:
@@ -521,14 +553,40 @@ async def run_engine_client(args: argparse.Namespace) -> int:
                 app.begin_drain(args.drain_timeout)
             shutdown.set()
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_engine_client(
-            args.engines,
-            args.engine_client,
-            allow_remote=args.allow_remote,
-            startup_timeout=args.startup_timeout,
-            routing=args.routing,
-        ) as client, trio.open_nursery() as helpers:
+    with trio.CancelScope() as run_scope, trio.open_signal_receiver(
+        signal.SIGINT, signal.SIGTERM
+    ) as signals:
+
+        def engine_failed(message: str) -> None:
+            failures.append(message)
+            if app is None:  # still starting: the client would wait for it in vain
+                run_scope.cancel()
+            stop(message)
+
+        async with AsyncExitStack() as stack:
+            fleet: EngineCoreFleet | None = None
+            address = args.handshake_address
+            if args.engines_from == "sim":
+                address = address or free_tcp_address()
+                config = ClusterConfig(
+                    engines=args.engines,
+                    step_time=args.step_time,
+                    max_running=args.max_running,
+                    engine_log_level=args.log_level.upper(),
+                )
+                fleet = await stack.enter_async_context(
+                    open_engine_core_fleet(config, address, on_failure=engine_failed)
+                )
+            client = await stack.enter_async_context(
+                open_engine_client(
+                    args.engines,
+                    address,
+                    allow_remote=args.allow_remote,
+                    startup_timeout=args.startup_timeout,
+                    routing=args.routing,
+                )
+            )
+            helpers = await stack.enter_async_context(trio.open_nursery())
 
             async def on_signal() -> None:
                 async for signum in signals:
@@ -546,13 +604,21 @@ async def run_engine_client(args: argparse.Namespace) -> int:
             hyper.loglevel = args.log_level.upper()
             async with trio.open_nursery() as server:
                 binds = await server.start(_serve, app, hyper, shutdown)
-                _emit({"url": binds[0], "pid": os.getpid(), "engine_pids": []})
+                pids = list(fleet.pids) if fleet is not None else []
+                _emit({"url": binds[0], "pid": os.getpid(), "engine_pids": pids})
+            if fleet is not None:  # the engines stop first: their going is no outage
+                client.expect_shutdown()
+                await fleet.stop()
             helpers.cancel_scope.cancel()
-    return 0
+    for failure in failures:
+        logger.error("%s", failure)
+    return 1 if failures else 0
 
 
 async def run(args: argparse.Namespace) -> int:
     if args.engine_client:
+        args.engines_from, args.handshake_address = "vllm", args.engine_client
+    if args.engines_from is not None:
         return await run_engine_client(args)
     config = ClusterConfig(
         engines=args.engines,
@@ -647,7 +713,10 @@ async def _stop_at_stdin_eof(stop: Callable[[str], None]) -> None:
 
 
 def main() -> int:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    if args.engines_from == "vllm" and not (args.handshake_address or args.engine_client):
+        parser.error("--engines-from vllm needs --handshake-address tcp://HOST:PORT")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

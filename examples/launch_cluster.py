@@ -5,6 +5,7 @@
     python examples/launch_cluster.py --engines 2 --wake-path frontend --json
     python examples/launch_cluster.py --timeline waves.png     # a picture of the run
     python examples/launch_cluster.py --routing prefix --sessions 16   # prefix-aware choice
+    python examples/launch_cluster.py --engine-protocol vllm   # through open_engine_client
 
 One command starts the coordinator (embedded in this trio front-end, or as the
 standalone ``python -m trio_dpcoord serve`` process), N simulated MoE engine processes
@@ -12,6 +13,12 @@ that step in lock-step through a real collective, and a load generator that send
 ``--requests`` requests in bursts separated by idle gaps, so that many waves start and
 end. A live progress line goes to stderr when it is a terminal; the summary goes to
 stdout, and with ``--json`` the last stdout line is the summary as one JSON object.
+
+With ``--engine-protocol vllm`` the engines speak vLLM's engine-core protocol (the
+handshake, ``EngineCoreRequest``/``EngineCoreOutputs``, utility calls) and the load goes
+through :func:`trio_dpcoord.open_engine_client`, the client real vLLM engines get, with
+the coordinator embedded in it (inproc only; pauses are vLLM's ``pause_scheduler("keep")``
+and ``resume_scheduler`` utility calls).
 
 Exit status: 0 only when every request completed, no collective timed out and no error
 was counted (coordinator included); 1 otherwise; 130 when interrupted (Ctrl-C stops
@@ -31,12 +38,14 @@ import trio
 
 from trio_dpcoord import EngineChooser
 from trio_dpcoord.sim import (
+    ENGINE_CLIENT_MODE,
     ClusterConfig,
     ClusterReport,
     LoadPlan,
     Progress,
     plot_timeline,
     run_cluster,
+    run_engine_core_cluster,
 )
 
 
@@ -50,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
         default="inproc",
         help="embed open_coordinator (inproc) or run `trio-dpcoord serve` "
         "(standalone) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-protocol",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="how the front-end talks to the engines: the simulation's front-end "
+        "(sim) or vLLM's engine-core protocol through open_engine_client (vllm) "
+        "(default: %(default)s)",
     )
     parser.add_argument("--engines", type=int, default=4, help="DP size (default: %(default)s)")
     parser.add_argument(
@@ -200,8 +217,11 @@ def _summary(report: ClusterReport) -> str:
     def ms(value: float | int | None) -> str:
         return "n/a" if value is None else f"{value:.1f} ms"
 
+    coordinator = f"{report.mode} coordinator"
+    if report.mode == ENGINE_CLIENT_MODE:
+        coordinator = "vLLM engine-core protocol, coordinator inside open_engine_client"
     lines = [
-        f"simulated cluster: {report.mode} coordinator, {report.engines} engines, "
+        f"simulated cluster: {coordinator}, {report.engines} engines, "
         f"wake path {report.wake_path}, routing {report.routing}, seed {report.seed}",
         f"  requests sent / completed: {report.requests} / {report.completed} "
         f"(planned {report.planned})",
@@ -226,7 +246,9 @@ def _summary(report: ClusterReport) -> str:
     return "\n".join(lines)
 
 
-async def _run(config: ClusterConfig, progress: _ProgressLine) -> ClusterReport | None:
+async def _run(
+    config: ClusterConfig, progress: _ProgressLine, engine_protocol: str = "sim"
+) -> ClusterReport | None:
     """Run the cluster; SIGINT/SIGTERM cancel it (children are reaped) and return None."""
     report: ClusterReport | None = None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -239,7 +261,12 @@ async def _run(config: ClusterConfig, progress: _ProgressLine) -> ClusterReport 
                     return
 
             nursery.start_soon(stop_on_signal)
-            report = await run_cluster(config, progress=progress.show, log_line=progress.log_line)
+            if engine_protocol == "vllm":
+                report = await run_engine_core_cluster(config, log_line=progress.log_line)
+            else:
+                report = await run_cluster(
+                    config, progress=progress.show, log_line=progress.log_line
+                )
             nursery.cancel_scope.cancel()
     progress.clear()
     return report
@@ -276,8 +303,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"launch_cluster: {exc}", file=sys.stderr)
         return 2
+    if args.engine_protocol == "vllm":
+        unsupported = [
+            option
+            for option, used in (
+                ("--mode standalone", args.mode != "inproc"),
+                ("--wake-path", args.wake_path != "both"),
+                ("--restart-vanished", args.restart_vanished),
+                ("--timeline", args.timeline is not None),
+            )
+            if used
+        ]
+        if unsupported:
+            print(
+                f"launch_cluster: --engine-protocol vllm does not take {', '.join(unsupported)}",
+                file=sys.stderr,
+            )
+            return 2
     progress = _ProgressLine(sys.stderr.isatty())
-    report = trio.run(_run, config, progress)
+    report = trio.run(_run, config, progress, args.engine_protocol)
     if report is None:
         print("interrupted: every process stopped", file=sys.stderr)
         return 130

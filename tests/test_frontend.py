@@ -144,7 +144,7 @@ async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets
                 assert frontend.choose_engine([*range(7000, 7100), 1, 2]) == pinned
                 counters = frontend.router_counters
                 assert counters is not None and counters.decisions == 5
-                assert frontend.inflight[first] == 2
+                assert frontend.inflight()[first] == 2
 
 
 async def test_second_client_starts_its_scan_elsewhere() -> None:

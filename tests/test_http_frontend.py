@@ -230,3 +230,31 @@ async def test_shutdown_cuts_streams_in_flight_with_an_error_and_reaps_the_engin
             assert 3 <= len(tokens) < 4000
             assert tokens == [f" tok{i}" for i in range(1, len(tokens) + 1)]
             await server.exited_cleanly()
+
+
+async def test_engine_client_mode_serves_simulated_engine_core_processes() -> None:
+    """--engines-from sim: simulated engine processes speaking vLLM's engine-core protocol,
+    served through open_engine_client (the code path of --engines-from vllm)."""
+    with trio.fail_after(GUARD):
+        async with http_frontend("--engines=3", "--engines-from=sim") as server:
+            assert len(server.engine_pids) == 3
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                response = await client.post(
+                    "/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 4}
+                )
+                assert response.status_code == 200, response.text
+                choice = response.json()["choices"][0]
+                assert choice["token_ids"] == [1, 2, 3, 4]
+                assert choice["text"] == expected_text(4)
+                assert choice["finish_reason"] == "length"
+                events = await stream(client, 3)
+                assert events[-1] == "[DONE]"
+                assert [e["choices"][0]["token_ids"] for e in events[:-1]] == [[1], [2], [3]]
+                assert events[-2]["choices"][0]["finish_reason"] == "length"
+                # the client's coordinator sees the engines and their waves
+                metrics = await until_idle(client)
+                assert metrics[("trio_dpcoord_engine_subscriptions", ())] == 3
+                assert metrics[("trio_dpcoord_waves_completed_total", ())] >= 1
+            await server.stop(signal.SIGTERM)
+        # stopping the engines on purpose is no outage: nothing at WARNING
+        assert server.child.stderr == ""

@@ -160,3 +160,21 @@ async def test_engines_exit_on_their_own_when_the_launcher_is_killed() -> None:
         await process.wait()
         while _alive(children):  # noqa: ASYNC110 - other processes: no event to wait on
             await trio.sleep(0.1)
+
+
+async def test_run_through_the_engine_client_succeeds() -> None:
+    """--engine-protocol vllm: simulated engine-core processes behind open_engine_client."""
+    with trio.fail_after(90):
+        code, out, err = await _launch(
+            "--engine-protocol=vllm", "--engines=3", "--requests=60", "--pause-every=2",
+            "--burst", "10", "20", "--gap", "0.1", "0.2", "--json",
+        )
+    assert code == 0, err
+    summary = _summary(out)
+    assert (summary["requests"], summary["completed"], summary["errors"]) == (60, 60, 0)
+    assert isinstance(summary["waves"], int) and summary["waves"] >= 2
+    assert isinstance(summary["pauses"], int) and summary["pauses"] >= 1
+    assert "coordinator inside open_engine_client" in out and "result: OK" in out
+    with trio.fail_after(30):
+        code, _, err = await _launch("--engine-protocol=vllm", "--mode=standalone")
+    assert code == 2 and "--mode standalone" in err

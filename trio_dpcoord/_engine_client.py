@@ -241,12 +241,21 @@ class EngineClient:
         self._work_sent = trio.Event()
         self.requests_sent = 0
         self.requests_aborted = 0
+        self._shutdown_expected = False
 
     # --- public API -----------------------------------------------------------------
     @property
     def dead_ranks(self) -> frozenset[int]:
         """Ranks taken as dead; nothing is sent to them any more."""
         return frozenset(self._table.dead)
+
+    def expect_shutdown(self) -> None:
+        """The engines are being stopped on purpose (call it just before stopping them):
+        a rank leaving is then logged at INFO, not WARNING (its work still fails), and
+        the embedded coordinator is told the same, so a normal shutdown does not read
+        like an outage."""
+        self._shutdown_expected = True
+        self.coordinator.expect_shutdown()
 
     def in_flight(self, rank: int | None = None) -> list[str]:
         """Request ids in flight (on ``rank`` only, if given)."""
@@ -520,7 +529,8 @@ class EngineClient:
         if rank in self._table.dead:
             return
         requests, calls = self._table.mark_dead(rank)
-        logger.warning(
+        logger.log(
+            logging.INFO if self._shutdown_expected else logging.WARNING,
             "engine rank %d is gone (%s): failing %d request(s) and %d call(s)",
             rank,
             reason,

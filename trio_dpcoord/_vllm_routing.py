@@ -49,7 +49,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._router import PrefixRouter, block_keys
+from ._router import PrefixRouter, PrefixRouting, block_keys
 
 __all__ = ["ROUTING_VARIABLE", "choose_engine", "install", "routing_setting", "routing_state"]
 
@@ -208,9 +208,11 @@ class RoutingState:
         sources = _event_sources(client, self.ranks)
         self.router = PrefixRouter(
             self.ranks,
-            block_size=block_size,
-            feed="exact" if sources is not None else "approximate",
-            **options,
+            PrefixRouting(
+                block_size=block_size,
+                feed="exact" if sources is not None else "approximate",
+                **options,
+            ),
         )
         self.mean_prompt_tokens = 0.0
         self.follower: _KVEventFollower | None = None

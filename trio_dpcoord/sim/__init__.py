@@ -15,6 +15,9 @@ users get.
   other front-ends (``examples/http_frontend.py``);
 * :mod:`.fleet` — process supervision: the engine processes and the standalone
   coordinator process, watched, restarted when asked, always reaped;
+* :mod:`.engine_core` — the same rank speaking vLLM's engine-core protocol (handshake,
+  ``EngineCoreRequest``/``EngineCoreOutputs``, utility calls), a fleet of them behind
+  :func:`trio_dpcoord.open_engine_client` (one code path for simulated and real engines);
 * :mod:`.timeline` — what the front-end saw over time, and :func:`plot_timeline`.
 """
 
@@ -38,6 +41,14 @@ from .engine import (
     run_engine,
     run_sim_engine,
 )
+from .engine_core import (
+    ENGINE_CLIENT_MODE,
+    EngineCoreFleet,
+    SimEngineCore,
+    open_engine_core_fleet,
+    open_sim_engine_client,
+    run_engine_core_cluster,
+)
 from .frontend import (
     LoadPlan,
     SimFrontend,
@@ -49,6 +60,7 @@ from .frontend import (
 from .timeline import Timeline, plot_timeline
 
 __all__ = [
+    "ENGINE_CLIENT_MODE",
     "AllReduceResult",
     "ClusterConfig",
     "ClusterReport",
@@ -56,20 +68,25 @@ __all__ = [
     "CoordinatorLostError",
     "EmbeddedCoordinator",
     "EngineConfig",
+    "EngineCoreFleet",
     "EngineProtocolError",
     "LoadPlan",
     "Mode",
     "Progress",
     "SimEngine",
+    "SimEngineCore",
     "SimFrontend",
     "Timeline",
     "TokenListener",
     "WakePath",
     "generate_load",
+    "open_engine_core_fleet",
     "open_engine_fleet",
+    "open_sim_engine_client",
     "open_sim_frontend",
     "plot_timeline",
     "run_cluster",
     "run_engine",
+    "run_engine_core_cluster",
     "run_sim_engine",
 ]

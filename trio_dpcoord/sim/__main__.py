@@ -1,5 +1,9 @@
 """``python -m trio_dpcoord.sim engine --rank R ...``: run one simulated DP rank.
 
+With ``--handshake-address tcp://HOST:PORT`` the rank speaks vLLM's engine-core protocol
+(:mod:`.engine_core`) to the front-end there (``open_engine_client``), which hands it
+the other addresses.
+
 Exit status: 0 when stopped (SIGTERM, SIGINT, or stdin closed with
 ``--exit-on-stdin-eof``), 3 on a collective timeout, 4 when the coordinator sent an
 invalid broadcast, 5 when the coordinator stayed unreachable for
@@ -28,7 +32,9 @@ from .engine import (
     EngineConfig,
     EngineProtocolError,
     run_engine,
+    run_sim_engine,
 )
+from .engine_core import SimEngineCore
 
 logger = logging.getLogger("trio_dpcoord.sim")
 
@@ -39,12 +45,16 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("engine", help="run one simulated DP engine (one rank)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--engines", type=int, required=True, help="DP size")
+    p.add_argument("--back-pub", default="", help="the coordinator's back-publish socket (XPUB)")
+    p.add_argument("--back-out", default="", help="the coordinator's back-output socket (PULL)")
+    p.add_argument("--request-address", default="", help="front-end request ROUTER")
+    p.add_argument("--completion-address", default="", help="front-end completion PULL")
     p.add_argument(
-        "--back-pub", required=True, help="the coordinator's back-publish socket (XPUB)"
+        "--handshake-address",
+        default=None,
+        help="speak vLLM's engine-core protocol: HELLO to this front-end handshake "
+        "address (tcp://HOST:PORT), which answers with the four addresses above",
     )
-    p.add_argument("--back-out", required=True, help="the coordinator's back-output socket (PULL)")
-    p.add_argument("--request-address", required=True, help="front-end request ROUTER")
-    p.add_argument("--completion-address", required=True, help="front-end completion PULL")
     p.add_argument("--collective-address", required=True, help="rank 0 binds, all connect")
     p.add_argument("--step-time", type=float, default=0.002, help="seconds per step")
     p.add_argument("--tokens", type=int, default=8, help="tokens for requests without max")
@@ -92,14 +102,17 @@ async def _watch_signals(cancel: trio.CancelScope) -> None:
             return
 
 
-async def _main(config: EngineConfig, exit_on_eof: bool) -> None:
+async def _main(config: EngineConfig, exit_on_eof: bool, handshake: str | None = None) -> None:
     failure: CollectiveTimeoutError | EngineProtocolError | CoordinatorLostError | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, nursery.cancel_scope)
         if exit_on_eof:
             nursery.start_soon(cancel_at_stdin_eof, nursery.cancel_scope, logger)
         try:
-            await run_engine(config)
+            if handshake is None:
+                await run_engine(config)
+            else:
+                await run_sim_engine(SimEngineCore(config, handshake))
         except (CollectiveTimeoutError, EngineProtocolError, CoordinatorLostError) as exc:
             failure = exc
         finally:
@@ -135,6 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s rank {args.rank} %(levelname)s %(name)s: %(message)s",
     )
+    addresses = (
+        args.back_pub,
+        args.back_out,
+        args.request_address,
+        args.completion_address,
+    )
+    if args.handshake_address is None and not all(addresses):
+        print(
+            "trio_dpcoord.sim engine: give --handshake-address, or all of "
+            "--back-pub, --back-out, --request-address and "
+            "--completion-address",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = EngineConfig(
             rank=args.rank,
@@ -160,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     prefix = f"trio_dpcoord.sim engine rank {args.rank}:"
     try:
-        trio.run(_main, config, args.exit_on_stdin_eof)
+        trio.run(_main, config, args.exit_on_stdin_eof, args.handshake_address)
     except CollectiveTimeoutError as exc:
         print(f"{prefix} {exc}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_TIMEOUT

@@ -386,10 +386,15 @@ class SimEngine:
                 if self.config.report_start_wave:
                     await self._send_start_wave(self.current_wave)
         else:
-            self.counters.bad_requests += 1
-            logger.warning(
-                "rank %d: unknown command %r at wave %d", self.rank, call.method, self.current_wave
-            )
+            await self._other_utility(call)
+
+    async def _other_utility(self, call: messages.UtilityCall) -> None:
+        """A utility call the simulation has no rule for (a hook: the engine-core
+        engine answers vLLM's other calls here)."""
+        self.counters.bad_requests += 1
+        logger.warning(
+            "rank %d: unknown command %r at wave %d", self.rank, call.method, self.current_wave
+        )
 
     async def _on_abort(self, abort: _Abort) -> None:
         ids = set(abort.request_ids)
@@ -398,6 +403,11 @@ class SimEngine:
             return
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
         self.running = [r for r in self.running if r.request_id not in ids]
+        await self._report_aborted(dropped)
+
+    async def _report_aborted(self, dropped: list[_Request]) -> None:
+        """Tell the front-end which requests an ABORT removed (a hook: vLLM's engines
+        send nothing for a request their client aborted)."""
         await self._send_outputs([(r, _FINISH_ABORT) for r in dropped])
 
     async def _send_outputs(self, items: list[tuple[_Request, int | None]]) -> None:
@@ -557,6 +567,11 @@ class SimEngine:
                 )
                 self._input_send.send_nowait(_Announce())
 
+    async def _greet_frontend(self, dealer: AsyncSocket) -> None:
+        """The first message on the request socket, once READY came (a hook: the
+        engine-core engine sends vLLM's ready response and finishes its handshake)."""
+        await dealer.send(messages.encode_hello(self.config.rank))
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect every socket, wait for READY, say hello, then step forever."""
         cfg = self.config
@@ -576,7 +591,7 @@ class SimEngine:
             nursery.start_soon(self._watch_coordinator, monitor)
             await self._ready.wait()
             await nursery.start(self._request_receiver, dealer)
-            await dealer.send(messages.encode_hello(cfg.rank))
+            await self._greet_frontend(dealer)
             logger.info("rank %d of %d ready", cfg.rank, cfg.engine_count)
             task_status.started()
             try:

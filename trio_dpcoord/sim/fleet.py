@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,6 +211,31 @@ async def reap(processes: list[trio.Process], *, grace: float) -> None:
             await process.wait()
 
 
+def engine_command(config: ClusterConfig, rank: int, addresses: Sequence[str]) -> list[str]:
+    """The command line of rank ``rank``'s engine process: ``config``'s step model and
+    prefix, and ``addresses`` (the options naming its sockets)."""
+    prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
+    command = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "trio_dpcoord.sim",
+        "engine",
+        f"--rank={rank}",
+        f"--engines={config.engines}",
+        *addresses,
+        f"--step-time={config.step_time}",
+        f"--max-running={config.max_running}",
+        f"--sync-interval={config.sync_interval}",
+        f"--collective-timeout={config.collective_timeout}",
+        f"--log-level={config.engine_log_level}",
+        "--exit-on-stdin-eof",
+    ]
+    if config.wake_path == "frontend":
+        command.append("--legacy-wake")
+    return command
+
+
 @asynccontextmanager
 async def open_engine_processes(
     config: ClusterConfig,
@@ -227,30 +252,17 @@ async def open_engine_processes(
     on the way out, whatever happens."""
 
     def command(rank: int) -> list[str]:
-        prefix = config.engine_prefix[rank] if rank < len(config.engine_prefix) else ()
-        command = [
-            *prefix,
-            sys.executable,
-            "-m",
-            "trio_dpcoord.sim",
-            "engine",
-            f"--rank={rank}",
-            f"--engines={config.engines}",
-            f"--back-pub={back_publish_address}",
-            f"--back-out={back_output_address}",
-            f"--request-address={frontend.request_address}",
-            f"--completion-address={frontend.completion_address}",
-            f"--collective-address={collective_address}",
-            f"--step-time={config.step_time}",
-            f"--max-running={config.max_running}",
-            f"--sync-interval={config.sync_interval}",
-            f"--collective-timeout={config.collective_timeout}",
-            f"--log-level={config.engine_log_level}",
-            "--exit-on-stdin-eof",
-        ]
-        if config.wake_path == "frontend":
-            command.append("--legacy-wake")
-        return command
+        return engine_command(
+            config,
+            rank,
+            [
+                f"--back-pub={back_publish_address}",
+                f"--back-out={back_output_address}",
+                f"--request-address={frontend.request_address}",
+                f"--completion-address={frontend.completion_address}",
+                f"--collective-address={collective_address}",
+            ],
+        )
 
     fleet = EngineFleet(
         report,

@@ -65,6 +65,8 @@ class UtilityCall:
     client_index: int
     call_id: int
     method: str
+    args: tuple[object, ...] = ()
+    """The call's arguments (the simulation's own commands take none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,8 @@ class EngineStatus:
 
 
 def encode_utility_call(call: UtilityCall) -> list[bytes]:
-    return [_UTILITY_FRAME, msgpack.packb([call.client_index, call.call_id, call.method, []])]
+    payload = [call.client_index, call.call_id, call.method, list(call.args)]
+    return [_UTILITY_FRAME, msgpack.packb(payload)]
 
 
 def decode_utility_call(frames: Sequence[bytes]) -> UtilityCall:
@@ -97,7 +100,8 @@ def decode_utility_call(frames: Sequence[bytes]) -> UtilityCall:
         or type(items[2]) is not str
     ):
         raise protocol.ProtocolError(f"UTILITY call: expected [int, int, str, args], got {items!r}")
-    return UtilityCall(items[0], items[1], items[2])
+    args = tuple(items[3]) if isinstance(items[3], list) else ()
+    return UtilityCall(items[0], items[1], items[2], args)
 
 
 def status_output(engine_index: int, event: str, wave: int, call_id: int = 0) -> bytes:
