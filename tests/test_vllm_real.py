@@ -28,6 +28,8 @@ import trio
 
 from tests.vllm_real import (
     DENSE_CONFIG,
+    GREEDY_MAX_TOKENS,
+    GREEDY_PROMPTS,
     MOE_CONFIG,
     SERVING_LINE,
     SWITCH_LINE,
@@ -35,6 +37,7 @@ from tests.vllm_real import (
     Coordinator,
     CoordinatorUsage,
     FrontTap,
+    GreedyCompletions,
     VllmServer,
     WaveCount,
     complete,
@@ -50,7 +53,7 @@ COORDINATORS: list[Coordinator] = ["vllm", "trio"]
 REQUEST_TIMEOUT = 600.0  # seconds for one scenario's requests: the machine may be shared
 EXIT_TIMEOUT = 180.0
 REPORT_PATH = REPO_ROOT / ".cache" / "vllm-real-report.jsonl"
-PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 4)] for i in range(8)]
+PROMPTS = GREEDY_PROMPTS
 """Token-id prompts (the vocabulary has 512 tokens; 0-2 are special in the config)."""
 
 # what one coordinator's run showed, for the other's to be compared with
@@ -231,7 +234,9 @@ def test_the_logs_name_the_coordinator(moe_server: VllmServer) -> None:
     _assert_logs_name(moe_server)
 
 
-async def test_bursts_with_idle_gaps(moe_server: VllmServer) -> None:
+async def test_bursts_with_idle_gaps(
+    moe_server: VllmServer, greedy_completions: GreedyCompletions
+) -> None:
     coordinator = moe_server.coordinator()
     before = coordinator.usage()
     bursts = 4
@@ -242,17 +247,22 @@ async def test_bursts_with_idle_gaps(moe_server: VllmServer) -> None:
             start = len(tap.publishes) - 1
             for _ in range(bursts):
                 wave = tap.publishes[-1].wave
-                results += await _burst(client, PROMPTS, max_tokens=8)
+                results += await _burst(client, PROMPTS, max_tokens=GREEDY_MAX_TOKENS)
                 await _idle(tap, after_wave=wave)  # the idle gap: every engine paused
             waves = tap.since(start)
     assert [r.status for r in results] == [200] * len(results), [r.error for r in results]
-    assert all(len(r.token_ids) == 8 for r in results)
+    assert all(len(r.token_ids) == GREEDY_MAX_TOKENS for r in results)
     _assert_waves(moe_server, waves, at_least=bursts)
     # greedy sampling on dummy weights: the same prompt, the same tokens, every time
     by_prompt = {tuple(p): r.token_ids for p, r in zip(PROMPTS * bursts, results, strict=True)}
     for prompt, result in zip(PROMPTS * bursts, results, strict=True):
         assert result.token_ids == by_prompt[tuple(prompt)]
     _SEEN.setdefault("token_ids", {})[moe_server.coordinator_kind] = by_prompt
+    # for tests/vllm_real/test_engine_client_vs_serve.py: the engine client's must match
+    greedy_completions.record(
+        f"serve-{moe_server.coordinator_kind}",
+        {prompt: tuple(tokens) for prompt, tokens in by_prompt.items()},
+    )
     if moe_server.coordinator_kind == "trio" and "vllm" in _SEEN["token_ids"]:
         # vLLM's server ran first (same requests): the coordinator changes no token
         assert by_prompt == _SEEN["token_ids"]["vllm"]

