@@ -26,9 +26,9 @@ class RankCache:
     """An LRU set of block keys that never holds more than ``capacity_blocks``."""
 
     capacity_blocks: int
-    blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
-    def match(self, keys: list[bytes]) -> int:
+    def match(self, keys: list[int]) -> int:
         """Number of leading keys cached (touching them)."""
         matched = 0
         for key in keys:
@@ -38,7 +38,7 @@ class RankCache:
             matched += 1
         return matched
 
-    def store(self, keys: list[bytes]) -> None:
+    def store(self, keys: list[int]) -> None:
         for key in keys:
             self.blocks[key] = None
             self.blocks.move_to_end(key)

@@ -104,7 +104,7 @@ def reuse_bound(trace: list[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> f
     Only whole blocks that match a chain already seen count, and, as in vLLM, the
     last prompt token is always computed, so a fully seen prompt hits one block less.
     """
-    seen: set[bytes] = set()
+    seen: set[int] = set()
     queried = 0
     hit = 0
     for request in sorted(trace, key=lambda r: r.arrival_s):
