@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ._endpoints import PrivateIpcDirectory as PrivateIpcDirectory
     from ._engine_client import Completion as Completion
     from ._engine_client import EngineClient as EngineClient
+    from ._engine_client import EngineClientStatistics as EngineClientStatistics
     from ._engine_client import RequestOutput as RequestOutput
     from ._engine_client import RequestStream as RequestStream
     from ._engine_client import open_engine_client as open_engine_client
@@ -71,6 +72,7 @@ __all__ = [
     "EngineClient",
     "EngineClientClosedError",
     "EngineClientError",
+    "EngineClientStatistics",
     "EngineDeadError",
     "EngineLoad",
     "EngineStartupError",
@@ -118,6 +120,7 @@ _EXPORTS: dict[str, str] = {
     "EngineClient": "._engine_client",
     "EngineClientClosedError": "._errors",
     "EngineClientError": "._errors",
+    "EngineClientStatistics": "._engine_client",
     "EngineDeadError": "._errors",
     "EngineLoad": ".protocol",
     "EngineStartupError": "._errors",

@@ -24,6 +24,7 @@ import math
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 __all__ = [
     "EngineClient",
+    "EngineClientStatistics",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
@@ -200,6 +202,38 @@ class RequestStream:
         self._send.close()
 
 
+@dataclass(frozen=True, slots=True)
+class EngineClientStatistics:
+    """What :meth:`EngineClient.statistics` reads: the client's live bookkeeping (all
+    zero once the work is done, which is how a test or a health check sees that nothing
+    leaked) and its running totals."""
+
+    requests_in_flight: int
+    """Requests sent and not finished, aborted or failed yet."""
+    streams_open: int
+    """Request streams the client still delivers outputs to."""
+    calls_pending: int
+    """Utility calls sent and not answered yet."""
+    dead_ranks: frozenset[int]
+    requests_sent: int
+    requests_aborted: int
+    rejected: dict[str, int]
+    """Inputs from the engines refused (bad frames, unknown call ids...), by reason;
+    each was logged at WARNING (rate-limited) and dropped."""
+
+
+class _CountedRejectLog(RejectLog):
+    """The rejects log that also counts, by reason (for :meth:`EngineClient.statistics`)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger)
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, reason: str, detail: str) -> None:
+        self.counts[reason] += 1
+        super().__call__(reason, detail)
+
+
 @dataclass
 class _PendingCall:
     rank: int
@@ -236,12 +270,14 @@ class EngineClient:
         self._chooser = chooser if chooser is not None else EngineChooser(engine_count)
         self._closed = False
         self._request_ids = (f"trio-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
-        self.reject = RejectLog(logger)
+        self.reject = _CountedRejectLog(logger)
         self._silence = SilenceWatch(silence_timeout) if silence_timeout is not None else None
         self._work_sent = trio.Event()
         self.requests_sent = 0
         self.requests_aborted = 0
         self._shutdown_expected = False
+        self._paused_by_us = False
+        """Between a pause call of ours and its resume: no first-request notice then."""
 
     # --- public API -----------------------------------------------------------------
     @property
@@ -264,6 +300,19 @@ class EngineClient:
     def pending_calls(self) -> int:
         """Utility calls sent and not answered yet."""
         return len(self._calls)
+
+    def statistics(self) -> EngineClientStatistics:
+        """The client's bookkeeping now (as trio's ``statistics()`` methods: a cheap,
+        synchronous read)."""
+        return EngineClientStatistics(
+            requests_in_flight=len(self._table.in_flight()),
+            streams_open=len(self._streams),
+            calls_pending=len(self._calls),
+            dead_ranks=self.dead_ranks,
+            requests_sent=self.requests_sent,
+            requests_aborted=self.requests_aborted,
+            rejected=dict(self.reject.counts),
+        )
 
     def generate(
         self,
@@ -370,11 +419,32 @@ class EngineClient:
 
     async def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """vLLM's ``pause_scheduler`` on every live engine (``abort``, ``wait``, ``keep``)."""
-        await self.call_utility_all("pause_scheduler", mode, clear_cache)
+        await self._pause("pause_scheduler", mode, clear_cache)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM 0.33.0's ``pause_generation`` on every live engine: ``pause_scheduler``,
+        and in modes ``abort`` and ``wait`` each request sent until the resume finishes
+        at once with finish reason ``error`` (vLLM's retryable ``engine_paused``) instead
+        of waiting in the queue. vLLM 0.32.0 has no such method (:class:`UtilityCallError`)."""
+        await self._pause("pause_generation", mode, clear_cache)
+
+    async def _pause(self, method: str, mode: str, clear_cache: bool) -> None:
+        # Paused engines drop START_DP_WAVE (vLLM's two-phase pause sets
+        # ignore_start_dp_wave): a first-request notice sent now would make the
+        # coordinator believe a wave runs that no engine runs, and ignore the engine's own
+        # start_wave after the resume as a duplicate, leaving its peers asleep. The
+        # resume's barrier starts the engines that have work, and rank 0 reports it.
+        self._paused_by_us = True
+        try:
+            await self.call_utility_all(method, mode, clear_cache)
+        except BaseException:
+            self._paused_by_us = False
+            raise
 
     async def resume_scheduler(self) -> None:
         """vLLM's ``resume_scheduler`` on every live engine."""
         await self.call_utility_all("resume_scheduler")
+        self._paused_by_us = False
 
     # --- what the streams call ------------------------------------------------------
     def _check_usable(self) -> None:
@@ -439,7 +509,7 @@ class EngineClient:
             ),
         )
         self.requests_sent += 1
-        if not snapshot.engines_running:
+        if not snapshot.engines_running and not self._paused_by_us:
             # as DPAsyncMPClient: the request first, then the first-request notice
             self.coordinator.notify_first_request(rank)
 

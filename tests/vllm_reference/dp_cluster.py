@@ -320,3 +320,95 @@ def _read(path: Path, default: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError):
         return default
     return report
+
+
+# --- engines alone, for a front-end of the test's own ---------------------------------
+
+
+@dataclass
+class EngineFleet:
+    """The DP engine processes :func:`open_engine_fleet` started (rank order), and what
+    they leave: each one's exit report (after it exited) and its stderr."""
+
+    processes: list[trio.Process]
+    collective: CollectiveHost
+    work_dir: Path
+    logs: dict[str, list[bytes]]
+
+    def report(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s exit report (``engine_side.py``); empty before it exited."""
+        return _read(self.work_dir / "reports" / f"engine-{rank}.json", {})
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return "\n".join(
+            f"--- {name}\n{b''.join(chunks).decode(errors='replace')[-chars:]}"
+            for name, chunks in self.logs.items()
+        )
+
+    async def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM (vLLM's clean shutdown) to every engine still running; killed after
+        ``grace`` seconds."""
+        for process in self.processes:
+            await _stop(process, grace)
+
+
+@asynccontextmanager
+async def open_engine_fleet(
+    root: Path,
+    env: dict[str, str],
+    work_dir: Path,
+    handshake_address: str,
+    *,
+    dp_size: int = 2,
+    dp_sync_interval: int = 32,
+    collective_timeout: float = 8.0,
+    max_num_seqs: int = 64,
+) -> AsyncIterator[EngineFleet]:
+    """``dp_size`` real ``DPEngineCoreProc`` processes (``engine_side.py``) that connect to
+    ``handshake_address`` as vLLM's launcher makes them (``local_client=True``), around
+    the lock-step collective host (an ``ipc://`` socket in ``work_dir/collective/``).
+
+    Whoever binds the handshake address (the test's front-end) answers them. On exit,
+    the engines still running get SIGTERM (then SIGKILL after a grace period) and are
+    waited for, and the collective host stops: no process is left behind.
+    """
+    collective_dir = work_dir / "collective"
+    collective_dir.mkdir(parents=True)
+    reports = work_dir / "reports"
+    reports.mkdir()
+    collective_address = f"ipc://{collective_dir / 'coll'}"
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(root), str(HERE)])}
+    logs: dict[str, list[bytes]] = {}
+    async with trio.open_nursery() as nursery:
+        async with open_context() as context:
+            async with open_socket(context, zmq.ROUTER, bind=collective_address) as socket:
+                host = CollectiveHost(socket, dp_size, timeout=collective_timeout)
+                await nursery.start(host.run)
+                try:
+                    async with AsyncExitStack() as stack:
+                        processes = []
+                        for rank in range(dp_size):
+                            spec = {
+                                "dp_size": dp_size,
+                                "dp_sync_interval": dp_sync_interval,
+                                "handshake_address": handshake_address,
+                                "collective_address": collective_address,
+                                "timeout": collective_timeout,
+                                "max_num_seqs": max_num_seqs,
+                                "rank": rank,
+                                "report_path": str(reports / f"engine-{rank}.json"),
+                            }
+                            command = runner_command(HERE / "engine_side.py", json.dumps(spec))
+                            processes.append(
+                                await stack.enter_async_context(
+                                    _process(nursery, command, env, logs, f"engine-{rank}")
+                                )
+                            )
+                        fleet = EngineFleet(processes, host, work_dir, logs)
+                        try:
+                            yield fleet
+                        finally:
+                            with trio.CancelScope(shield=True):
+                                await fleet.stop()
+                finally:
+                    nursery.cancel_scope.cancel()  # the host, before its socket closes
