@@ -204,10 +204,14 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
             assert client.coordinator.counters().errors == 0
             assert stats.rejected == {}
 
-        # clean shutdown: the client is gone (its port free, its ipc directory removed);
-        # vLLM's SIGTERM shutdown stops both engines, cleanly, paused at one wave
+        # clean shutdown: the client is gone (nothing listens on its port, its ipc
+        # directory is removed); vLLM's SIGTERM shutdown stops both engines, cleanly,
+        # paused at one wave. SO_REUSEADDR because the client closed the engines'
+        # connections itself: they may sit in TIME_WAIT, which is not a listener
         with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", port))
+            probe.listen()
         assert _private_dirs() <= dirs_before
         await fleet.stop()
     for rank, process in enumerate(fleet.processes):
