@@ -49,9 +49,6 @@ COORDINATOR_KINDS = ("inproc", "standalone")
 VLLM = "vllm"
 """vLLM 0.33.0's real ``DPCoordinatorProc`` (tests/vllm_reference), torch-free."""
 STANDALONE = "standalone"
-STANDALONE_NO_HEARTBEATS = "standalone-no-heartbeats"
-"""``trio-dpcoord serve`` without its ZMTP heartbeats (vLLM's coordinator has none): at
-1,024 engines the default PING per connection per second is a visible share of CPU."""
 STANDALONE_MSGPACK = "standalone-msgpack"
 """``trio-dpcoord serve`` with msgspec unimportable: a machine without the ``fast`` extra."""
 TRIO_FLOOR = "trio-floor"
@@ -122,7 +119,7 @@ def serving(
     sockets = ("--engines", str(engines), "--back-pub", back_pub, "--back-out", back_out)
     if kind == "inproc":
         argv = procs("coordinator", *sockets, "--front", front if with_front else "")
-    elif kind in (STANDALONE, STANDALONE_NO_HEARTBEATS):
+    elif kind == STANDALONE:
         argv = with_death_signal(
             serve_command(
                 *sockets,
@@ -130,7 +127,6 @@ def serving(
                 front,
                 "--log-level",
                 "WARNING",
-                *(["--heartbeat-interval", "0"] if kind == STANDALONE_NO_HEARTBEATS else []),
             )
         )
     elif kind == STANDALONE_MSGPACK:
