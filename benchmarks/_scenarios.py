@@ -159,15 +159,22 @@ def serving(
     else:
         raise ValueError(kind)
     name = f"{kind}-{engines}-{next(env._counter)}"
+    # py-spy writes its profile when interrupted (SIGINT, as at a terminal); a SIGTERM
+    # loses it, and the coordinators that do not stop at stdin's end get one
+    stop_signal = signal.SIGTERM
     if env.profile_dir is not None and kind != "forwarder":
         out = env.profile_dir / f"{name}.txt"
         argv = ["py-spy", "record", "--format", "raw", "--rate", "250", "-o", str(out), "--", *argv]
+        stop_signal = signal.SIGINT
     if kind == VLLM:
-        with spawn(name, argv, env.log_dir, eof_grace=0.0, env=vllm_env(env.vllm_root)) as child:
+        with spawn(
+            name, argv, env.log_dir, eof_grace=0.0, env=vllm_env(env.vllm_root),
+            stop_signal=stop_signal,
+        ) as child:
             bound_front, bound_out, bound_pub = child.read_marked(ADDRESSES_MARKER, 60)
             yield child, {"front": bound_front, "back_pub": bound_pub, "back_out": bound_out}
         return
-    with spawn(name, argv, env.log_dir, eof_grace=3.0) as child:
+    with spawn(name, argv, env.log_dir, eof_grace=3.0, stop_signal=stop_signal) as child:
         info = child.read_json(60)
         yield child, info
 

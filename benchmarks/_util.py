@@ -130,10 +130,17 @@ def set_parent_death_signal() -> None:
 class Child:
     """A child process that speaks JSON lines on stdout and takes lines on stdin."""
 
-    def __init__(self, name: str, popen: subprocess.Popen[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        popen: subprocess.Popen[str],
+        log_path: Path,
+        stop_signal: signal.Signals = signal.SIGTERM,
+    ) -> None:
         self.name = name
         self.popen = popen
         self.log_path = log_path
+        self.stop_signal = stop_signal
         self._selector = selectors.DefaultSelector()
         assert popen.stdout is not None
         self._stdout: IO[str] = popen.stdout
@@ -182,7 +189,8 @@ class Child:
         return ""
 
     def stop(self, timeout: float = 5.0, eof_grace: float = 0.0) -> int | None:
-        """Close stdin (give it ``eof_grace`` s to exit), SIGTERM, wait, SIGKILL if needed.
+        """Close stdin (give it ``eof_grace`` s to exit), its stop signal (SIGTERM unless
+        told otherwise), wait, SIGKILL if needed.
 
         Always reaped. Returns the exit status.
         """
@@ -192,11 +200,13 @@ class Child:
                 self.popen.wait(eof_grace)
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
+                self.popen.send_signal(self.stop_signal)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop on SIGTERM: killing it", self.name)
+                logger.warning(
+                    "%s did not stop on %s: killing it", self.name, self.stop_signal.name
+                )
                 self.popen.kill()
                 self.popen.wait()
         self._selector.close()
@@ -213,9 +223,10 @@ def spawn(
     *,
     eof_grace: float = 0.0,
     env: Mapping[str, str] | None = None,
+    stop_signal: signal.Signals = signal.SIGTERM,
 ) -> Iterator[Child]:
     """Start ``argv`` (cwd: the repository root, environment ``env`` or ours); stop and
-    reap it when the block ends."""
+    reap it when the block ends (``stop_signal`` if stdin's end did not stop it)."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
         popen = subprocess.Popen(
@@ -228,7 +239,7 @@ def spawn(
             bufsize=1,
             env=None if env is None else dict(env),
         )
-    child = Child(name, popen, log_path)
+    child = Child(name, popen, log_path, stop_signal)
     try:
         yield child
     finally:
