@@ -56,7 +56,7 @@ REFERENCE_GUARD = 240.0  # two engine processes and the example on a shared 2-co
 REAL_GUARD = 1800.0  # a real start is 35-50 s idle, minutes on a shared machine
 SIM_GUARD = 120.0
 
-_OUTPUT_LINE = re.compile(r"^rank (\d+): \[([0-9, ]*)\] (\w+)$")
+_OUTPUT_LINE = re.compile(r"^rank (\d+): \(([0-9, ]*)\) (\w+)$")  # ids: a tuple's repr
 _WAVE_LINE = re.compile(r"^wave now (\d+)$")
 
 
@@ -153,7 +153,7 @@ async def test_the_example_streams_from_vllm_033_engines(
             requests, wave = check_example_run(completed)
             # the harness's scheduler emits token n at step n, one token a step
             for request in requests:
-                assert request.outputs == [[n] for n in range(1, MAX_TOKENS + 1)]
+                assert request.outputs == [[n] for n in range(1, MAX_TOKENS + 1)], request
             # the example's client left; the engines it served are still running
             assert [p.returncode for p in fleet.processes] == [None, None], fleet.log_tail()
             await fleet.stop()  # vLLM's SIGTERM shutdown, clean
