@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import subprocess
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -98,11 +99,11 @@ def parse_example_output(stdout: str) -> tuple[list[StreamedRequest], int]:
     return requests, wave
 
 
-async def run_example(handshake_address: str) -> trio.Process:
+async def run_example(handshake_address: str) -> subprocess.CompletedProcess[bytes]:
     """``python examples/engine_client.py 2 HANDSHAKE_ADDRESS`` to its end (this checkout's
     trio_dpcoord), its stdout and stderr captured."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-    completed: trio.Process = await trio.run_process(
+    completed: subprocess.CompletedProcess[bytes] = await trio.run_process(
         [sys.executable, str(EXAMPLE), "2", handshake_address],
         capture_stdout=True,
         capture_stderr=True,
@@ -112,11 +113,12 @@ async def run_example(handshake_address: str) -> trio.Process:
     return completed
 
 
-def check_example_run(completed: trio.Process) -> tuple[list[StreamedRequest], int]:
+def check_example_run(
+    completed: subprocess.CompletedProcess[bytes],
+) -> tuple[list[StreamedRequest], int]:
     """The example exited 0 and streamed both prompts, 16 tokens each (one output line per
     engine step, the last with finish reason ``length``); its requests and wave."""
-    stdout = completed.stdout.decode()  # type: ignore[attr-defined]
-    stderr = completed.stderr.decode()  # type: ignore[attr-defined]
+    stdout, stderr = completed.stdout.decode(), completed.stderr.decode()
     assert completed.returncode == 0, f"exit status {completed.returncode}; stderr:\n{stderr}"
     requests, wave = parse_example_output(stdout)
     assert len(requests) == PROMPTS, stdout
@@ -130,6 +132,19 @@ def check_example_run(completed: trio.Process) -> tuple[list[StreamedRequest], i
     # second, no more
     assert 0 <= wave <= PROMPTS, stdout
     return requests, wave
+
+
+def test_the_readme_shows_the_example() -> None:
+    """The README's engine-client program is examples/engine_client.py, line for line
+    (after the example's docstring; the README's block opens with comment lines)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    start = readme.index("## Driving real vLLM engines from trio")
+    block = readme[readme.index("```python\n", start) + len("```python\n") :]
+    block = block[: block.index("```\n")]
+    code = "\n".join(line for line in block.splitlines() if not line.startswith("#"))
+    example = EXAMPLE.read_text()
+    after_docstring = example[example.index('"""\n', 3) + len('"""\n') :]
+    assert code.strip() == after_docstring.strip()
 
 
 # --- vLLM 0.33.0's engines (torch-free harness) -----------------------------------------
@@ -337,7 +352,9 @@ async def test_a_caller_who_leaves_mid_stream_leaves_nothing_behind(how: str) ->
             assert engine_log.count(dropped) == 0
 
             streams: list[weakref.ref[RequestStream]] = []
-            read = await leave_mid_stream(client, how, rank, lambda s: streams.append(weakref.ref(s)))
+            read = await leave_mid_stream(
+                client, how, rank, lambda s: streams.append(weakref.ref(s))
+            )
             assert read == [(1,), (2,), (3,)]
 
             # the abort reached the engine: it logs dropping the request, and with it gone
@@ -345,8 +362,10 @@ async def test_a_caller_who_leaves_mid_stream_leaves_nothing_behind(how: str) ->
             # running would hold it open) and the rank reports an empty scheduler
             await engine_log.wait_for(dropped, 1)
             await client.coordinator.wait_for(
-                lambda c: not c.snapshot().engines_running
-                and c.engine_loads()[rank].running == c.engine_loads()[rank].waiting == 0
+                lambda c: (
+                    not c.snapshot().engines_running
+                    and c.engine_loads()[rank].running == c.engine_loads()[rank].waiting == 0
+                )
             )
             after = client.statistics()
             assert (after.requests_in_flight, after.streams_open, after.calls_pending) == (0, 0, 0)
