@@ -24,7 +24,8 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,27 @@ async def valid_wave_sequence(
 # --------------------------------------------------------------------------- in-process
 
 
+@asynccontextmanager
+async def coordinator_engines_and_front() -> AsyncIterator[
+    tuple[Coordinator, list[EnginePeer], AsyncSocket]
+]:
+    """An in-process coordinator with its ENGINES engines past READY, and a raw front socket."""
+    async with open_coordinator_with_engines(ENGINES, front_address="tcp://127.0.0.1:0") as (
+        coordinator,
+        engines,
+    ):
+        assert coordinator.front_address is not None
+        async with (
+            open_context() as context,
+            open_socket(
+                context, zmq.XSUB, connect=coordinator.front_address, options={zmq.LINGER: 0}
+            ) as front,
+        ):
+            yield coordinator, engines, front
+
+
+
+
 @settings(
     max_examples=300,
     deadline=None,
@@ -357,83 +379,65 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
     )
     batch = [m for m in batch if not parks_the_wave_high(m[1])]
     with trio.fail_after(GUARD):
-        async with open_coordinator_with_engines(
-            ENGINES, front_address="tcp://127.0.0.1:0"
-        ) as (coordinator, engines):
-            assert coordinator.front_address is not None
-            async with (
-                open_context() as context,
-                open_socket(
-                    context, zmq.XSUB, connect=coordinator.front_address, options={zmq.LINGER: 0}
-                ) as front,
-            ):
-                oracle = Oracle(WaveState(coordinator.snapshot()))
-                # one run of messages per socket at a time, so the order across sockets is
-                # the order sent (each socket's own order is kept by ZeroMQ)
-                run: list[tuple[str, list[bytes]]] = []
-                for i, message in enumerate(batch):
-                    run.append(message)
-                    if i + 1 == len(batch) or batch[i + 1][0] != message[0]:
-                        before = progress(coordinator)
-                        for socket, frames in run:
-                            oracle.expect(socket, frames)
-                            await send(socket, frames, engines, front)
-                        await wait_processed(coordinator, message[0], len(run), before)
-                        run = []
+        async with coordinator_engines_and_front() as (coordinator, engines, front):
+            oracle = Oracle(WaveState(coordinator.snapshot()))
+            # one run of messages per socket at a time, so the order across sockets is
+            # the order sent (each socket's own order is kept by ZeroMQ)
+            run: list[tuple[str, list[bytes]]] = []
+            for i, message in enumerate(batch):
+                run.append(message)
+                if i + 1 == len(batch) or batch[i + 1][0] != message[0]:
+                    before = progress(coordinator)
+                    for socket, frames in run:
+                        oracle.expect(socket, frames)
+                        await send(socket, frames, engines, front)
+                    await wait_processed(coordinator, message[0], len(run), before)
+                    run = []
 
-                event(f"{len(oracle.broadcasts)} START_DP_WAVE from the junk")
-                event(f"{oracle.commands} front commands accepted")
-                for frames in oracle.broadcasts:
-                    await expect_broadcast(engines, frames, skip_ready=True)
-                assert coordinator.counters().rejected == dict(oracle.rejected)
-                assert coordinator.counters().errors == sum(oracle.rejected.values())
-                assert coordinator.counters().commands == oracle.commands
-                assert coordinator.counters().stats_applied == oracle.stats_applied
-                assert coordinator.engine_count() == oracle.engine_count
-                assert coordinator.snapshot() == oracle.state.snapshot
+            event(f"{len(oracle.broadcasts)} START_DP_WAVE from the junk")
+            event(f"{oracle.commands} front commands accepted")
+            for frames in oracle.broadcasts:
+                await expect_broadcast(engines, frames, skip_ready=True)
+            assert coordinator.counters().rejected == dict(oracle.rejected)
+            assert coordinator.counters().errors == sum(oracle.rejected.values())
+            assert coordinator.counters().commands == oracle.commands
+            assert coordinator.counters().stats_applied == oracle.stats_applied
+            assert coordinator.engine_count() == oracle.engine_count
+            assert coordinator.snapshot() == oracle.state.snapshot
 
-                # back to two engines, then a valid wave sequence, byte-exact
-                commands = coordinator.counters().commands
-                await front.send(protocol.encode_scale_elastic_ep(ENGINES))
-                await coordinator.wait_for(lambda c: c.counters().commands == commands + 1)
+            # back to two engines, then a valid wave sequence, byte-exact
+            commands = coordinator.counters().commands
+            await front.send(protocol.encode_scale_elastic_ep(ENGINES))
+            await coordinator.wait_for(lambda c: c.counters().commands == commands + 1)
 
-                async def wait_state(snapshot: WaveSnapshot) -> None:
-                    await coordinator.wait_for(lambda c: c.snapshot() == snapshot)
+            async def wait_state(snapshot: WaveSnapshot) -> None:
+                await coordinator.wait_for(lambda c: c.snapshot() == snapshot)
 
-                await valid_wave_sequence(
-                    engines, front, coordinator.snapshot().current_wave, wait_state
-                )
-                assert coordinator.counters().errors == sum(oracle.rejected.values())
+            await valid_wave_sequence(
+                engines, front, coordinator.snapshot().current_wave, wait_state
+            )
+            assert coordinator.counters().errors == sum(oracle.rejected.values())
 
 
 async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
     """Found by the fuzzer: wave_complete(2**64-1) used to crash the coordinator (the
     next wave cannot be encoded); likewise SCALE_ELASTIC_EP to 10**12 engines."""
     with trio.fail_after(GUARD):
-        async with open_coordinator_with_engines(
-            ENGINES, front_address="tcp://127.0.0.1:0"
-        ) as (coordinator, engines):
-            assert coordinator.front_address is not None
-            async with (
-                open_context() as context,
-                open_socket(
-                    context, zmq.XSUB, connect=coordinator.front_address, options={zmq.LINGER: 0}
-                ) as front,
-            ):
-                await engines[0].wave_complete(MAX_WAVE)
-                await front.send(protocol.encode_scale_elastic_ep(10**12))
-                await coordinator.wait_for(
-                    lambda c: (
-                        c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
-                    )
+        async with coordinator_engines_and_front() as (coordinator, engines, front):
+            await engines[0].wave_complete(MAX_WAVE)
+            await front.send(protocol.encode_scale_elastic_ep(10**12))
+            await coordinator.wait_for(
+                lambda c: (
+                    c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
                 )
-                assert coordinator.snapshot() == WaveSnapshot(0, False)
-                assert coordinator.engine_count() == ENGINES
-                await engines[1].start_wave(MAX_WAVE)  # the last wave still starts
-                await expect_broadcast(engines, start_dp_wave(MAX_WAVE, 1))
-                await engines[0].wave_complete(MAX_WAVE)  # and can never end
-                await coordinator.wait_for(lambda c: c.counters().errors == 3)
-                assert coordinator.snapshot() == WaveSnapshot(MAX_WAVE, True)
+            )
+            assert coordinator.snapshot() == WaveSnapshot(0, False)
+            assert coordinator.engine_count() == ENGINES
+            await engines[1].start_wave(MAX_WAVE)  # the last wave still starts
+            await expect_broadcast(engines, start_dp_wave(MAX_WAVE, 1))
+            await engines[0].wave_complete(MAX_WAVE)  # and can never end
+            await coordinator.wait_for(lambda c: c.counters().errors == 3)
+            assert coordinator.snapshot() == WaveSnapshot(MAX_WAVE, True)
 
 
 # --------------------------------------------------------------------------- standalone
