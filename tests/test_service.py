@@ -23,10 +23,8 @@ from trio_dpcoord import (
     protocol,
 )
 
-# Documented exception: the publish-order test drives the service's own pump (the shell,
-# not the core) so that its race is deterministic.
-# private import (documented exception): one test drives the pumps directly, to make a
-# race deterministic
+# private import (documented exception): the publish-order test drives the service's own
+# pumps (the shell, not the core), so that its race is deterministic
 from trio_dpcoord._service import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.testing import (
