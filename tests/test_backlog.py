@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-# private import (documented exception): the unit test of the private module itself
+# private import (documented exception): unit test of _backlog's backlog rule, which the
+# core uses internally
 from trio_dpcoord._backlog import BacklogNews, IngestBacklog
 from trio_dpcoord.core import CoordinatorCore
 

@@ -28,6 +28,7 @@ from trio_dpcoord.testing import (
     EnginePeer,
     ServeProcess,
     connect_engines,
+    expect_broadcast,
     open_serve,
     rank_identity,
     serve_command,
@@ -82,12 +83,6 @@ async def engines_of(
         endpoints["back_pub"], endpoints["back_out"], count, first_index=first_index
     ) as engines:
         yield engines
-
-
-async def expect_broadcast(peers: list[EnginePeer], frames: list[bytes]) -> None:
-    """Every engine receives exactly ``frames`` as its next broadcast."""
-    for peer in peers:
-        assert await peer.next_broadcast_frames() == frames
 
 
 async def next_wave_publish(front: AsyncSocket) -> bytes:

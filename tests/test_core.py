@@ -97,15 +97,15 @@ def test_nothing_leaves_before_the_gate_and_ready_goes_first() -> None:
     claim = core.claim_first_request(0)
     assert claim is None  # already running
     assert core.receive_command(ScaleRequest(3), 0.6) == ()  # waits for the gate
-    assert core.engine_count == 2
+    assert core.engine_count() == 2
     assert core.next_deadline() == float("inf")
     effects = core.receive_engine_subscription(SUB, 1.0)
     assert isinstance(effects[0], Broadcast) and effects[0].frames == [protocol.READY]
     assert starts(effects) == [(0, 1)]
     assert [p.current_wave for p in publishes(effects)] == [0]
     assert core.next_deadline() == float("-inf")  # the first timed publish: at once
-    assert core.engine_count == 3  # the deferred resize, applied behind READY
-    assert core.gate_open and core.subscriptions().gate_open
+    assert core.engine_count() == 3  # the deferred resize, applied behind READY
+    assert core.gate_open() and core.subscriptions().gate_open
 
 
 def test_late_subscriptions_get_ready_again_and_unsubscriptions_count() -> None:
@@ -543,8 +543,8 @@ class CoreRules(RuleBasedStateMachine):
         assert snap == self.oracle.snapshot
         assert snap.current_wave >= self.highest_wave
         self.highest_wave = snap.current_wave
-        assert self.core.gate_open == self.gate_open
-        assert self.core.engine_count == self.engine_count
+        assert self.core.gate_open() == self.gate_open
+        assert self.core.engine_count() == self.engine_count
         counters = self.core.counters()
         assert counters.engine_messages == self.engine_messages
         assert counters.errors == self.rejects

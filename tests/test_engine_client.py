@@ -28,7 +28,7 @@ from trio_dpcoord import (
     UtilityCallError,
     open_engine_client,
 )
-from trio_dpcoord._engine_protocol import engine_identity
+from trio_dpcoord.engine_protocol import engine_identity
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 TIMEOUT = 60.0

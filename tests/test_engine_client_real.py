@@ -192,7 +192,7 @@ async def test_engine_client_drives_real_engines(
 def test_add_request_bytes_are_vllms(vllm_cpu_python: Path) -> None:
     """The ADD payload equals what vLLM 0.32.0's own ``MsgpackEncoder`` writes for the
     same ``EngineCoreRequest`` (SamplingParams built by vLLM, its post-init included)."""
-    from trio_dpcoord._engine_protocol import encode_add, encode_utility
+    from trio_dpcoord.engine_protocol import encode_add, encode_utility
 
     script = (
         "from vllm.sampling_params import SamplingParams\n"

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-# private import (documented exception): the unit test of the private module itself
+# private import (documented exception): unit test of the engine client's sans-IO
+# state (handshake, request table, silence watch); the codecs are in trio_dpcoord.engine_protocol
 from trio_dpcoord._engine_protocol import (
     ENGINE_CORE_DEAD,
     EngineDead,

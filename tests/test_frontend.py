@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,6 @@ import trio
 import zmq
 
 from trio_dpcoord import (
-    Coordinator,
     CoordinatorClosedError,
     CoordinatorError,
     EngineLoad,
@@ -24,7 +21,11 @@ from trio_dpcoord import (
     open_frontend,
     protocol,
 )
-from trio_dpcoord.testing import EnginePeer, connect_engines
+from trio_dpcoord.testing import (
+    connect_engines,
+    expect_broadcast,
+    open_coordinator_with_engines,
+)
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
 GUARD = 20.0  # generous: real sockets on a shared 2-core machine
@@ -34,24 +35,6 @@ def vector_frames(vectors: dict[str, dict[str, Any]], name: str) -> list[bytes]:
     return [bytes.fromhex(h) for h in vectors[name]["frames_hex"]]
 
 
-async def expect_broadcast(peers: list[EnginePeer], frames: list[bytes]) -> None:
-    for peer in peers:
-        assert await peer.next_broadcast_frames() == frames
-
-
-@asynccontextmanager
-async def coordinator_with_engines(
-    engine_count: int, front_address: str = "", **options: Any
-) -> AsyncIterator[tuple[Coordinator, list[EnginePeer]]]:
-    """A coordinator with its front socket, and ``engine_count`` engines past READY."""
-    async with open_coordinator(engine_count, front_address=front_address, **options) as coord:
-        addresses = (coord.back_publish_address, coord.back_output_address)
-        async with connect_engines(*addresses, engine_count) as engines:
-            await coord.wait_ready()
-            await expect_broadcast(engines, [protocol.READY])
-            yield coord, engines
-
-
 @pytest.fixture
 def front_address(transport: str, tmp_path: Path) -> str:
     return "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{tmp_path / 'front'}"
@@ -59,7 +42,10 @@ def front_address(transport: str, tmp_path: Path) -> str:
 
 async def test_snapshot_follows_wave_changes(front_address: str) -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(3, front_address) as (coordinator, engines):
+        async with open_coordinator_with_engines(3, front_address=front_address) as (
+            coordinator,
+            engines,
+        ):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
                 await frontend.wait_for(lambda f: f.publishes_received > 0)
@@ -76,7 +62,10 @@ async def test_snapshot_follows_wave_changes(front_address: str) -> None:
 
 async def test_loads_follow_stats_publishes(front_address: str) -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(3, front_address) as (coordinator, engines):
+        async with open_coordinator_with_engines(3, front_address=front_address) as (
+            coordinator,
+            engines,
+        ):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
                 await frontend.wait_for(lambda f: f.engine_count() == 3)
@@ -91,7 +80,7 @@ async def test_loads_follow_stats_publishes(front_address: str) -> None:
 
 async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_after() -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(3) as (coordinator, engines):
+        async with open_coordinator_with_engines(3, front_address="") as (coordinator, engines):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address, engine_count=3) as frontend:
                 # before any publish at all: the in-flight counts spread the requests
@@ -122,7 +111,7 @@ async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_afte
 
 async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets() -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(3) as (coordinator, engines):
+        async with open_coordinator_with_engines(3, front_address="") as (coordinator, engines):
             assert coordinator.front_address is not None
             async with open_frontend(
                 coordinator.front_address, engine_count=3, routing="prefix"
@@ -149,7 +138,7 @@ async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets
 
 async def test_second_client_starts_its_scan_elsewhere() -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(4) as (coordinator, _engines):
+        async with open_coordinator_with_engines(4, front_address="") as (coordinator, _engines):
             assert coordinator.front_address is not None
             async with open_frontend(
                 coordinator.front_address, client_index=1, client_count=2, engine_count=4
@@ -159,7 +148,7 @@ async def test_second_client_starts_its_scan_elsewhere() -> None:
 
 async def test_scale_resizes_the_coordinator_table() -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(3) as (coordinator, engines):
+        async with open_coordinator_with_engines(3, front_address="") as (coordinator, engines):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
                 await frontend.wait_for(lambda f: f.engine_count() == 3)
@@ -181,7 +170,7 @@ async def test_notify_first_request_wakes_the_engines_with_exact_bytes(
     vectors: dict[str, dict[str, Any]],
 ) -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(3) as (coordinator, engines):
+        async with open_coordinator_with_engines(3, front_address="") as (coordinator, engines):
             assert coordinator.front_address is not None
             async with open_frontend(coordinator.front_address) as frontend:
                 await engines[0].wave_complete(2)
@@ -237,7 +226,7 @@ async def test_a_bad_publish_is_counted_and_the_next_one_applied() -> None:
 
 async def test_silence_grows_when_the_coordinator_is_gone() -> None:
     with trio.fail_after(GUARD):
-        async with coordinator_with_engines(1) as (coordinator, _engines):
+        async with open_coordinator_with_engines(1, front_address="") as (coordinator, _engines):
             assert coordinator.front_address is not None
             front = coordinator.front_address
         # the coordinator has stopped; nothing will ever publish again

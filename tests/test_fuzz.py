@@ -24,7 +24,8 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,16 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from trio_dpcoord import Coordinator, WaveSnapshot, open_coordinator, protocol
+from trio_dpcoord import Coordinator, WaveSnapshot, protocol
 from trio_dpcoord.core import WaveState
-from trio_dpcoord.testing import EnginePeer, connect_engines, parse_endpoints, serve_command
+from trio_dpcoord.testing import (
+    EnginePeer,
+    connect_engines,
+    expect_broadcast,
+    open_coordinator_with_engines,
+    parse_endpoints,
+    serve_command,
+)
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 GUARD = 30.0
@@ -270,19 +278,6 @@ async def send(
         await engines[1].sub.send(frames[0])
 
 
-async def next_wave_broadcast(engine: EnginePeer) -> list[bytes]:
-    """The next START_DP_WAVE; READY rebroadcasts (late subscriptions) are skipped."""
-    while True:
-        frames = await engine.next_broadcast_frames()
-        if frames != [protocol.READY]:
-            return frames
-
-
-async def expect_broadcast(engines: list[EnginePeer], frames: list[bytes]) -> None:
-    for engine in engines:
-        assert await next_wave_broadcast(engine) == frames
-
-
 def _front_outcomes(c: Coordinator) -> int:
     rejected = c.counters().rejected
     return (
@@ -329,24 +324,45 @@ async def valid_wave_sequence(
     await engines[0].wave_complete(wave)
     await wait_state(WaveSnapshot(wave + 1, False))
     await engines[1].start_wave(wave + 1)  # an idle engine got a request
-    await expect_broadcast(engines, start_dp_wave(wave + 1, 1))
+    await expect_broadcast(engines, start_dp_wave(wave + 1, 1), skip_ready=True)
     await wait_state(WaveSnapshot(wave + 1, True))
     await engines[0].start_wave(wave + 1)  # rank-0 mirror: ignored
     await engines[0].wave_complete(wave + 1)
     await wait_state(WaveSnapshot(wave + 2, False))
     await front.send(protocol.encode_legacy_first_request(1, wave + 1))  # stale: wake all
-    await expect_broadcast(engines, start_dp_wave(wave + 2, None))
+    await expect_broadcast(engines, start_dp_wave(wave + 2, None), skip_ready=True)
     await wait_state(WaveSnapshot(wave + 2, True))
     await engines[1].wave_complete(wave + 2)
     await wait_state(WaveSnapshot(wave + 3, False))
     await engines[0].start_wave(wave + 3)  # marker: nothing else was broadcast meanwhile
-    await expect_broadcast(engines, start_dp_wave(wave + 3, 0))
+    await expect_broadcast(engines, start_dp_wave(wave + 3, 0), skip_ready=True)
     await engines[0].wave_complete(wave + 3)
     await wait_state(WaveSnapshot(wave + 4, False))
     return wave + 4
 
 
 # --------------------------------------------------------------------------- in-process
+
+
+@asynccontextmanager
+async def coordinator_engines_and_front() -> AsyncIterator[
+    tuple[Coordinator, list[EnginePeer], AsyncSocket]
+]:
+    """An in-process coordinator with its ENGINES engines past READY, and a raw front socket."""
+    async with open_coordinator_with_engines(ENGINES, front_address="tcp://127.0.0.1:0") as (
+        coordinator,
+        engines,
+    ):
+        assert coordinator.front_address is not None
+        async with (
+            open_context() as context,
+            open_socket(
+                context, zmq.XSUB, connect=coordinator.front_address, options={zmq.LINGER: 0}
+            ) as front,
+        ):
+            yield coordinator, engines, front
+
+
 
 
 @settings(
@@ -363,89 +379,65 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
     )
     batch = [m for m in batch if not parks_the_wave_high(m[1])]
     with trio.fail_after(GUARD):
-        async with open_coordinator(ENGINES, front_address="tcp://127.0.0.1:0") as coordinator:
-            assert coordinator.front_address is not None
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with (
-                connect_engines(*addresses, ENGINES) as engines,
-                open_context() as context,
-                open_socket(
-                    context, zmq.XSUB, connect=coordinator.front_address, options={zmq.LINGER: 0}
-                ) as front,
-            ):
-                await coordinator.wait_ready()
-                for engine in engines:
-                    assert await engine.next_broadcast_frames() == [protocol.READY]
-                oracle = Oracle(WaveState(coordinator.snapshot()))
-                # one run of messages per socket at a time, so the order across sockets is
-                # the order sent (each socket's own order is kept by ZeroMQ)
-                run: list[tuple[str, list[bytes]]] = []
-                for i, message in enumerate(batch):
-                    run.append(message)
-                    if i + 1 == len(batch) or batch[i + 1][0] != message[0]:
-                        before = progress(coordinator)
-                        for socket, frames in run:
-                            oracle.expect(socket, frames)
-                            await send(socket, frames, engines, front)
-                        await wait_processed(coordinator, message[0], len(run), before)
-                        run = []
+        async with coordinator_engines_and_front() as (coordinator, engines, front):
+            oracle = Oracle(WaveState(coordinator.snapshot()))
+            # one run of messages per socket at a time, so the order across sockets is
+            # the order sent (each socket's own order is kept by ZeroMQ)
+            run: list[tuple[str, list[bytes]]] = []
+            for i, message in enumerate(batch):
+                run.append(message)
+                if i + 1 == len(batch) or batch[i + 1][0] != message[0]:
+                    before = progress(coordinator)
+                    for socket, frames in run:
+                        oracle.expect(socket, frames)
+                        await send(socket, frames, engines, front)
+                    await wait_processed(coordinator, message[0], len(run), before)
+                    run = []
 
-                event(f"{len(oracle.broadcasts)} START_DP_WAVE from the junk")
-                event(f"{oracle.commands} front commands accepted")
-                for frames in oracle.broadcasts:
-                    await expect_broadcast(engines, frames)
-                assert coordinator.counters().rejected == dict(oracle.rejected)
-                assert coordinator.counters().errors == sum(oracle.rejected.values())
-                assert coordinator.counters().commands == oracle.commands
-                assert coordinator.counters().stats_applied == oracle.stats_applied
-                assert coordinator.engine_count() == oracle.engine_count
-                assert coordinator.snapshot() == oracle.state.snapshot
+            event(f"{len(oracle.broadcasts)} START_DP_WAVE from the junk")
+            event(f"{oracle.commands} front commands accepted")
+            for frames in oracle.broadcasts:
+                await expect_broadcast(engines, frames, skip_ready=True)
+            assert coordinator.counters().rejected == dict(oracle.rejected)
+            assert coordinator.counters().errors == sum(oracle.rejected.values())
+            assert coordinator.counters().commands == oracle.commands
+            assert coordinator.counters().stats_applied == oracle.stats_applied
+            assert coordinator.engine_count() == oracle.engine_count
+            assert coordinator.snapshot() == oracle.state.snapshot
 
-                # back to two engines, then a valid wave sequence, byte-exact
-                commands = coordinator.counters().commands
-                await front.send(protocol.encode_scale_elastic_ep(ENGINES))
-                await coordinator.wait_for(lambda c: c.counters().commands == commands + 1)
+            # back to two engines, then a valid wave sequence, byte-exact
+            commands = coordinator.counters().commands
+            await front.send(protocol.encode_scale_elastic_ep(ENGINES))
+            await coordinator.wait_for(lambda c: c.counters().commands == commands + 1)
 
-                async def wait_state(snapshot: WaveSnapshot) -> None:
-                    await coordinator.wait_for(lambda c: c.snapshot() == snapshot)
+            async def wait_state(snapshot: WaveSnapshot) -> None:
+                await coordinator.wait_for(lambda c: c.snapshot() == snapshot)
 
-                await valid_wave_sequence(
-                    engines, front, coordinator.snapshot().current_wave, wait_state
-                )
-                assert coordinator.counters().errors == sum(oracle.rejected.values())
+            await valid_wave_sequence(
+                engines, front, coordinator.snapshot().current_wave, wait_state
+            )
+            assert coordinator.counters().errors == sum(oracle.rejected.values())
 
 
 async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
     """Found by the fuzzer: wave_complete(2**64-1) used to crash the coordinator (the
     next wave cannot be encoded); likewise SCALE_ELASTIC_EP to 10**12 engines."""
     with trio.fail_after(GUARD):
-        async with open_coordinator(ENGINES, front_address="tcp://127.0.0.1:0") as coordinator:
-            assert coordinator.front_address is not None
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with (
-                connect_engines(*addresses, ENGINES) as engines,
-                open_context() as context,
-                open_socket(
-                    context, zmq.XSUB, connect=coordinator.front_address, options={zmq.LINGER: 0}
-                ) as front,
-            ):
-                await coordinator.wait_ready()
-                await engines[0].wave_complete(MAX_WAVE)
-                await front.send(protocol.encode_scale_elastic_ep(10**12))
-                await coordinator.wait_for(
-                    lambda c: (
-                        c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
-                    )
+        async with coordinator_engines_and_front() as (coordinator, engines, front):
+            await engines[0].wave_complete(MAX_WAVE)
+            await front.send(protocol.encode_scale_elastic_ep(10**12))
+            await coordinator.wait_for(
+                lambda c: (
+                    c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
                 )
-                assert coordinator.snapshot() == WaveSnapshot(0, False)
-                assert coordinator.engine_count() == ENGINES
-                await engines[1].start_wave(MAX_WAVE)  # the last wave still starts
-                for engine in engines:
-                    assert await engine.next_broadcast_frames() == [protocol.READY]
-                await expect_broadcast(engines, start_dp_wave(MAX_WAVE, 1))
-                await engines[0].wave_complete(MAX_WAVE)  # and can never end
-                await coordinator.wait_for(lambda c: c.counters().errors == 3)
-                assert coordinator.snapshot() == WaveSnapshot(MAX_WAVE, True)
+            )
+            assert coordinator.snapshot() == WaveSnapshot(0, False)
+            assert coordinator.engine_count() == ENGINES
+            await engines[1].start_wave(MAX_WAVE)  # the last wave still starts
+            await expect_broadcast(engines, start_dp_wave(MAX_WAVE, 1))
+            await engines[0].wave_complete(MAX_WAVE)  # and can never end
+            await coordinator.wait_for(lambda c: c.counters().errors == 3)
+            assert coordinator.snapshot() == WaveSnapshot(MAX_WAVE, True)
 
 
 # --------------------------------------------------------------------------- standalone

@@ -164,7 +164,7 @@ def _observe(core: CoordinatorCore) -> tuple[object, ...]:
         snap.engines_running,
         core._wave.first_request_pending,
         core._wave.unconfirmed_wave,
-        core.gate_open,
+        core.gate_open(),
         repr(core._deferred),
         repr(core._deferred_commands),
     )
@@ -527,7 +527,7 @@ def render(world: World) -> str:
     parts = [
         f"coordinator wave {snap.current_wave} {'running' if snap.engines_running else 'paused'}"
         + (" (claim pending)" if world.core._wave.first_request_pending else "")
-        + ("" if world.core.gate_open else " (gate closed)")
+        + ("" if world.core.gate_open() else " (gate closed)")
     ]
     for i, e in enumerate(world.engines):
         parts.append(

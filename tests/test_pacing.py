@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-# private import (documented exception): the unit test of the private module itself
+# private import (documented exception): unit test of _pacing's pacer and burst summary, which
+# the service uses internally
 from trio_dpcoord._pacing import BurstSummary, ProgressPacer
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Literal, get_origin
 
 import pytest
 
@@ -30,6 +31,8 @@ def test_the_vllm_plugin_imports_neither_trio_nor_the_service() -> None:
 def test_every_public_name_resolves_to_its_module_object() -> None:
     for name in trio_dpcoord.__all__:
         value = getattr(trio_dpcoord, name)
+        if get_origin(value) is Literal:  # a type alias (Routing) has no module of its own
+            continue
         assert value.__module__.startswith("trio_dpcoord"), name
     # private import (documented exception): the lazy export is the private object itself
     from trio_dpcoord._service import open_coordinator

@@ -10,17 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_dpcoord import EngineChooser, EngineLoad
+from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouter, PrefixRouting
 
-# private import (documented exception): the unit test of the private module itself
-from trio_dpcoord._router import (
-    KVEventError,
-    PrefixRouter,
-    PrefixRouting,
-    RankPrefixIndex,
-    block_keys,
-    decode_event_batch,
-)
+# private import (documented exception): unit test of the router's own pieces (the rank
+# index, KV-event decoding, block keys)
+from trio_dpcoord._router import KVEventError, RankPrefixIndex, block_keys, decode_event_batch
 
 
 def stored_event(

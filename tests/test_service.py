@@ -23,25 +23,22 @@ from trio_dpcoord import (
     protocol,
 )
 
-# Documented exception: the publish-order test drives the service's own pump (the shell,
-# not the core) so that its race is deterministic.
-# private import (documented exception): one test drives the pumps directly, to make a
-# race deterministic
+# private import (documented exception): the publish-order test drives the service's own
+# pumps (the shell, not the core), so that its race is deterministic
 from trio_dpcoord._service import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
-from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity
+from trio_dpcoord.testing import (
+    connect_engines,
+    expect_broadcast,
+    open_coordinator_with_engines,
+    rank_identity,
+)
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 GUARD = 20.0  # generous: real sockets on a shared 2-core machine
-
-
-async def expect_broadcast(peers: list[EnginePeer], frames: list[bytes]) -> None:
-    """Every engine receives exactly ``frames`` as its next broadcast."""
-    for peer in peers:
-        assert await peer.next_broadcast_frames() == frames
 
 
 async def wave_is(coordinator: Coordinator, wave: int, running: bool) -> None:
@@ -71,37 +68,30 @@ async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, Any])
 
 async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, Any]) -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(2, **engine_addresses) as coordinator:
+        async with open_coordinator_with_engines(2, **engine_addresses) as (coordinator, engines):
             addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 2) as engines:
-                await coordinator.wait_ready()
-                await expect_broadcast(engines, [protocol.READY])
-                # engine 1 dies: its unsubscription is visible; it comes back: READY again
-                async with connect_engines(*addresses, 1, first_index=1) as restarted:
-                    await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
-                    await expect_broadcast(engines + restarted, [protocol.READY])
-                await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
-                view = coordinator.subscriptions()
-                assert (view.current, view.subscribed, view.gate_open) == (2, 3, True)
-                assert coordinator.counters().ready_broadcasts == 2
+            # engine 1 dies: its unsubscription is visible; it comes back: READY again
+            async with connect_engines(*addresses, 1, first_index=1) as restarted:
+                await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
+                await expect_broadcast(engines + restarted, [protocol.READY])
+            await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
+            view = coordinator.subscriptions()
+            assert (view.current, view.subscribed, view.gate_open) == (2, 3, True)
+            assert coordinator.counters().ready_broadcasts == 2
 
 
 async def test_current_first_request_excludes_its_target_over_the_wire(
     engine_addresses: dict[str, Any],
 ) -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(3, **engine_addresses) as coordinator:
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 3) as engines:
-                await coordinator.wait_ready()
-                await expect_broadcast(engines, [protocol.READY])
-                # move to wave 3, paused, the way engines do
-                await engines[0].wave_complete(2)
-                await wave_is(coordinator, 3, False)
-                coordinator.notify_first_request(2)
-                assert coordinator.snapshot() == WaveSnapshot(3, True)
-                await expect_broadcast(engines, [b"\x02", b"\x92\x03\x02"])
-                assert coordinator.snapshot() == WaveSnapshot(3, True)
+        async with open_coordinator_with_engines(3, **engine_addresses) as (coordinator, engines):
+            # move to wave 3, paused, the way engines do
+            await engines[0].wave_complete(2)
+            await wave_is(coordinator, 3, False)
+            coordinator.notify_first_request(2)
+            assert coordinator.snapshot() == WaveSnapshot(3, True)
+            await expect_broadcast(engines, [b"\x02", b"\x92\x03\x02"])
+            assert coordinator.snapshot() == WaveSnapshot(3, True)
 
 
 async def test_stale_first_request_wakes_everyone_and_never_rewinds(
@@ -146,87 +136,73 @@ async def test_wave_start_leaves_before_the_reports_queued_behind_it() -> None:
         protocol.EngineCoreOutputs(engine_index=0, start_wave=0)
     )
     with trio.fail_after(GUARD):
-        async with open_coordinator(2) as coordinator:
-            async with connect_engines(
-                coordinator.back_publish_address, coordinator.back_output_address, 2
-            ) as engines:
-                await coordinator.wait_ready()
-                for peer in engines:
-                    assert await peer.next_broadcast() == "READY"
-                before = coordinator.counters().stats_applied
-                applied_at_start: list[int] = []
+        async with open_coordinator_with_engines(2) as (coordinator, engines):
+            before = coordinator.counters().stats_applied
+            applied_at_start: list[int] = []
 
-                async def sender() -> None:
-                    for frame in (start, *stats):  # one pipe: FIFO, the wave start first
-                        await engines[0].push.send(frame)
+            async def sender() -> None:
+                for frame in (start, *stats):  # one pipe: FIFO, the wave start first
+                    await engines[0].push.send(frame)
 
-                async def engine_one() -> None:
-                    assert await engines[1].next_broadcast() == protocol.StartDPWave(0, 0)
-                    applied_at_start.append(coordinator.counters().stats_applied - before)
+            async def engine_one() -> None:
+                assert await engines[1].next_broadcast() == protocol.StartDPWave(0, 0)
+                applied_at_start.append(coordinator.counters().stats_applied - before)
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(sender)
-                    nursery.start_soon(engine_one)
-                assert applied_at_start[0] < behind
-                await coordinator.wait_for(
-                    lambda c: c.counters().stats_applied - before == behind
-                )
-                assert coordinator.engine_loads()[1].waiting == behind - 1
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender)
+                nursery.start_soon(engine_one)
+            assert applied_at_start[0] < behind
+            await coordinator.wait_for(
+                lambda c: c.counters().stats_applied - before == behind
+            )
+            assert coordinator.engine_loads()[1].waiting == behind - 1
 
 
 async def test_engine_start_wave_rules_over_the_wire(
     engine_addresses: dict[str, Any],
 ) -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(3, **engine_addresses) as coordinator:
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 3) as engines:
-                await coordinator.wait_ready()
-                await expect_broadcast(engines, [protocol.READY])
-                await engines[2].start_wave(0)  # idle engine got a request: wake the others
-                await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 2))
-                await wave_is(coordinator, 0, True)
-                await engines[0].start_wave(0)  # rank-0 mirror: already running, ignored
-                await engines[0].wave_complete(0)
-                await wave_is(coordinator, 1, False)
-                await engines[1].start_wave(0)  # stale: ignored
-                await engines[1].start_wave(3)  # newer: jump
-                # the ignored reports sent nothing: the next broadcast is the jump
-                await expect_broadcast(engines, [b"\x02", b"\x92\x03\x01"])
-                await wave_is(coordinator, 3, True)
-                await engines[0].wave_complete(2)  # late report of an older wave: ignored
-                await engines[2].wave_complete(3)
-                await wave_is(coordinator, 4, False)
-                assert coordinator.counters().wave_starts == 2
+        async with open_coordinator_with_engines(3, **engine_addresses) as (coordinator, engines):
+            await engines[2].start_wave(0)  # idle engine got a request: wake the others
+            await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 2))
+            await wave_is(coordinator, 0, True)
+            await engines[0].start_wave(0)  # rank-0 mirror: already running, ignored
+            await engines[0].wave_complete(0)
+            await wave_is(coordinator, 1, False)
+            await engines[1].start_wave(0)  # stale: ignored
+            await engines[1].start_wave(3)  # newer: jump
+            # the ignored reports sent nothing: the next broadcast is the jump
+            await expect_broadcast(engines, [b"\x02", b"\x92\x03\x01"])
+            await wave_is(coordinator, 3, True)
+            await engines[0].wave_complete(2)  # late report of an older wave: ignored
+            await engines[2].wave_complete(3)
+            await wave_is(coordinator, 4, False)
+            assert coordinator.counters().wave_starts == 2
 
 
 async def test_concurrent_first_requests_coalesce_into_one_broadcast() -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(4) as coordinator:
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 4) as engines:
-                await coordinator.wait_ready()
-                await expect_broadcast(engines, [protocol.READY])
+        async with open_coordinator_with_engines(4) as (coordinator, engines):
 
-                async def route(index: int) -> None:
-                    await trio.lowlevel.checkpoint()
-                    coordinator.notify_first_request(index % 4)
+            async def route(index: int) -> None:
+                await trio.lowlevel.checkpoint()
+                coordinator.notify_first_request(index % 4)
 
-                async with trio.open_nursery() as nursery:
-                    for i in range(100):
-                        nursery.start_soon(route, i)
-                first = await engines[0].next_broadcast()
-                assert isinstance(first, protocol.StartDPWave)
-                assert first.wave == 0
-                # a marker broadcast proves nothing else was sent in between
-                await engines[3].wave_complete(0)
-                await engines[3].start_wave(1)
-                assert await engines[0].next_broadcast() == protocol.StartDPWave(1, 3)
-                for peer in engines[1:]:
-                    assert await peer.next_broadcast() == first
-                    assert await peer.next_broadcast() == protocol.StartDPWave(1, 3)
-                assert coordinator.counters().wave_starts == 2
-                assert coordinator.counters().commands == 1
+            async with trio.open_nursery() as nursery:
+                for i in range(100):
+                    nursery.start_soon(route, i)
+            first = await engines[0].next_broadcast()
+            assert isinstance(first, protocol.StartDPWave)
+            assert first.wave == 0
+            # a marker broadcast proves nothing else was sent in between
+            await engines[3].wave_complete(0)
+            await engines[3].start_wave(1)
+            assert await engines[0].next_broadcast() == protocol.StartDPWave(1, 3)
+            for peer in engines[1:]:
+                assert await peer.next_broadcast() == first
+                assert await peer.next_broadcast() == protocol.StartDPWave(1, 3)
+            assert coordinator.counters().wave_starts == 2
+            assert coordinator.counters().commands == 1
 
 
 def _bad_outputs(vectors: dict[str, dict[str, object]]) -> list[tuple[str, list[bytes]]]:
@@ -276,53 +252,42 @@ async def test_bad_engine_input_is_counted_and_the_next_message_still_works(
 ) -> None:
     cases = _bad_outputs(vectors)
     with trio.fail_after(GUARD):
-        async with open_coordinator(2) as coordinator:
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 2) as engines:
-                await coordinator.wait_ready()
-                await expect_broadcast(engines, [protocol.READY])
-                for wave, (reason, frames) in enumerate(cases):
-                    before = coordinator.counters().rejected.get(reason, 0)
-                    await engines[0].send_raw(frames)
-                    await engines[1].start_wave(wave)
-                    # the valid report right behind the bad one is handled exactly
-                    await expect_broadcast(engines, protocol.encode_start_dp_wave(wave, 1))
-                    assert coordinator.counters().rejected[reason] == before + 1, reason
-                    await engines[0].wave_complete(wave)
-                    await wave_is(coordinator, wave + 1, False)
-                assert coordinator.counters().errors == len(cases)
-                assert coordinator.counters().wave_starts == len(cases)
+        async with open_coordinator_with_engines(2) as (coordinator, engines):
+            for wave, (reason, frames) in enumerate(cases):
+                before = coordinator.counters().rejected.get(reason, 0)
+                await engines[0].send_raw(frames)
+                await engines[1].start_wave(wave)
+                # the valid report right behind the bad one is handled exactly
+                await expect_broadcast(engines, protocol.encode_start_dp_wave(wave, 1))
+                assert coordinator.counters().rejected[reason] == before + 1, reason
+                await engines[0].wave_complete(wave)
+                await wave_is(coordinator, wave + 1, False)
+            assert coordinator.counters().errors == len(cases)
+            assert coordinator.counters().wave_starts == len(cases)
 
 
 async def test_unexpected_frame_on_the_broadcast_socket_is_counted() -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(1) as coordinator:
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 1) as engines:
-                await coordinator.wait_ready()
-                await expect_broadcast(engines, [protocol.READY])
-                await engines[0].sub.send(b"\x92\x01\x02")  # an upstream payload, not a sub
-                await coordinator.wait_for(
-                    lambda c: c.counters().rejected.get("unexpected_broadcast_socket_frame") == 1
-                )
-                await engines[0].start_wave(0)
-                await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 0))
+        async with open_coordinator_with_engines(1) as (coordinator, engines):
+            await engines[0].sub.send(b"\x92\x01\x02")  # an upstream payload, not a sub
+            await coordinator.wait_for(
+                lambda c: c.counters().rejected.get("unexpected_broadcast_socket_frame") == 1
+            )
+            await engines[0].start_wave(0)
+            await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 0))
 
 
 async def test_stats_fill_the_load_table() -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(3) as coordinator:
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 3) as engines:
-                await coordinator.wait_ready()
-                await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
-                await engines[2].stats(0, 4, 0.1, wave=0, step=1)
-                await coordinator.wait_for(lambda c: c.counters().stats_applied == 2)
-                assert coordinator.engine_loads() == (
-                    (0, 0, 0.0),
-                    (3, 12, 0.4375),
-                    (0, 4, 0.1),
-                )
+        async with open_coordinator_with_engines(3) as (coordinator, engines):
+            await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
+            await engines[2].stats(0, 4, 0.1, wave=0, step=1)
+            await coordinator.wait_for(lambda c: c.counters().stats_applied == 2)
+            assert coordinator.engine_loads() == (
+                (0, 0, 0.0),
+                (3, 12, 0.4375),
+                (0, 4, 0.1),
+            )
 
 
 async def test_commands_before_the_gate_are_applied_after_it() -> None:
@@ -370,16 +335,15 @@ async def test_cancellation_with_engines_connected_closes_everything(
 ) -> None:
     with trio.fail_after(GUARD):
         with trio.CancelScope() as scope:
-            async with open_coordinator(2, **engine_addresses) as coordinator:
+            async with open_coordinator_with_engines(2, **engine_addresses) as (
+                coordinator,
+                engines,
+            ):
                 endpoint = coordinator.back_publish_address
-                async with connect_engines(
-                    coordinator.back_publish_address, coordinator.back_output_address, 2
-                ) as engines:
-                    await coordinator.wait_ready()
-                    await engines[0].start_wave(0)
-                    await coordinator.wait_for(lambda c: c.snapshot().engines_running)
-                    scope.cancel()
-                    await trio.sleep_forever()
+                await engines[0].start_wave(0)
+                await coordinator.wait_for(lambda c: c.snapshot().engines_running)
+                scope.cancel()
+                await trio.sleep_forever()
         assert scope.cancelled_caught
         with pytest.raises(CoordinatorClosedError):
             coordinator.notify_first_request(0)
@@ -409,14 +373,10 @@ async def test_an_error_in_the_block_propagates_unchanged() -> None:
 
 async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
-        async with open_coordinator(1) as coordinator:
-            async with connect_engines(
-                coordinator.back_publish_address, coordinator.back_output_address, 1
-            ):
-                await coordinator.wait_ready()
-                # break an invariant of our own: an empty frame list for the broadcaster
-                coordinator._pumps.outgoing.send_nowait([Broadcast([], None, 0.0)])
-                await trio.sleep_forever()
+        async with open_coordinator_with_engines(1) as (coordinator, _engines):
+            # break an invariant of our own: an empty frame list for the broadcaster
+            coordinator._pumps.outgoing.send_nowait([Broadcast([], None, 0.0)])
+            await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-# private import (documented exception): unit tests of the private module itself
+# private import (documented exception): unit tests of _vllm_routing's rules, which the
+# vLLM plugin applies inside vLLM's client
 from trio_dpcoord._vllm_routing import routing_setting, subscribe_endpoint, vllm_score
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._balance import EngineChooser as EngineChooser
+    from ._balance import Routing as Routing
     from ._balance import engine_score as engine_score
     from ._core import CoordinatorCore as CoordinatorCore
     from ._core import CoordinatorCounters as CoordinatorCounters
@@ -90,6 +91,7 @@ __all__ = [
     "RequestStream",
     "RouteDecision",
     "RouterCounters",
+    "Routing",
     "SamplingParams",
     "SubscriptionView",
     "UtilityCallError",
@@ -137,6 +139,7 @@ _EXPORTS: dict[str, str] = {
     "RequestOutput": "._engine_client",
     "RequestStream": "._engine_client",
     "RouteDecision": "._router",
+    "Routing": "._balance",
     "RouterCounters": "._router",
     "SamplingParams": "._engine_protocol",
     "SubscriptionView": "._core",
@@ -153,7 +156,17 @@ _EXPORTS: dict[str, str] = {
 }
 
 _SUBMODULES = frozenset(
-    {"cli", "core", "metrics", "protocol", "sim", "testing", "trio_zmq", "vllm"}
+    {
+        "cli",
+        "core",
+        "engine_protocol",
+        "metrics",
+        "protocol",
+        "sim",
+        "testing",
+        "trio_zmq",
+        "vllm",
+    }
 )
 
 

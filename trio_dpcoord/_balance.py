@@ -66,6 +66,8 @@ class EngineChooser:
     ROUTINGS: tuple[Routing, ...] = ROUTINGS
     """The policies ``routing`` takes (for command-line choices)."""
 
+    check_routing = staticmethod(check_routing)
+
     def __init__(
         self,
         engine_count: int,

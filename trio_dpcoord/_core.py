@@ -389,13 +389,12 @@ class CoordinatorCore:
         """How many subscriptions open the start-up gate (fixed at construction)."""
         return self._expected_engines
 
-    @property
     def engine_count(self) -> int:
         """How many engines the load table holds (changes with SCALE_ELASTIC_EP)."""
         return self._loads.engine_count
 
-    @property
     def gate_open(self) -> bool:
+        """Whether the start-up gate has opened (READY went out to the engines)."""
         return self._gate_open
 
     @property

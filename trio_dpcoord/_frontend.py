@@ -126,7 +126,6 @@ class Frontend:
         """
         return trio.current_time() - self._state.silent_since()
 
-    @property
     def connected(self) -> bool:
         """Whether the connection to the coordinator's front socket is up now."""
         return self._monitor.connected

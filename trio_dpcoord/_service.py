@@ -404,7 +404,7 @@ class Coordinator:
     def engine_count(self) -> int:
         """How many engines the load table holds (changes with SCALE_ELASTIC_EP)."""
         with self._lock:
-            return self._core.engine_count
+            return self._core.engine_count()
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""

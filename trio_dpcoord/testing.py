@@ -3,7 +3,9 @@
 For tests of a front-end or of the coordinator itself: each :class:`EnginePeer` is what
 a vLLM engine's coordinator-facing sockets are (an XSUB with its rank as identity, a
 PUSH of ``EngineCoreOutputs``), with no scheduler behind them. For engines that run
-waves in lock-step, see :mod:`trio_dpcoord.sim`.
+waves in lock-step, see :mod:`trio_dpcoord.sim`. :func:`open_coordinator_with_engines`
+is the usual opening of a test of the in-process coordinator (a coordinator, its engines,
+READY received); :func:`expect_broadcast` checks what every engine receives next.
 
 :func:`open_serve` runs ``python -m trio_dpcoord serve`` for the duration of a block and
 yields its endpoints; blocking callers build the same command with :func:`serve_command`
@@ -26,13 +28,16 @@ import trio
 import zmq
 
 from . import protocol
+from ._service import Coordinator, open_coordinator
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 __all__ = [
     "EnginePeer",
     "ServeProcess",
     "connect_engines",
+    "expect_broadcast",
     "open_child",
+    "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
     "rank_identity",
@@ -144,6 +149,40 @@ async def connect_engines(
                 await peer.subscribe()
             peers.append(peer)
         yield peers
+
+
+async def expect_broadcast(
+    peers: Sequence[EnginePeer], frames: Sequence[bytes], *, skip_ready: bool = False
+) -> None:
+    """Every engine receives exactly ``frames`` as its next broadcast (AssertionError
+    naming the engine if not). With ``skip_ready``, READY broadcasts in front of it are
+    passed over (a late subscription makes the coordinator send READY again)."""
+    expected = list(frames)
+    for peer in peers:
+        received = await peer.next_broadcast_frames()
+        while skip_ready and received == [protocol.READY] and expected != [protocol.READY]:
+            received = await peer.next_broadcast_frames()
+        if received != expected:
+            raise AssertionError(
+                f"engine {peer.index} received {received!r}, expected {expected!r}"
+            )
+
+
+@asynccontextmanager
+async def open_coordinator_with_engines(
+    engine_count: int, **options: Any
+) -> AsyncIterator[tuple[Coordinator, list[EnginePeer]]]:
+    """An in-process coordinator (``open_coordinator(engine_count, **options)``) and
+    ``engine_count`` engine peers connected to it, yielded once the gate has opened and
+    every engine has received READY: so the next broadcast an engine sees is the first
+    one its test caused."""
+    async with open_coordinator(engine_count, **options) as coordinator:
+        async with connect_engines(
+            coordinator.back_publish_address, coordinator.back_output_address, engine_count
+        ) as engines:
+            await coordinator.wait_ready()
+            await expect_broadcast(engines, [protocol.READY])
+            yield coordinator, engines
 
 
 # --------------------------------------------------------------------------- serve

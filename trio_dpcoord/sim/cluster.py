@@ -42,8 +42,14 @@ from typing import Any, Literal, Protocol
 
 import trio
 
-from .. import CoordinatorView, PrivateIpcDirectory, open_coordinator, open_frontend
-from .._balance import Routing, check_routing
+from .. import (
+    CoordinatorView,
+    EngineChooser,
+    PrivateIpcDirectory,
+    Routing,
+    open_coordinator,
+    open_frontend,
+)
 from .fleet import StandaloneCoordinator, open_engine_processes, open_serve_process
 from .frontend import LoadPlan, SimFrontend, WakePath, generate_load, open_sim_frontend
 from .frontend import percentile as _percentile
@@ -137,7 +143,7 @@ class ClusterConfig:
             raise ValueError("engines must be >= 1")
         if self.mode not in ("inproc", "standalone"):
             raise ValueError(f"mode must be inproc or standalone, got {self.mode!r}")
-        check_routing(self.routing)
+        EngineChooser.check_routing(self.routing)
 
 
 @dataclass(slots=True)

@@ -48,14 +48,8 @@ import msgpack
 import trio
 import zmq
 
-from .. import PrivateIpcDirectory, protocol
-from .._engine_client import EngineClient, open_engine_client
-from .._engine_protocol import (
-    ENGINE_CORE_DEAD,
-    EngineHandshakeError,
-    SamplingParams,
-    decode_handshake,
-)
+from .. import EngineClient, PrivateIpcDirectory, SamplingParams, open_engine_client, protocol
+from ..engine_protocol import ENGINE_CORE_DEAD, EngineHandshakeError, decode_handshake
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages

@@ -42,8 +42,7 @@ from typing import Literal
 import trio
 import zmq
 
-from .. import CoordinatorView, EngineChooser, PrivateIpcDirectory, protocol
-from .._balance import Routing
+from .. import CoordinatorView, EngineChooser, PrivateIpcDirectory, Routing, protocol
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
