@@ -80,7 +80,7 @@ def test_model_loads_count_waiting_running_and_blocks_in_use() -> None:
     rank.queue[0].started = True
     (load,) = model_loads([rank], block_size=16)
     assert (load.waiting, load.running) == (1, 1)
-    assert load.kv_cache_usage == (3 + 1) / 10  # 40 tokens: 3 blocks; 16 tokens: 1
+    assert load.kv_cache_usage == 3 / 10  # the running 40 tokens: 3 blocks; waiting: none
 
 
 def test_round_robin_spreads_requests_evenly() -> None:

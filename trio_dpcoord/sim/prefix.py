@@ -42,18 +42,22 @@ class RankCache:
         return matched
 
     def store(self, keys: list[int]) -> None:
-        changes = self.changes
+        """Cache one prompt's blocks (root first): touch those already cached, evict the
+        least recently used to make room, then store the new ones (at most the whole
+        cache, the leading ones). vLLM frees blocks (``BlockRemoved``) before it caches
+        new contents in them (one ``BlockStored`` per request), and so does the log."""
+        blocks, changes = self.blocks, self.changes
+        new = [key for key in keys if key not in blocks]
         for key in keys:
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-                continue
-            # Evict before storing, as vLLM frees a block (BlockRemoved) before it
-            # caches new contents in it (BlockStored).
-            while len(self.blocks) >= self.capacity_blocks:
-                evicted = self.blocks.popitem(last=False)[0]
-                if changes is not None:
-                    changes.append((False, evicted))
-            self.blocks[key] = None
+            if key in blocks:
+                blocks.move_to_end(key)
+        del new[self.capacity_blocks :]
+        for _ in range(len(blocks) + len(new) - self.capacity_blocks):
+            evicted = blocks.popitem(last=False)[0]
+            if changes is not None:
+                changes.append((False, evicted))
+        for key in new:
+            blocks[key] = None
             if changes is not None:
                 changes.append((True, key))
 

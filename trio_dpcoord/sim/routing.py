@@ -6,7 +6,7 @@ Each policy is what one front-end would do, fed what it would see:
 - :class:`ChooserPolicy` with ``routing="vllm"``: :class:`~trio_dpcoord.EngineChooser`'s
   byte-for-byte vLLM 0.33.0 score, fed once per step the loads the coordinator would
   report (per rank: waiting = queued requests not yet scheduled, running = the others,
-  KV usage = blocks the queued requests occupy over the cache's size) and told of
+  KV usage = blocks the running requests occupy over the cache's size, at most 1) and told of
   finished requests;
 - ``routing="prefix"``, approximate feed: the same loads; the router learns from its own
   decisions;
@@ -63,10 +63,10 @@ def model_loads(fleet: list[RankModel], block_size: int) -> list[EngineLoad]:
         for job in rank.queue:
             if job.started:
                 running += 1
+                done = job.request.output_len - job.decode_left
+                blocks += -(-(len(job.request.token_ids) + done) // block_size)
             else:
-                waiting += 1
-            done = job.request.output_len - job.decode_left
-            blocks += -(-(len(job.request.token_ids) + done) // block_size)
+                waiting += 1  # holds no KV blocks until scheduled
         usage = min(1.0, blocks / rank.cache.capacity_blocks)
         loads.append(EngineLoad(waiting=waiting, running=running, kv_cache_usage=usage))
     return loads
