@@ -891,7 +891,7 @@ class Runner:
             cpu = float(result["cpu_s"])
             if with_coordinator and result["coordinator_cpu_s"] is not None:
                 cpu += float(result["coordinator_cpu_s"])
-            return cpu / result["requests"] * 1000
+            return cpu / float(result["requests"]) * 1000
 
         def rates(kind: str) -> str:
             return ", ".join(f"{rate(p):.1f}" for p in passes[kind])
