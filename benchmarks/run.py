@@ -987,7 +987,9 @@ class Runner:
                                 hit / bound >= 0.9 if wants else None)
                         )
         for fleet_size in sizes.decision_ranks:
-            d = rt.measure_decision(fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks)
+            d = rt.measure_decision(
+                fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks
+            )
             self.details.setdefault("routing_decision", []).append(
                 {k: v for k, v in d.items() if not k.endswith("_us")}
             )
