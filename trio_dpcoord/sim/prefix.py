@@ -27,6 +27,9 @@ class RankCache:
 
     capacity_blocks: int
     blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    changes: list[tuple[bool, int]] | None = None
+    """When a list: every newly stored key as ``(True, key)`` and every evicted one as
+    ``(False, key)``, in order (what an engine's KV events report)."""
 
     def match(self, keys: list[int]) -> int:
         """Number of leading keys cached (touching them)."""
@@ -39,11 +42,24 @@ class RankCache:
         return matched
 
     def store(self, keys: list[int]) -> None:
+        """Cache one prompt's blocks (root first): touch those already cached, evict the
+        least recently used to make room, then store the new ones (at most the whole
+        cache, the leading ones). vLLM frees blocks (``BlockRemoved``) before it caches
+        new contents in them (one ``BlockStored`` per request), and so does the log."""
+        blocks, changes = self.blocks, self.changes
+        new = [key for key in keys if key not in blocks]
         for key in keys:
-            self.blocks[key] = None
-            self.blocks.move_to_end(key)
-            while len(self.blocks) > self.capacity_blocks:
-                self.blocks.popitem(last=False)
+            if key in blocks:
+                blocks.move_to_end(key)
+        del new[self.capacity_blocks :]
+        for _ in range(len(blocks) + len(new) - self.capacity_blocks):
+            evicted = blocks.popitem(last=False)[0]
+            if changes is not None:
+                changes.append((False, evicted))
+        for key in new:
+            blocks[key] = None
+            if changes is not None:
+                changes.append((True, key))
 
 
 @dataclass
@@ -52,6 +68,8 @@ class _Job:
     prefill_left: int
     decode_left: int
     first_token_s: float | None = None
+    started: bool = False
+    """Scheduled at least once: vLLM counts it as running, before that as waiting."""
 
 
 @dataclass
@@ -63,6 +81,16 @@ class RankModel:
     queries: int = 0
     hits: int = 0
     computed_prompt_tokens: int = 0
+    finished: int = 0
+    """Requests completed so far (what a front-end learns as ``finished_requests``)."""
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for job in self.queue if not job.started)
+
+    @property
+    def running(self) -> int:
+        return sum(1 for job in self.queue if job.started)
 
     def admit(self, request: Request, block_size: int) -> None:
         keys = block_keys(request.token_ids, block_size)
@@ -87,6 +115,8 @@ class FleetResult:
 
 
 Chooser = Callable[[Request, list[RankModel]], int]
+Reporter = Callable[[float, list[RankModel]], None]
+"""Called once per step, before that step's arrivals are routed: the load report."""
 
 
 def run_fleet(
@@ -98,9 +128,19 @@ def run_fleet(
     token_budget: int = 2048,
     step_fixed_s: float = 0.005,
     step_per_token_s: float = 2e-5,
+    report: Reporter | None = None,
+    kv_events: bool = False,
 ) -> FleetResult:
-    """Run ``trace`` to completion on ``ranks`` lock-step ranks; deterministic for a trace."""
+    """Run ``trace`` to completion on ``ranks`` lock-step ranks; deterministic for a trace.
+
+    ``report``, if given, sees the fleet at the start of every step (the coordinator's
+    load report); ``kv_events`` makes every rank log its cache's stores and evictions
+    (:attr:`RankCache.changes`) for an exact-feed policy to turn into KV events.
+    """
     fleet = [RankModel(RankCache(capacity_blocks)) for _ in range(ranks)]
+    if kv_events:
+        for model in fleet:
+            model.cache.changes = []
     pending = sorted(trace, key=lambda r: r.arrival_s)
     now = 0.0
     ttft: list[float] = []
@@ -109,6 +149,8 @@ def run_fleet(
     output_tokens = 0
     index = 0
     while index < len(pending) or any(rank.queue for rank in fleet):
+        if report is not None:
+            report(now, fleet)
         while index < len(pending) and pending[index].arrival_s <= now:
             request = pending[index]
             fleet[choose(request, fleet)].admit(request, block_size)
@@ -126,6 +168,7 @@ def run_fleet(
                     done += 1
             for job in rank.queue:
                 if job.prefill_left > 0 and budget > 0:
+                    job.started = True
                     chunk = min(job.prefill_left, budget)
                     job.prefill_left -= chunk
                     budget -= chunk
@@ -144,7 +187,9 @@ def run_fleet(
                         ttft.append(now - job.request.arrival_s)
                     job.decode_left -= 1
                     output_tokens += 1
+            before = len(rank.queue)
             rank.queue = [job for job in rank.queue if job.decode_left > 0]
+            rank.finished += before - len(rank.queue)
     queries = sum(rank.queries for rank in fleet)
     return FleetResult(
         hit_rate=sum(rank.hits for rank in fleet) / queries if queries else 0.0,

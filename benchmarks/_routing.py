@@ -1,0 +1,214 @@
+"""The ``routing`` section's measurements: policies on the lock-step prefix model, and the
+cost and memory of one prefix decision (see ``benchmarks/README.md``, section 10).
+
+No processes and no sockets: :func:`trio_dpcoord.sim.routing.run_policy` runs a trace on
+the deterministic model of lock-step ranks (:mod:`trio_dpcoord.sim.prefix`), so every
+figure is reproducible for its seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trio_dpcoord import EngineChooser, PrefixRouting
+from trio_dpcoord.protocol import EngineLoad
+from trio_dpcoord.sim.frontend import percentile
+from trio_dpcoord.sim.routing import POLICIES, make_policy, run_policy
+from trio_dpcoord.sim.traces import (
+    Request,
+    multi_turn_chat,
+    no_reuse,
+    reuse_bound,
+    shared_documents,
+)
+
+logger = logging.getLogger("benchmarks.routing")
+
+TRACES = ("multi-turn", "shared docs", "no reuse")
+POLICY_LABELS = {
+    "round-robin": "round-robin",
+    "vllm": "vLLM 0.33.0 score",
+    "approximate": "ours approximate",
+    "exact": "ours exact",
+}
+BYTES_PER_BLOCK_BOUND = 250
+"""PrefixRouting's documented index cost per remembered block ("about 250 bytes")."""
+
+
+@dataclass(frozen=True)
+class RoutingSizes:
+    ranks: tuple[int, ...]
+    seeds: dict[int, int]
+    """Seeds per rank count (the larger fleets take longer per run)."""
+    sessions_per_rank: int
+    """Multi-turn: sessions per rank (6 turns each); the other traces send 6x as many
+    requests per rank, so every trace has the same number of requests."""
+    rate_per_rank: float
+    """Offered requests/s per rank: above what the fleet serves without prefix hits, so
+    the makespan, hence throughput, measures the fleet's capacity, not the arrivals."""
+    capacity_blocks: int
+    """Each rank's prefix cache (and the router's per-rank bound), in 16-token blocks."""
+    decision_ranks: tuple[int, ...]
+    decision_calls: int
+    decision_capacity_blocks: int
+
+
+ROUTING_QUICK = RoutingSizes(
+    ranks=(8, 64),
+    seeds={8: 2, 64: 1},
+    sessions_per_rank=8,
+    rate_per_rank=600.0,
+    capacity_blocks=512,
+    decision_ranks=(8, 64, 256),
+    decision_calls=2_000,
+    decision_capacity_blocks=1024,
+)
+ROUTING_FULL = RoutingSizes(
+    ranks=(8, 64),
+    seeds={8: 4, 64: 2},
+    sessions_per_rank=16,
+    rate_per_rank=600.0,
+    capacity_blocks=1024,
+    decision_ranks=(8, 64, 256),
+    decision_calls=10_000,
+    decision_capacity_blocks=1024,
+)
+
+
+def make_trace(name: str, seed: int, ranks: int, sizes: RoutingSizes) -> list[Request]:
+    """One of :data:`TRACES`, scaled to ``ranks``, with the same number of requests."""
+    spr = sizes.sessions_per_rank
+    rate = sizes.rate_per_rank * ranks
+    if name == "multi-turn":
+        # ~1,660 tokens (104 blocks) per session by its 6th turn: 16 sessions a rank
+        # are ~1,660 blocks, more than a rank's cache.
+        return multi_turn_chat(seed, sessions=spr * ranks, turns=6, rate_per_s=rate)
+    if name == "shared docs":
+        # 4,096-token documents, ranks/2 of them (at least 4): 256 blocks each.
+        return shared_documents(
+            seed, users=6 * spr * ranks, documents=max(4, ranks // 2), rate_per_s=rate
+        )
+    if name == "no reuse":
+        return no_reuse(seed, requests=6 * spr * ranks, rate_per_s=rate)
+    raise ValueError(f"unknown trace {name!r}")
+
+
+@dataclass(frozen=True)
+class PolicyFigures:
+    hit_rate: float
+    throughput: float
+    """Output tokens per second of model time."""
+    ttft_p50_s: float
+    ttft_p99_s: float
+    busiest_over_mean: float
+    guard_fallbacks: int
+
+
+def measure_policies(
+    sizes: RoutingSizes, progress: Callable[[str], None] = logger.info
+) -> dict[str, Any]:
+    """Every (ranks, trace, seed, policy): its figures, and each trace's reuse bound.
+
+    Returns ``{ranks: {trace: {"bound": [per seed], policy: [PolicyFigures per seed]}}}``.
+    """
+    out: dict[str, Any] = {}
+    for ranks in sizes.ranks:
+        by_trace: dict[str, Any] = {}
+        for trace_name in TRACES:
+            cell: dict[str, Any] = {"bound": []}
+            for name in POLICIES:
+                cell[name] = []
+            for seed in range(sizes.seeds[ranks]):
+                trace = make_trace(trace_name, seed, ranks, sizes)
+                cell["bound"].append(reuse_bound(trace))
+                for policy_name in POLICIES:
+                    started = time.perf_counter()
+                    policy = make_policy(policy_name, ranks, sizes.capacity_blocks)
+                    result = run_policy(trace, ranks, policy, sizes.capacity_blocks)
+                    counters = getattr(getattr(policy, "chooser", None), "router_counters", None)
+                    cell[policy_name].append(
+                        PolicyFigures(
+                            hit_rate=result.hit_rate,
+                            throughput=result.throughput_tokens_per_s,
+                            ttft_p50_s=percentile(result.ttft_s, 50),
+                            ttft_p99_s=percentile(result.ttft_s, 99),
+                            busiest_over_mean=result.busiest_over_mean,
+                            guard_fallbacks=counters.guard_fallbacks if counters else 0,
+                        )
+                    )
+                    progress(
+                        f"routing: {ranks} ranks, {trace_name}, seed {seed}, {policy_name}: "
+                        f"hit {result.hit_rate:.3f}, {time.perf_counter() - started:.1f} s"
+                    )
+            by_trace[trace_name] = cell
+        out[str(ranks)] = by_trace
+    return out
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values)
+
+
+def _tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.getrandbits(15) for _ in range(count)]
+
+
+def measure_decision(ranks: int, calls: int, capacity_blocks: int, seed: int = 0) -> dict[str, Any]:
+    """p50/p99 of ``EngineChooser.choose`` with 4,096-token prompts on a warm index, ours
+    (prefix, approximate) and vLLM's score (same loads), and the index's memory.
+
+    Warm: documents of 4,096 tokens, one per rank, are routed until every rank's index
+    is at its bound; each timed prompt is a document's first 3,840 tokens plus 256 new
+    ones (a follow-up turn: 240 blocks to match, 16 new), so the walk is deep.
+    """
+    rng = random.Random(seed)
+    docs = [_tokens(rng, 4096) for _ in range(ranks)]
+    loads = [EngineLoad(waiting=rng.randrange(4), running=rng.randrange(8), kv_cache_usage=0.3)
+             for _ in range(ranks)]
+    routing = PrefixRouting(capacity_blocks=capacity_blocks)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    ours = EngineChooser(ranks, routing="prefix", prefix=routing)
+    now = 0.0
+    fill = 0
+    router = ours.router
+    assert router is not None
+    while router.stored_blocks < ranks * capacity_blocks and fill < 4 * ranks * capacity_blocks:
+        # fresh filler prompts fill the indexes; a document now and then keeps them warm
+        prompt = docs[fill % ranks] if fill % 4 == 0 else _tokens(rng, 4096)
+        ours.choose(loads, prompt, now=now)
+        now += 1e-4
+        fill += 1
+    memory = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    for doc in docs:  # the documents themselves, on the ranks the router gives them
+        ours.choose(loads, doc, now=now)
+    prompts = [docs[rng.randrange(ranks)][:3840] + _tokens(rng, 256) for _ in range(calls)]
+    base = EngineChooser(ranks)
+    timings: dict[str, list[float]] = {"ours": [], "vllm": []}
+    clock = time.perf_counter_ns
+    for prompt in prompts:
+        t0 = clock()
+        ours.choose(loads, prompt, now=now)
+        t1 = clock()
+        base.choose(loads, prompt, now=now)
+        t2 = clock()
+        timings["ours"].append((t1 - t0) / 1000)
+        timings["vllm"].append((t2 - t1) / 1000)
+        now += 1e-4
+    return {
+        "ranks": ranks,
+        "ours_us": timings["ours"],
+        "vllm_us": timings["vllm"],
+        "stored_blocks": router.stored_blocks,
+        "bound_blocks": ranks * capacity_blocks,
+        "memory_bytes": memory,
+        "cached_fraction": router.counters.cached_tokens / max(1, router.counters.prompt_tokens),
+    }
