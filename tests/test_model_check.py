@@ -13,7 +13,16 @@ when nothing else can happen (the timeout is far longer than any delivery or ste
 Channels have ZeroMQ's ordering: each engine's PUSH to the coordinator is FIFO but
 unordered against other engines'; every engine consumes its broadcasts and its requests
 (two sockets) in order but independently of its peers; the front socket's legacy
-FIRST_REQ notices are FIFO and join the handle's claims in the one FIFO command channel.
+FIRST_REQ notices are FIFO and applied as they are read (``receive_front_frame``). The
+embedding handle claims the wake-up synchronously (``claim_first_request``); the service
+then applies the claim's ``FirstRequest`` at once, under the same lock. The checker lets
+each claim wait in a FIFO queue and be applied at any later point instead: a superset of
+the service's interleavings, which also covers an embedder that drives the core itself
+and applies its claims later, as the core's contract allows.
+
+The checker reads the core's private decision state (``_observe``) to memoise states, and
+swaps its wave rule for the mutants: a documented exception to "tests use public names
+only", since no public read should expose what only a state-space search needs.
 
 Checked in every reachable state: the coordinator's wave never decreases; it never
 broadcasts a wave it already broadcast while that wave runs; engines stepping together
@@ -118,7 +127,8 @@ class World:
     reports_in_flight: tuple[tuple[Report, ...], ...]
     """Per engine: its PUSH to the coordinator."""
     commands: tuple[Command, ...]
-    """The command channel: the handle's claims and legacy FIRST_REQs, in order."""
+    """The handle's claimed FirstRequests not yet applied, in order (see the module's
+    docstring: the service applies each at once, the checker at any later point)."""
     front_notices: tuple[Notice, ...]
     """Legacy FIRST_REQ notices on their way over the front socket."""
     publishes: tuple[tuple[int, bool], ...]
@@ -428,7 +438,8 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                 reports_in_flight=_set(world.reports_in_flight, i, world.reports_in_flight[i][1:]),
             )
 
-    # The command receiver applies the next command; the front receiver reads FIRST_REQ.
+    # The handle's next claimed FirstRequest is applied; the front socket's next FIRST_REQ
+    # is read and applied.
     if world.commands:
         wave, target, legacy = world.commands[0]
         what = (
