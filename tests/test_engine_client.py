@@ -291,3 +291,18 @@ async def test_http_frontend_serves_engines_through_the_client() -> None:
                 await child.process.wait()
                 assert child.process.returncode == 0, child.stderr
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_pinned_request_leaves_the_chosen_requests_counts_alone() -> None:
+    """vLLM's routing counts only the requests it placed: a pinned request that ends on
+    the same rank must not release the count of a chosen one still running there."""
+    with trio.fail_after(TIMEOUT):
+        async with _fleet(2) as (client, _):
+            async with client.generate([1], SamplingParams(max_tokens=10**6)) as chosen:
+                await chosen.__anext__()
+                assert client.chooser.inflight[chosen.rank] == 1
+                pinned = await client.complete([2], SamplingParams(max_tokens=2), rank=chosen.rank)
+                assert pinned.finish_reason == "length"
+                assert client.chooser.inflight[chosen.rank] == 1
+            assert client.chooser.inflight == (0, 0)

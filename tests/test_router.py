@@ -452,14 +452,31 @@ def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
     # A pinned request is learnt on its rank: its next turn follows it there.
     pinned = next(r for r in range(4) if r not in (first, other))
     session = family_prompt(1, 2, 10)
-    chooser.observe(pinned, session, now=1.0)
+    assert chooser.observe(pinned, session, now=1.0)  # counted in flight there
     assert chooser.choose(loads, [*session, *range(4)], now=2.0) == pinned
     # Without token ids: the load part alone, the least loaded rank.
     assert chooser.choose(loads, now=2.0) not in (first, other, pinned)
     counters = chooser.router_counters
     assert counters is not None and counters.decisions == 6
     assert 0 < counters.cached_tokens < counters.prompt_tokens
-    assert chooser.inflight[first] == 2 and sum(chooser.inflight) == 5  # observe(): none
+    assert chooser.inflight[first] == 2 and sum(chooser.inflight) == 6  # 5 chosen, 1 pinned
+
+
+def test_only_a_counted_pinned_request_is_released_by_finished() -> None:
+    """vLLM's routing does not count a pinned request (as vLLM): ``observe`` says so, and
+    the caller must not call ``finished`` for it, or a chosen request's count on that
+    rank would be released while it still runs. The prefix policy counts it."""
+    vllm = EngineChooser(2)
+    chosen = vllm.choose(idle(2))
+    assert vllm.observe(chosen, [1, 2, 3]) is False
+    assert vllm.inflight[chosen] == 1
+    prefix = EngineChooser(2, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    chosen = prefix.choose(idle(2), family_prompt(0, 0, 4), now=0.0)
+    assert prefix.observe(chosen, family_prompt(1, 0, 4), now=0.0) is True
+    assert prefix.inflight[chosen] == 2
+    prefix.finished(chosen)
+    prefix.finished(chosen)
+    assert prefix.inflight[chosen] == 0
 
 
 def test_the_wired_chooser_counts_its_own_work_until_the_next_report() -> None:

@@ -203,16 +203,23 @@ class EngineChooser:
 
     def observe(
         self, engine_index: int, prompt_token_ids: Sequence[int], *, now: float | None = None
-    ) -> None:
+    ) -> bool:
         """A request for ``prompt_token_ids`` went to ``engine_index`` without
         :meth:`choose` (a pinned ``data_parallel_rank``): with ``routing="prefix"`` its
         uncached tokens count as queued there and, with the approximate feed, its prompt
-        as cached there. No-op with vLLM's routing (as vLLM does for pinned requests)."""
+        as cached there; it is then in flight there like a chosen one. No-op with vLLM's
+        routing (as vLLM does for pinned requests).
+
+        Returns whether the request now counts as in flight: only then must
+        :meth:`finished` follow when it ends (a ``finished`` for an uncounted request
+        would release a chosen request's count)."""
         router = self._router
         if router is None or not 0 <= engine_index < router.ranks:
-            return
+            return False
         decision = router.route(prompt_token_ids, self._queued, self._clock(now), engine_index)
         self._charge(engine_index, len(prompt_token_ids) - decision.cached_tokens, True)
+        self._inflight[engine_index] += 1
+        return True
 
     def receive_kv_events(
         self, engine_index: int, seq: int, payload: bytes, *, now: float | None = None

@@ -266,6 +266,9 @@ class EngineClient:
         self._send = send_channel
         self._table = RequestTable()
         self._streams: dict[str, RequestStream] = {}
+        self._uncounted: set[str] = set()
+        """Pinned requests the chooser does not count in flight (vLLM's routing): their
+        end must not release a chosen request's count."""
         self._calls: dict[int, _PendingCall] = {}
         self._chooser = chooser if chooser is not None else EngineChooser(engine_count)
         self._closed = False
@@ -488,7 +491,8 @@ class EngineClient:
             rank = stream._pinned
             if rank in self._table.dead:
                 raise EngineDeadError(rank, "taken as dead earlier")
-            self._chooser.observe(rank, stream._prompt, now=trio.current_time())
+            if not self._chooser.observe(rank, stream._prompt, now=trio.current_time()):
+                self._uncounted.add(stream.request_id)
         else:
             rank = self._choose(stream._prompt)
         self._table.add(stream.request_id, rank)
@@ -520,7 +524,7 @@ class EngineClient:
             return
         self._table.finish(stream.request_id, RequestState.ABORTED)
         self._streams.pop(stream.request_id, None)
-        self._chooser.finished(rank)
+        self._chooser_finished(stream.request_id, rank)
         self.requests_aborted += 1
         if not self._closed:
             with suppress(EngineClientClosedError):
@@ -564,7 +568,7 @@ class EngineClient:
         for request_id in aborted:
             self._table.finish(request_id, RequestState.ABORTED)
             self._streams.pop(request_id, None)
-            self._chooser.finished(rank)
+            self._chooser_finished(request_id, rank)
             self.requests_aborted += 1
         if aborted:
             self._queue(rank, encode_abort(aborted))
@@ -574,7 +578,14 @@ class EngineClient:
     def _finish(self, request_id: str, rank: int) -> None:
         self._table.finish(request_id)
         self._streams.pop(request_id, None)
-        self._chooser.finished(rank)
+        self._chooser_finished(request_id, rank)
+
+    def _chooser_finished(self, request_id: str, rank: int) -> None:
+        """The request left ``rank``: release its count in the chooser, if it had one."""
+        if request_id in self._uncounted:
+            self._uncounted.discard(request_id)
+        else:
+            self._chooser.finished(rank)
 
     def _receive_utility(self, rank: int, raw: object) -> None:
         try:
@@ -609,7 +620,7 @@ class EngineClient:
         )
         for request_id in requests:
             stream = self._streams.pop(request_id, None)
-            self._chooser.finished(rank)
+            self._chooser_finished(request_id, rank)
             if stream is not None:
                 stream._fail(EngineDeadError(rank, reason))
         for call_id in calls:

@@ -159,10 +159,13 @@ class Frontend:
         """
         return self._state.choose_engine(prompt_token_ids, trio.current_time())
 
-    def observe_request(self, engine_index: int, prompt_token_ids: Sequence[int]) -> None:
+    def observe_request(self, engine_index: int, prompt_token_ids: Sequence[int]) -> bool:
         """A request went to ``engine_index`` without :meth:`choose_engine` (a pinned
-        ``data_parallel_rank``): the prefix policy learns it (no-op with vLLM's)."""
-        self._state.observe_request(engine_index, prompt_token_ids, trio.current_time())
+        ``data_parallel_rank``): the prefix policy learns it (no-op with vLLM's).
+        Returns whether it now counts in flight there: only then must
+        :meth:`request_finished` follow when it ends (otherwise that would release the
+        count of a request the chooser placed)."""
+        return self._state.observe_request(engine_index, prompt_token_ids, trio.current_time())
 
     def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
         """One of ``engine_index``'s vLLM KV-event batches (from its ``--kv-events-config``

@@ -207,12 +207,14 @@ class FrontendState:
 
     def observe_request(
         self, engine_index: int, prompt_token_ids: Sequence[int], now: float | None = None
-    ) -> None:
+    ) -> bool:
         """A request went to ``engine_index`` without :meth:`choose_engine` (pinned): the
-        prefix policy learns it (no-op with vLLM's)."""
+        prefix policy learns it (no-op with vLLM's). Returns whether it now counts in
+        flight there: only then must :meth:`request_finished` follow when it ends."""
         loads = self.engine_loads()
-        if loads:
-            self._ensure_chooser(len(loads)).observe(engine_index, prompt_token_ids, now=now)
+        if not loads:
+            return False
+        return self._ensure_chooser(len(loads)).observe(engine_index, prompt_token_ids, now=now)
 
     def receive_kv_events(
         self, engine_index: int, seq: int, payload: bytes, now: float | None = None

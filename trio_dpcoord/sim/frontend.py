@@ -121,6 +121,8 @@ class SimFrontend:
         self._next_request = 0
         self._next_call = 1
         self._pending: dict[str, int] = {}
+        self._uncounted: set[str] = set()
+        """Pinned requests the chooser does not count in flight (vLLM's routing)."""
         self._max_tokens: dict[str, int | None] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}
         self._lost: set[int] = set()
@@ -259,10 +261,12 @@ class SimFrontend:
         snapshot = self.view.snapshot()
         self._observe_front_wave(snapshot.current_wave)
         prompt = self._prompts[request_id]
+        self._uncounted.discard(request_id)  # a resubmission is counted afresh
         if engine is None:
             engine = self.chooser.choose(self._loads(), prompt, now=trio.current_time())
         else:
-            self.chooser.observe(engine, prompt, now=trio.current_time())
+            if not self.chooser.observe(engine, prompt, now=trio.current_time()):
+                self._uncounted.add(request_id)
         if self._wake is None and not any(self.engine_running):
             self._wake = _WakeMeasurement(trio.current_time(), set(range(self.engine_count)))
         request = protocol.EngineCoreRequest(
@@ -299,6 +303,13 @@ class SimFrontend:
                 self.timeline.notifications.append(trio.current_time())
             self.view.notify_first_request(engine)
 
+    def _chooser_finished(self, request_id: str, engine: int) -> None:
+        """The request left ``engine``: release its count in the chooser, if it had one."""
+        if request_id in self._uncounted:
+            self._uncounted.discard(request_id)
+        else:
+            self.chooser.finished(engine)
+
     def _record_in_flight(self) -> None:
         if self.timeline is not None:
             self.timeline.in_flight.append((trio.current_time(), self.pending))
@@ -319,7 +330,7 @@ class SimFrontend:
         stranded = [r for r, engine in self._pending.items() if engine == rank]
         for request_id in stranded:
             del self._pending[request_id]
-            self.chooser.finished(rank)
+            self._chooser_finished(request_id, rank)
         self._orphans.extend(stranded)
         logger.warning(
             "front-end: engine %d lost at wave %d; %d in-flight requests will be resubmitted",
@@ -447,7 +458,7 @@ class SimFrontend:
                 self.bad_messages += 1
                 logger.warning("front-end: engine %d finished unknown request %r", rank, request_id)
                 continue
-            self.chooser.finished(engine)
+            self._chooser_finished(request_id, engine)
             self._max_tokens.pop(request_id, None)
             self._prompts.pop(request_id, None)
             self.completed += 1
