@@ -179,9 +179,7 @@ def _result(
 async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     from trio_dpcoord import SamplingParams, open_engine_client
 
-    params = SamplingParams(
-        max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0
-    )
+    params = SamplingParams(max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0)
     started = time.monotonic()
     async with open_engine_client(
         plan["engines"],

@@ -170,8 +170,10 @@ def measure_decision(ranks: int, calls: int, capacity_blocks: int, seed: int = 0
     """
     rng = random.Random(seed)
     docs = [_tokens(rng, 4096) for _ in range(ranks)]
-    loads = [EngineLoad(waiting=rng.randrange(4), running=rng.randrange(8), kv_cache_usage=0.3)
-             for _ in range(ranks)]
+    loads = [
+        EngineLoad(waiting=rng.randrange(4), running=rng.randrange(8), kv_cache_usage=0.3)
+        for _ in range(ranks)
+    ]
     routing = PrefixRouting(capacity_blocks=capacity_blocks)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

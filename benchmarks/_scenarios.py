@@ -168,7 +168,11 @@ def serving(
         stop_signal = signal.SIGINT
     if kind == VLLM:
         with spawn(
-            name, argv, env.log_dir, eof_grace=0.0, env=vllm_env(env.vllm_root),
+            name,
+            argv,
+            env.log_dir,
+            eof_grace=0.0,
+            env=vllm_env(env.vllm_root),
             stop_signal=stop_signal,
         ) as child:
             bound_front, bound_out, bound_pub = child.read_marked(ADDRESSES_MARKER, 60)

@@ -97,9 +97,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                         first.set_result(None)
                     done.set_result(tokens.pop(output.request_id))
 
-    params = SamplingParams(
-        max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0
-    )
+    params = SamplingParams(max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0)
     counter = iter(range(10**9))
 
     async def one(prompt: list[int]) -> tuple[float, int]:

@@ -649,7 +649,6 @@ class Runner:
             )
         )
 
-
     # -- 7 ---------------------------------------------------------------------------------
 
     def saturation(self) -> None:
@@ -709,9 +708,7 @@ class Runner:
                 row.met = largest.get(sc.STANDALONE, 0) >= 2048
             self.rows.append(row)
 
-    def _saturation_rows(
-        self, interval: float, n: int, point: dict[str, dict[str, Any]]
-    ) -> None:
+    def _saturation_rows(self, interval: float, n: int, point: dict[str, dict[str, Any]]) -> None:
         ours, base = point.get(sc.STANDALONE, {}), point.get(sc.VLLM, {})
         prefix = f"N={n} @{interval:g} ms"
         if "failed" in ours or not ours:
@@ -856,8 +853,13 @@ class Runner:
             f"{sizes.requests} requests, {sizes.concurrency} in flight, "
             f"{sizes.max_tokens} tokens each, DP = {ec.ENGINES}"
         )
-        figures = ("requests/s", "TTFT p50", "TTFT p99", "CPU per request, client process",
-                   "CPU per request, client + DP coordinator")
+        figures = (
+            "requests/s",
+            "TTFT p50",
+            "TTFT p99",
+            "CPU per request, client process",
+            "CPU per request, client + DP coordinator",
+        )
         reason = ec.unavailable()
         if reason:
             for figure in figures:
@@ -891,16 +893,36 @@ class Runner:
             f"vLLM {base['requests_by_rank']}; waves: ours {ours['waves']}"
         )
         self.rows += [
-            Row("9 client", f"requests/s ({load})", rate(ours), "req/s", rate(base), label,
-                note=startup),
+            Row(
+                "9 client",
+                f"requests/s ({load})",
+                rate(ours),
+                "req/s",
+                rate(base),
+                label,
+                note=startup,
+            ),
             Row("9 client", "TTFT p50", ttft_ms(ours, 50), "ms", ttft_ms(base, 50), label),
             Row("9 client", "TTFT p99", ttft_ms(ours, 99), "ms", ttft_ms(base, 99), label),
-            Row("9 client", figures[3], cpu_ms(ours, False), "ms", cpu_ms(base, False), label,
-                note="ours: the coordinator is inside"),
-            Row("9 client", figures[4], cpu_ms(ours, True), "ms", cpu_ms(base, True), label,
-                note="vLLM's coordinator is a process of its own"),
+            Row(
+                "9 client",
+                figures[3],
+                cpu_ms(ours, False),
+                "ms",
+                cpu_ms(base, False),
+                label,
+                note="ours: the coordinator is inside",
+            ),
+            Row(
+                "9 client",
+                figures[4],
+                cpu_ms(ours, True),
+                "ms",
+                cpu_ms(base, True),
+                label,
+                note="vLLM's coordinator is a process of its own",
+            ),
         ]
-
 
     # -- 10 (opt-in) -----------------------------------------------------------------------
 
@@ -963,17 +985,32 @@ class Runner:
                             fallbacks = sum(f.guard_fallbacks for f in cell[policy])
                             note += f", guard fallbacks {fallbacks / seeds:.0f}/run"
                         self.rows.append(
-                            Row(section, f"{trace}: {label}, {figure}", value, unit, baseline,
-                                base_label, "" if policy == "round-robin" else target, met,
-                                note=note)
+                            Row(
+                                section,
+                                f"{trace}: {label}, {figure}",
+                                value,
+                                unit,
+                                baseline,
+                                base_label,
+                                "" if policy == "round-robin" else target,
+                                met,
+                                note=note,
+                            )
                         )
                     if policy != "round-robin" and bound > 0:
                         hit = rt.mean([f.hit_rate for f in cell[policy]]) * 100
                         wants = trace == "multi-turn"
                         self.rows.append(
-                            Row(section, f"{trace}: {label}, hit rate vs reuse bound", hit,
-                                "%", bound, "reuse bound", ">= 0.9x" if wants else "",
-                                hit / bound >= 0.9 if wants else None)
+                            Row(
+                                section,
+                                f"{trace}: {label}, hit rate vs reuse bound",
+                                hit,
+                                "%",
+                                bound,
+                                "reuse bound",
+                                ">= 0.9x" if wants else "",
+                                hit / bound >= 0.9 if wants else None,
+                            )
                         )
         for fleet_size in sizes.decision_ranks:
             d = rt.measure_decision(
@@ -988,22 +1025,43 @@ class Runner:
                 target = "<= 100 us" if fleet_size == 256 and q == 99 else ""
                 value = percentile(d["ours_us"], q)
                 self.rows.append(
-                    Row(section, f"choose() p{q}, prefix ({shape})", value, "us",
-                        percentile(d["vllm_us"], q), "vLLM 0.33.0 score (no prompt)", target,
+                    Row(
+                        section,
+                        f"choose() p{q}, prefix ({shape})",
+                        value,
+                        "us",
+                        percentile(d["vllm_us"], q),
+                        "vLLM 0.33.0 score (no prompt)",
+                        target,
                         value <= 100 if target else None,
-                        note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached")
+                        note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached",
+                    )
                 )
             self.rows.append(
-                Row(section, "index: blocks remembered", float(d["stored_blocks"]), "blocks",
-                    float(d["bound_blocks"]), f"bound ({fleet_size} x capacity_blocks)", "<= 1.0x",
-                    d["stored_blocks"] <= d["bound_blocks"])
+                Row(
+                    section,
+                    "index: blocks remembered",
+                    float(d["stored_blocks"]),
+                    "blocks",
+                    float(d["bound_blocks"]),
+                    f"bound ({fleet_size} x capacity_blocks)",
+                    "<= 1.0x",
+                    d["stored_blocks"] <= d["bound_blocks"],
+                )
             )
             bound_bytes = float(d["bound_blocks"] * rt.BYTES_PER_BLOCK_BOUND)
             self.rows.append(
-                Row(section, "index memory (tracemalloc)", d["memory_bytes"] / 2**20, "MiB",
-                    bound_bytes / 2**20, f"{rt.BYTES_PER_BLOCK_BOUND} B/block documented",
-                    "<= 1.0x", d["memory_bytes"] <= bound_bytes,
-                    note=f"{d['memory_bytes'] / max(1, d['stored_blocks']):.0f} B/block")
+                Row(
+                    section,
+                    "index memory (tracemalloc)",
+                    d["memory_bytes"] / 2**20,
+                    "MiB",
+                    bound_bytes / 2**20,
+                    f"{rt.BYTES_PER_BLOCK_BOUND} B/block documented",
+                    "<= 1.0x",
+                    d["memory_bytes"] <= bound_bytes,
+                    note=f"{d['memory_bytes'] / max(1, d['stored_blocks']):.0f} B/block",
+                )
             )
 
 

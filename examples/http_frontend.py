@@ -243,6 +243,7 @@ class CompletionsApp:
             return
         chunks_send, chunks = trio.open_memory_channel[tuple[tuple[int, ...], int | None]](math.inf)
         wave = self.frontend.view.snapshot().current_wave
+
         def on_output(tokens: tuple[int, ...], reason: int | None) -> None:
             chunks_send.send_nowait((tokens, reason))
 
@@ -519,15 +520,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-remote",
         action="store_true",
-        help="with the engine client: bind on a host other than loopback "
-        "(unauthenticated)",
+        help="with the engine client: bind on a host other than loopback (unauthenticated)",
     )
     parser.add_argument(
         "--startup-timeout",
         type=float,
         default=600.0,
-        help="with the engine client: seconds to wait for every engine "
-        "(default: %(default)s)",
+        help="with the engine client: seconds to wait for every engine (default: %(default)s)",
     )
     parser.add_argument("--log-level", default="WARNING", help="(default: %(default)s)")
     return parser
@@ -553,9 +552,10 @@ async def run_engine_client(args: argparse.Namespace) -> int:
                 app.begin_drain(args.drain_timeout)
             shutdown.set()
 
-    with trio.CancelScope() as run_scope, trio.open_signal_receiver(
-        signal.SIGINT, signal.SIGTERM
-    ) as signals:
+    with (
+        trio.CancelScope() as run_scope,
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+    ):
 
         def engine_failed(message: str) -> None:
             failures.append(message)

@@ -677,8 +677,9 @@ def test_an_expected_shutdown_is_told_at_info_and_a_mass_rejoin_is_summed_up(
         return found
 
     core.receive_engine_subscription(UNSUB, 1.0)  # an engine dies: that is news
-    assert lines(logging.WARNING) == ["an engine unsubscribed (19 still subscribed); "
-                                      "it will get READY again when it comes back"]
+    assert lines(logging.WARNING) == [
+        "an engine unsubscribed (19 still subscribed); it will get READY again when it comes back"
+    ]
     core.receive_engine_subscription(SUB, 1.5)  # it comes back
     for engine in range(20):  # every engine rejoins (a restart of the fleet)
         core.receive_engine_subscription(UNSUB, 2.0)

@@ -186,7 +186,11 @@ def test_wire_messages() -> None:
         bytes.fromhex("940007ab69735f736c656570696e6790"),  # vLLM 0.32.0's bytes
     ]
     frames = encode_add(
-        "r", [1, 2], SamplingParams(max_tokens=3), arrival_time=2.0, current_wave=4,
+        "r",
+        [1, 2],
+        SamplingParams(max_tokens=3),
+        arrival_time=2.0,
+        current_wave=4,
         data_parallel_rank=1,
     )
     items = msgpack.unpackb(frames[1])

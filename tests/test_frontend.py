@@ -122,9 +122,7 @@ async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets
                 # The coordinator's next publish shows the request waiting there.
                 for rank, engine in enumerate(engines):
                     await engine.stats(int(rank == first), 0, 0.0, wave=0, step=1)
-                await frontend.wait_for(
-                    lambda f: f.engine_loads()[first] == EngineLoad(1, 0, 0.0)
-                )
+                await frontend.wait_for(lambda f: f.engine_loads()[first] == EngineLoad(1, 0, 0.0))
                 assert frontend.choose_engine([*history, *range(32)]) == first
                 elsewhere = frontend.choose_engine(list(range(5000, 5256)))
                 assert elsewhere != first

@@ -363,8 +363,6 @@ async def coordinator_engines_and_front() -> AsyncIterator[
             yield coordinator, engines, front
 
 
-
-
 @settings(
     max_examples=300,
     deadline=None,
@@ -427,9 +425,7 @@ async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
             await engines[0].wave_complete(MAX_WAVE)
             await front.send(protocol.encode_scale_elastic_ep(10**12))
             await coordinator.wait_for(
-                lambda c: (
-                    c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
-                )
+                lambda c: c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
             )
             assert coordinator.snapshot() == WaveSnapshot(0, False)
             assert coordinator.engine_count() == ENGINES

@@ -166,8 +166,17 @@ async def test_run_through_the_engine_client_succeeds() -> None:
     """--engine-protocol vllm: simulated engine-core processes behind open_engine_client."""
     with trio.fail_after(90):
         code, out, err = await _launch(
-            "--engine-protocol=vllm", "--engines=3", "--requests=60", "--pause-every=2",
-            "--burst", "10", "20", "--gap", "0.1", "0.2", "--json",
+            "--engine-protocol=vllm",
+            "--engines=3",
+            "--requests=60",
+            "--pause-every=2",
+            "--burst",
+            "10",
+            "20",
+            "--gap",
+            "0.1",
+            "0.2",
+            "--json",
         )
     assert code == 0, err
     summary = _summary(out)

@@ -152,9 +152,7 @@ async def test_wave_start_leaves_before_the_reports_queued_behind_it() -> None:
                 nursery.start_soon(sender)
                 nursery.start_soon(engine_one)
             assert applied_at_start[0] < behind
-            await coordinator.wait_for(
-                lambda c: c.counters().stats_applied - before == behind
-            )
+            await coordinator.wait_for(lambda c: c.counters().stats_applied - before == behind)
             assert coordinator.engine_loads()[1].waiting == behind - 1
 
 

@@ -27,10 +27,13 @@ def test_cache_never_exceeds_capacity_and_only_uncached_is_computed() -> None:
 def test_deterministic_and_affinity_beats_round_robin() -> None:
     trace = multi_turn_chat(1, sessions=16, turns=4)
     counter = itertools.count()
+
     def round_robin(request: Request, fleet: list[RankModel]) -> int:
         return next(counter) % len(fleet)
+
     def affinity(request: Request, fleet: list[RankModel]) -> int:
         return request.session_id % len(fleet)
+
     first = run_fleet(trace, 4, affinity, capacity_blocks=200)
     assert first == run_fleet(trace, 4, affinity, capacity_blocks=200)
     scattered = run_fleet(trace, 4, round_robin, capacity_blocks=200)

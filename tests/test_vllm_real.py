@@ -80,9 +80,7 @@ def _record(
         **row,
     }
     if before is not None:
-        entry["coordinator_cpu_seconds_scenario"] = round(
-            usage.cpu_seconds - before.cpu_seconds, 2
-        )
+        entry["coordinator_cpu_seconds_scenario"] = round(usage.cpu_seconds - before.cpu_seconds, 2)
     REPORT_PATH.parent.mkdir(parents=True, exist_ok=True)
     with REPORT_PATH.open("a") as report:
         report.write(json.dumps(entry) + "\n")
@@ -219,8 +217,9 @@ def _assert_logs_name(server: VllmServer) -> None:
         # in vLLM's format, from the coordinator process, naming our file
         assert "(VLLM_DP_Coordinator pid=" in serving[0]
         assert "[trio_dpcoord/vllm.py:" in serving[0]
-        assert not [line for line in logs.splitlines() if "trio_dpcoord" in line
-                    and "[vllm.py:" in line]
+        assert not [
+            line for line in logs.splitlines() if "trio_dpcoord" in line and "[vllm.py:" in line
+        ]
         assert "All engine subscriptions received by DP coordinator" not in logs
     else:
         assert "trio_dpcoord" not in logs
@@ -382,8 +381,9 @@ async def test_two_api_servers(two_api_servers: VllmServer) -> None:
                     async with trio.open_nursery() as nursery:
                         for index, client in enumerate(clients):
 
-                            async def run(client: httpx.AsyncClient = client,
-                                          index: int = index) -> None:
+                            async def run(
+                                client: httpx.AsyncClient = client, index: int = index
+                            ) -> None:
                                 results.extend(await _burst(client, PROMPTS[index::4], 8))
 
                             nursery.start_soon(run)

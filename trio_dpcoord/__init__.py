@@ -183,6 +183,5 @@ if not TYPE_CHECKING:  # for type checkers, the imports above are the package
         globals()[name] = value
         return value
 
-
     def __dir__() -> list[str]:
         return sorted({*globals(), *__all__, *_SUBMODULES})

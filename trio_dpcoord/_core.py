@@ -338,15 +338,12 @@ class CoordinatorCore:
     ) -> None:
         if type(engine_count) is not int or not 1 <= engine_count <= MAX_ENGINES:
             raise ValueError(
-                f"engine_count must be a positive int (at most {MAX_ENGINES}), "
-                f"got {engine_count!r}"
+                f"engine_count must be a positive int (at most {MAX_ENGINES}), got {engine_count!r}"
             )
         if not stats_interval > 0:
             raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
         if wake_confirm_timeout <= 0:
-            raise ValueError(
-                f"wake_confirm_timeout must be positive, got {wake_confirm_timeout!r}"
-            )
+            raise ValueError(f"wake_confirm_timeout must be positive, got {wake_confirm_timeout!r}")
         self._expected_engines = engine_count
         self._wave_coordination = wave_coordination
         self._wake_confirm_timeout = wake_confirm_timeout
@@ -862,9 +859,7 @@ class CoordinatorCore:
         # the wave is a checked uint64 and the table holds decoded loads: no re-validation
         return [
             Publish(
-                protocol.encode_front_publish_trusted(
-                    None, snap.current_wave, snap.engines_running
-                )
+                protocol.encode_front_publish_trusted(None, snap.current_wave, snap.engines_running)
             )
         ]
 

@@ -151,9 +151,11 @@ class Liveness:
                 )
             if self.heartbeat_timeout > 6553.5:  # HEARTBEAT_TTL is 16 bits of 100 ms
                 raise ValueError(f"heartbeat_timeout too large: {self.heartbeat_timeout!r}")
-        if self.tcp_keepalive_idle is not None and min(
-            self.tcp_keepalive_idle, self.tcp_keepalive_interval, self.tcp_keepalive_count
-        ) < 1:
+        if (
+            self.tcp_keepalive_idle is not None
+            and min(self.tcp_keepalive_idle, self.tcp_keepalive_interval, self.tcp_keepalive_count)
+            < 1
+        ):
             raise ValueError("TCP keepalive idle time, interval and count must be >= 1")
 
     @property

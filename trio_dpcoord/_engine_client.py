@@ -599,9 +599,7 @@ class EngineClient:
             return
         self._table.complete_call(answer.call_id)
         if answer.failure is not None:
-            call.error = UtilityCallError(
-                f"{call.method} failed on rank {rank}: {answer.failure}"
-            )
+            call.error = UtilityCallError(f"{call.method} failed on rank {rank}: {answer.failure}")
         else:
             call.result = answer.result
         call.done.set()

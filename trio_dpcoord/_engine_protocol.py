@@ -379,9 +379,7 @@ def encode_add(
         None,  # kv_hints
     ]
     # 22 slots: msgpack's array16 header, then the three first slots without theirs
-    payload = b"".join(
-        [b"\xdc\x00\x16", head[1:], packed_sampling, *map(msgpack.packb, tail)]
-    )
+    payload = b"".join([b"\xdc\x00\x16", head[1:], packed_sampling, *map(msgpack.packb, tail)])
     return [_ADD, payload]
 
 

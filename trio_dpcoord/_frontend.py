@@ -52,6 +52,7 @@ __all__ = ["Frontend", "open_frontend"]
 
 logger = logging.getLogger(__name__)
 
+
 @final
 class Frontend:
     """The handle :func:`open_frontend` yields: the coordinator as one front-end sees it.

@@ -58,13 +58,21 @@ class BurstSummary:
     when to wake if nothing else happens, so the summary is never left unsaid.
     """
 
-    __slots__ = ("_held", "_held_since", "_held_until", "_told", "_window_start",
-                 "individually", "interval")
+    __slots__ = (
+        "_held",
+        "_held_since",
+        "_held_until",
+        "_told",
+        "_window_start",
+        "individually",
+        "interval",
+    )
 
     def __init__(self, interval: float = 1.0, individually: int = 5) -> None:
         if not interval > 0 or individually < 0:
-            raise ValueError(f"need interval > 0 and individually >= 0, got {interval!r}, "
-                             f"{individually!r}")
+            raise ValueError(
+                f"need interval > 0 and individually >= 0, got {interval!r}, {individually!r}"
+            )
         self.interval = interval
         self.individually = individually
         self._window_start: float | None = None

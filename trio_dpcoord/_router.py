@@ -380,9 +380,7 @@ class PrefixRouter:
     ``feed="approximate"``; ``feed="exact"`` learns only from :meth:`receive_kv_events`.
     """
 
-    def __init__(
-        self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0
-    ) -> None:
+    def __init__(self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.routing = routing if routing is not None else PrefixRouting()
@@ -602,9 +600,7 @@ class PrefixRouter:
                         continue  # parent unknown: the chain cannot be matched anyway
                     parent, depth = known[0], known[1] + 1
                 ours = block_keys(event.token_ids, event.block_size, parent, depth)
-                for offset, (theirs, key) in enumerate(
-                    zip(event.block_hashes, ours, strict=True)
-                ):
+                for offset, (theirs, key) in enumerate(zip(event.block_hashes, ours, strict=True)):
                     state.vllm_to_ours[theirs] = (key, depth + offset)
                 index.store(ours, now)
             elif isinstance(event, BlockRemoved):

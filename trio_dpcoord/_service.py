@@ -114,9 +114,7 @@ class _Pumps:
         # The listener waits here after a wave start under load (see engine_output_listener)
         self.drained = trio.lowlevel.ParkingLot()
         self.reject_log = RejectLog(logger)
-        self.outgoing, self._outgoing_queue = trio.open_memory_channel[list[Outgoing]](
-            math.inf
-        )
+        self.outgoing, self._outgoing_queue = trio.open_memory_channel[list[Outgoing]](math.inf)
         self._timer: trio.CancelScope | None = None
         """The timer task's wait, until the core's next deadline."""
 

@@ -43,6 +43,7 @@ def check_engine_index(engine_index: int, engine_count: int | None) -> None:
     if engine_index < 0 or (engine_count is not None and engine_index >= engine_count):
         raise ValueError(f"engine_index {engine_index} out of range for {engine_count} engines")
 
+
 @dataclass(frozen=True, slots=True)
 class WaveSnapshot:
     """What a front-end stamps on each request: the current wave and whether it runs."""
@@ -208,7 +209,6 @@ class WaveState:
             old.engines_running,
         )
         return None
-
 
     @property
     def unconfirmed_wave(self) -> int | None:

@@ -365,11 +365,7 @@ async def _serve(args: argparse.Namespace) -> int:
         except CoordinatorError as exc:
             print(f"trio-dpcoord: error: {exc}", file=sys.stderr, flush=True)
             return 1 if started else 2
-        _emit(
-            {
-                "counters": {**dataclasses.asdict(counters), "errors": counters.errors}
-            }
-        )
+        _emit({"counters": {**dataclasses.asdict(counters), "errors": counters.errors}})
         logger.info("stopped cleanly (%d rejected inputs)", counters.errors)
     return 0
 

@@ -604,9 +604,7 @@ async def open_monitor(
         # monitored socket's monitor mutex, so with the default ~1,000-event pipe a burst
         # of events (a mass disconnect) that the reader has not drained yet would block
         # libzmq's I/O thread, and stopping the monitor (one more event) would wait for ever.
-        async with open_socket(
-            context, zmq.PAIR, connect=address, options={zmq.RCVHWM: 0}
-        ) as pair:
+        async with open_socket(context, zmq.PAIR, connect=address, options={zmq.RCVHWM: 0}) as pair:
             try:
                 yield pair
             finally:

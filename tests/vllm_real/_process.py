@@ -152,8 +152,10 @@ class VllmProcess:
         """Wait up to ``timeout`` seconds for the whole group to be gone; the pids left."""
         deadline = time.monotonic() + timeout
         while (left := self.group_pids()) and time.monotonic() < deadline:
-            psutil.wait_procs([psutil.Process(pid) for pid in left if psutil.pid_exists(pid)],
-                              timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            psutil.wait_procs(
+                [psutil.Process(pid) for pid in left if psutil.pid_exists(pid)],
+                timeout=min(1.0, max(0.0, deadline - time.monotonic())),
+            )
         return self.group_pids()
 
     def terminate(self, timeout: float = 120.0) -> int | None:

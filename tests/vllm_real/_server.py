@@ -124,9 +124,7 @@ class VllmServer(VllmProcess):
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> float:
         """Wait until every API server has started; the startup time in seconds."""
-        self.wait_for_log(
-            r"Application startup complete", timeout, count=self.api_server_count
-        )
+        self.wait_for_log(r"Application startup complete", timeout, count=self.api_server_count)
         if self.startup_seconds is None:
             self.startup_seconds = time.monotonic() - self.started_at
         return self.startup_seconds

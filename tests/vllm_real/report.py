@@ -37,8 +37,11 @@ def _cells(row: dict[str, Any]) -> list[str]:
         waves,
         f"{row['startup_seconds']:.0f}",
         f"{row['coordinator_cpu_seconds']:.2f}"
-        + (f" ({row['coordinator_cpu_seconds_scenario']:.2f})"
-           if "coordinator_cpu_seconds_scenario" in row else ""),
+        + (
+            f" ({row['coordinator_cpu_seconds_scenario']:.2f})"
+            if "coordinator_cpu_seconds_scenario" in row
+            else ""
+        ),
         f"{row['coordinator_rss_mib']:.0f}",
         outcome or "-",
     ]

@@ -65,9 +65,7 @@ def _run_serve(model: Path, work_dir: Path) -> dict[TokenIds, TokenIds]:
 
 
 async def _client_completions(port: int) -> dict[TokenIds, TokenIds]:
-    params = SamplingParams(
-        max_tokens=GREEDY_MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=0
-    )
+    params = SamplingParams(max_tokens=GREEDY_MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=0)
     by_prompt: dict[TokenIds, TokenIds] = {}
     with trio.fail_after(TIMEOUT):
         async with open_engine_client(
@@ -88,9 +86,7 @@ def _run_engine_client(model: Path, work_dir: Path) -> dict[TokenIds, TokenIds]:
     """Headless engines DP = 2 driven by the engine client: what test_engine_client_real's
     bursts run."""
     port = free_port()
-    with start_headless_engines(
-        model, work_dir=work_dir, data_parallel_size=2, rpc_port=port
-    ):
+    with start_headless_engines(model, work_dir=work_dir, data_parallel_size=2, rpc_port=port):
         return trio.run(_client_completions, port)
 
 
@@ -111,8 +107,9 @@ def test_engine_client_completes_as_vllm_serve_does(
         )
         ours = greedy_completions.get("engine-client")
     assert serve is not None and ours is not None
-    differing = {prompt: (ours[prompt], serve[prompt]) for prompt in serve
-                 if ours[prompt] != serve[prompt]}
+    differing = {
+        prompt: (ours[prompt], serve[prompt]) for prompt in serve if ours[prompt] != serve[prompt]
+    }
     assert not differing, f"prompt: (engine client's, vllm serve's): {differing}"
     # and vllm serve with our coordinator, when the suite ran it (it compares it to vLLM's)
     with_ours = greedy_completions.get("serve-trio")

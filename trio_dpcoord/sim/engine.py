@@ -677,7 +677,6 @@ class SimEngine:
         )
 
 
-
 async def run_engine(config: EngineConfig) -> None:
     """Run one simulated DP rank until cancelled.
 

@@ -102,12 +102,15 @@ class SimEngineCore(SimEngine):
         """HELLO, take the addresses, then run as :meth:`SimEngine.run` (READY is sent
         from :meth:`_greet_frontend`, once the coordinator let the engine in)."""
         identity = rank_identity(self.rank)
-        async with open_context() as context, open_socket(
-            context,
-            zmq.DEALER,
-            connect=self.handshake_address,
-            options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS},
-        ) as handshake:
+        async with (
+            open_context() as context,
+            open_socket(
+                context,
+                zmq.DEALER,
+                connect=self.handshake_address,
+                options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS},
+            ) as handshake,
+        ):
             await handshake.send(
                 msgpack.packb({"status": "HELLO", "local": True, "headless": True})
             )

@@ -164,15 +164,17 @@ class ChooserPolicy(Policy):
                 tokens: list[int] = []
                 for key in run:
                     tokens.extend(self._blocks[key][1])
-                events.append({
-                    "type": "BlockStored",
-                    "block_hashes": [key & _HASH_MASK for key in run],
-                    "parent_block_hash": None if parent is None else parent & _HASH_MASK,
-                    "token_ids": tokens,
-                    "block_size": self.block_size,
-                    "lora_id": None,
-                    "medium": "GPU",
-                })
+                events.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [key & _HASH_MASK for key in run],
+                        "parent_block_hash": None if parent is None else parent & _HASH_MASK,
+                        "token_ids": tokens,
+                        "block_size": self.block_size,
+                        "lora_id": None,
+                        "medium": "GPU",
+                    }
+                )
                 run.clear()
 
         for stored, key in changes:
@@ -185,11 +187,13 @@ class ChooserPolicy(Policy):
                 if events and events[-1]["type"] == "BlockRemoved":
                     events[-1]["block_hashes"].append(key & _HASH_MASK)
                 else:
-                    events.append({
-                        "type": "BlockRemoved",
-                        "block_hashes": [key & _HASH_MASK],
-                        "medium": "GPU",
-                    })
+                    events.append(
+                        {
+                            "type": "BlockRemoved",
+                            "block_hashes": [key & _HASH_MASK],
+                            "medium": "GPU",
+                        }
+                    )
         flush_stored()
         payload: bytes = msgpack.packb([now, events, rank])
         return payload

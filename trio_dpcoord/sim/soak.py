@@ -237,9 +237,7 @@ class _Soak:
             if config.pause_every and bursts % config.pause_every == 0:
                 await frontend.pause_engines()
                 await frontend.resume_engines()
-            if not report.rss_warmup_kib and (
-                len(frontend.waves_completed) >= config.warmup_waves
-            ):
+            if not report.rss_warmup_kib and (len(frontend.waves_completed) >= config.warmup_waves):
                 report.rss_warmup_kib = vm_rss_kib(self.pid)
                 logger.info("warm-up done: coordinator VmRSS %d KiB", report.rss_warmup_kib)
             if bursts % 500 == 0:

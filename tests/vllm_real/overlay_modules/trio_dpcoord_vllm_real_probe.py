@@ -44,9 +44,7 @@ def _install_gloo_collectives() -> None:
         CpuCommunicator.reduce_scatterv = _reduce_scatterv
 
 
-def _all_gatherv(
-    self: Any, input_: Any, dim: int = 0, sizes: list[int] | None = None
-) -> Any:
+def _all_gatherv(self: Any, input_: Any, dim: int = 0, sizes: list[int] | None = None) -> Any:
     """Concatenate every rank's rows (rank ``r`` contributes ``sizes[r]``) along dim 0.
 
     Gloo's all-gather needs equal shapes, so each rank sends its rows padded to the
@@ -73,9 +71,7 @@ def _gather_rows(communicator: Any, tensor: Any, sizes: list[int] | None) -> Any
     return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)], dim=0)
 
 
-def _reduce_scatterv(
-    self: Any, input_: Any, dim: int = -1, sizes: list[int] | None = None
-) -> Any:
+def _reduce_scatterv(self: Any, input_: Any, dim: int = -1, sizes: list[int] | None = None) -> Any:
     """Sum over ranks, then keep this rank's rows (``sizes[rank]`` of them, in rank order)."""
     import torch.distributed as dist
 
