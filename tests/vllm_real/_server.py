@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import psutil
 
+from ._model import MOE_CONFIG, write_model
 from ._process import VllmProcess, free_port
 
 Coordinator = Literal["vllm", "trio"]
@@ -169,3 +172,22 @@ def start_headless_engines(
         *extra_args,
     ]
     return VllmProcess(args, work_dir=work_dir, env=env, name="headless")
+
+
+@contextlib.contextmanager
+def headless_engine_pair(root: Path) -> Iterator[tuple[VllmProcess, int]]:
+    """Two headless engine cores of the tiny MoE (written under ``root``, which must be
+    short: vLLM's ipc paths must fit ``sun_path``), waiting for a front-end's handshake
+    on the yielded port; stopped afterwards, with a check that none of their processes
+    is left."""
+    model = write_model(root / "moe", MOE_CONFIG)
+    port = free_port()
+    engines = start_headless_engines(
+        model, work_dir=root / "headless", data_parallel_size=2, rpc_port=port
+    )
+    try:
+        yield engines, port
+    finally:
+        engines.close()
+        left = engines.group_pids()
+        assert not left, f"headless engine processes left: {left}"
