@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ._router import PrefixRouting as PrefixRouting
     from ._router import RouteDecision as RouteDecision
     from ._router import RouterCounters as RouterCounters
+    from ._router import block_keys as block_keys
     from ._service import Coordinator as Coordinator
     from ._service import open_coordinator as open_coordinator
     from ._state import WaveSnapshot as WaveSnapshot
@@ -98,6 +99,7 @@ __all__ = [
     "WaveSnapshot",
     "WaveStart",
     "WaveStartCause",
+    "block_keys",
     "cancel_at_stdin_eof",
     "engine_score",
     "open_connection_monitor",
@@ -147,6 +149,7 @@ _EXPORTS: dict[str, str] = {
     "WaveSnapshot": "._state",
     "WaveStart": "._state",
     "WaveStartCause": "._core",
+    "block_keys": "._router",
     "cancel_at_stdin_eof": "._tasks",
     "engine_score": "._balance",
     "open_connection_monitor": "._monitor",

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, final
@@ -725,15 +725,7 @@ async def open_engine_client(
         context = await stack.enter_async_context(open_context())
         sockets = await _bind_client_sockets(stack, context, engine_count, free, tcp_options)
         coordinator = await stack.enter_async_context(
-            open_coordinator(
-                engine_count,
-                back_publish_address=free,
-                back_output_address=free,
-                ready_timeout=None,
-                allow_remote=allow_remote,
-                liveness=liveness,
-                wave_coordination=wave_coordination,
-            )
+            _embedded_coordinator(engine_count, free, allow_remote, liveness, wave_coordination)
         )
         state = HandshakeState(
             range(engine_count), _handshake_metadata(sockets, coordinator, parallel_config)
@@ -754,6 +746,22 @@ async def open_engine_client(
         )
         async with _run_client(client, sockets, receive):
             yield client
+
+
+def _embedded_coordinator(
+    engine_count: int, free: str, allow_remote: bool, liveness: Liveness, waves: bool
+) -> AbstractAsyncContextManager[Coordinator]:
+    """The client's own coordinator: its two engine sockets on free ports of ``free``'s
+    host; no READY timeout of its own (the handshake's ``startup_timeout`` rules)."""
+    return open_coordinator(
+        engine_count,
+        back_publish_address=free,
+        back_output_address=free,
+        ready_timeout=None,
+        allow_remote=allow_remote,
+        liveness=liveness,
+        wave_coordination=waves,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trio_dpcoord._router import DEFAULT_BLOCK_SIZE, block_keys
+from trio_dpcoord import PrefixRouting, block_keys
 from trio_dpcoord.sim.traces import Request
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = PrefixRouting().block_size
+"""The router's default block size (vLLM's default ``--block-size``, 16)."""
 
 
 @dataclass

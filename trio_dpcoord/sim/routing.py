@@ -30,10 +30,9 @@ from typing import Any
 
 import msgpack
 
-from trio_dpcoord._balance import EngineChooser, Routing
-from trio_dpcoord._router import DEFAULT_BLOCK_SIZE, PrefixRouting, block_keys
+from trio_dpcoord import EngineChooser, PrefixRouting, Routing, block_keys
 from trio_dpcoord.protocol import EngineLoad
-from trio_dpcoord.sim.prefix import FleetResult, RankModel, run_fleet
+from trio_dpcoord.sim.prefix import DEFAULT_BLOCK_SIZE, FleetResult, RankModel, run_fleet
 from trio_dpcoord.sim.traces import Request
 
 logger = logging.getLogger(__name__)

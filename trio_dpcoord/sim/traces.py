@@ -12,9 +12,12 @@ import logging
 import random
 from dataclasses import dataclass
 
-from trio_dpcoord._router import DEFAULT_BLOCK_SIZE, block_keys
+from trio_dpcoord import PrefixRouting, block_keys
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = PrefixRouting().block_size
+"""The router's default block size (vLLM's default ``--block-size``, 16)."""
 
 _VOCAB = 50_000
 
