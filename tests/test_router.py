@@ -79,7 +79,7 @@ def test_guard_falls_back_to_least_loaded_and_pinned_is_honoured() -> None:
 
 
 def test_ties_rotate() -> None:
-    router = PrefixRouter(3, PrefixRouting(feed="exact"))
+    router = PrefixRouter(3, PrefixRouting(feed="exact", provisional_age=0))
     chosen = {router.choose([i] * 16, [0, 0, 0], now=0.0) for i in range(3)}
     assert chosen == {0, 1, 2}
 
@@ -107,6 +107,33 @@ def test_exact_feed_from_vllm_events() -> None:
     assert router.cached_tokens(1, tokens, 0.0) == 4
     assert router.receive_kv_events(1, 2, batch({"type": "AllBlocksCleared"}), now=0.0)
     assert router.cached_tokens(1, tokens, 0.0) == 0
+
+
+def test_exact_feed_believes_a_routed_prompt_until_its_events_are_due() -> None:
+    """An engine stores a prompt's blocks only once it has computed them: until then the
+    exact feed takes a routed prompt as cached there for ``provisional_age`` seconds, so
+    the conversation's next turn follows it; unconfirmed, the belief ends; confirmed by
+    the rank's events, it stays; ``provisional_age=0`` learns from events only."""
+    tokens = list(range(12))
+    router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4, provisional_age=5.0))
+    rank = router.choose(tokens, [0, 0], now=0.0)
+    assert router.cached_tokens(rank, tokens, 1.0) == 12
+    assert router.choose([*tokens, 99], [0, 0], now=1.0) == rank  # the next turn follows
+    router.choose([50] * 8, [0, 0], now=6.0)  # later decisions expire what is due
+    assert router.cached_tokens(rank, tokens, 6.0) == 0  # unconfirmed: forgotten
+
+    router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4, provisional_age=5.0))
+    rank = router.choose(tokens, [0, 0], now=0.0)
+    stored = stored_event([11, 12, 13], None, tokens, 4)
+    assert router.receive_kv_events(rank, 0, batch(stored), now=2.0)  # confirmed
+    router.choose([50] * 8, [0, 0], now=6.0)
+    assert router.cached_tokens(rank, tokens, 6.0) == 12
+
+    router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4, provisional_age=0))
+    rank = router.choose(tokens, [0, 0], now=0.0)
+    assert router.cached_tokens(rank, tokens, 0.0) == 0
+    with pytest.raises(ValueError, match="provisional_age"):
+        PrefixRouting(provisional_age=-1.0)
 
 
 def test_lost_batch_forgets_the_rank() -> None:
@@ -250,7 +277,10 @@ def test_the_choice_is_the_rule_over_every_rank(
 def test_with_nothing_cached_it_is_the_least_loaded_rank(
     ranks: int, rounds: list[list[float]], prompt: tuple[int, int, int]
 ) -> None:
-    router = PrefixRouter(ranks, PrefixRouting(block_size=BLOCK, feed="exact", imbalance_abs=1e12))
+    router = PrefixRouter(
+        ranks,
+        PrefixRouting(block_size=BLOCK, feed="exact", provisional_age=0, imbalance_abs=1e12),
+    )
     tokens = family_prompt(*prompt)
     for turn, loads in enumerate(rounds):
         queued = loads[:ranks]

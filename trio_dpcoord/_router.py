@@ -115,6 +115,10 @@ class RankPrefixIndex:
         self._owners: dict[int, int] = {} if owners is None else owners
         self._seen: OrderedDict[int, float] = OrderedDict()
         """Key -> last seen; least recently seen first."""
+        self.slack = 0
+        """Blocks held beyond ``capacity_blocks`` without evicting: the exact feed's
+        provisional beliefs, which must not push out blocks the engine's events say it
+        holds (the engine evicts by its own order, and says so in its events)."""
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -141,7 +145,7 @@ class RankPrefixIndex:
 
     def _evict_over_capacity(self) -> None:
         seen, owners = self._seen, self._owners
-        excess = len(seen) - self.capacity_blocks
+        excess = len(seen) - self.capacity_blocks - self.slack
         if excess <= 0:
             return
         keep = ~self._bit
@@ -299,8 +303,16 @@ class PrefixRouting:
     than ``imbalance_rel``, the loads are imbalanced beyond what affinity may cost and
     the guard sends the request to the least loaded rank (SGLang's cache-aware router
     has the same two thresholds, in requests). ``feed``: ``"approximate"`` takes every
-    routed prompt as cached on its rank; ``"exact"`` learns only from the engines' KV
-    events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`).
+    routed prompt as cached on its rank; ``"exact"`` learns from the engines' KV
+    events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`), and takes a routed
+    prompt's new blocks as cached *provisionally*, for ``provisional_age`` seconds
+    (``max_age`` at most), until the rank's events confirm them: an engine stores a
+    prompt's blocks only when it computes them, after its queue, and without the
+    provisional belief the next turn of a conversation routed before that would find
+    nothing anywhere (0: events only).
+    Provisional blocks are held beyond ``capacity_blocks``, not in place of blocks the
+    events reported, so the index may hold as many more as were routed to the rank in
+    the last ``provisional_age`` seconds.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -309,6 +321,7 @@ class PrefixRouting:
     imbalance_abs: float = 32768.0
     imbalance_rel: float = 2.0
     feed: Feed = "approximate"
+    provisional_age: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -321,6 +334,8 @@ class PrefixRouting:
             raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
         if self.feed not in ("approximate", "exact"):
             raise ValueError(f"feed must be 'approximate' or 'exact', got {self.feed!r}")
+        if not self.provisional_age >= 0:
+            raise ValueError(f"provisional_age must be >= 0, got {self.provisional_age!r}")
 
 
 @dataclass
@@ -355,6 +370,22 @@ class _ExactRank:
     last_seq: int | None = None
     vllm_to_ours: dict[Any, tuple[int, int]] = field(default_factory=dict)
     """vLLM's block hash -> (our key, the block's depth in its chain)."""
+    provisional: dict[int, float] = field(default_factory=dict)
+    """Our keys believed cached only because a prompt was routed here -> when that
+    belief ends unless an event confirms it; oldest first."""
+
+    def expire_provisional(self, index: RankPrefixIndex, now: float) -> None:
+        """Forget the provisional blocks whose time is up and no event confirmed."""
+        provisional = self.provisional
+        expired = []
+        for key, until in provisional.items():
+            if until > now:
+                break
+            expired.append(key)
+        for key in expired:
+            del provisional[key]
+        index.remove(expired)
+        index.slack = len(provisional)
 
 
 def _first_from(values: Sequence[float], value: float, start: int) -> int:
@@ -468,9 +499,27 @@ class PrefixRouter:
             decision = self._pick(groups, len(token_ids), queued_work)
         self.counters.prompt_tokens += len(token_ids)
         self.counters.cached_tokens += decision.cached_tokens
-        if self.feed == "approximate" and keys:
-            self.indexes[decision.rank].store(keys, now)
+        if keys:
+            if self.feed == "approximate":
+                self.indexes[decision.rank].store(keys, now)
+            elif self.routing.provisional_age > 0:
+                self._store_provisionally(decision.rank, keys, now)
         return decision
+
+    def _store_provisionally(self, rank: int, keys: Sequence[int], now: float) -> None:
+        """The exact feed's belief in a prompt just routed to ``rank``: its blocks not
+        already known from events are cached there until ``provisional_age`` passes or
+        an event confirms them."""
+        state, index = self._exact[rank], self.indexes[rank]
+        state.expire_provisional(index, now)
+        until = now + min(self.routing.provisional_age, self.routing.max_age)
+        provisional = state.provisional
+        for key in keys:
+            if key not in index or key in provisional:
+                provisional.pop(key, None)
+                provisional[key] = until  # re-inserted: the dict stays oldest first
+        index.slack = len(provisional)
+        index.store(keys, now)
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
@@ -587,6 +636,8 @@ class PrefixRouter:
             )
             index.clear()
             state.vllm_to_ours.clear()
+            state.provisional.clear()
+            index.slack = 0
         state.last_seq = seq
         self.counters.event_batches += 1
         for event in batch.events:
@@ -602,6 +653,8 @@ class PrefixRouter:
                 ours = block_keys(event.token_ids, event.block_size, parent, depth)
                 for offset, (theirs, key) in enumerate(zip(event.block_hashes, ours, strict=True)):
                     state.vllm_to_ours[theirs] = (key, depth + offset)
+                    state.provisional.pop(key, None)  # confirmed
+                index.slack = len(state.provisional)
                 index.store(ours, now)
             elif isinstance(event, BlockRemoved):
                 gone = (state.vllm_to_ours.pop(h, None) for h in event.block_hashes)
@@ -609,6 +662,8 @@ class PrefixRouter:
             else:
                 index.clear()
                 state.vllm_to_ours.clear()
+                state.provisional.clear()
+                index.slack = 0
         if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
             state.vllm_to_ours = {
                 h: known for h, known in state.vllm_to_ours.items() if known[0] in index
