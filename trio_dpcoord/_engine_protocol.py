@@ -32,7 +32,12 @@ from typing import Any
 
 import msgpack
 
-from .protocol import EngineCoreOutputs, ProtocolError, decode_engine_core_outputs
+from .protocol import (
+    EngineCoreOutputs,
+    ProtocolError,
+    decode_engine_core_outputs,
+    request_slots_after_sampling,
+)
 
 __all__ = [
     "ENGINE_CORE_DEAD",
@@ -358,26 +363,13 @@ def encode_add(
         + [msgpack.packb(k) + msgpack.packb(v) for k, v in sampling.items()]
     )
     head = msgpack.packb([request_id, [int(t) for t in prompt_token_ids], None])
-    tail = [
-        None,  # pooling_params
-        float(arrival_time),
-        None,  # lora_request
-        None,  # cache_salt
-        data_parallel_rank,
-        None,  # prompt_embeds
-        None,  # prompt_is_token_ids
-        client_index,
-        current_wave,
-        priority,
-        None,  # trace_headers
-        False,  # resumable
-        None,  # external_req_id
-        None,  # reasoning_ended
-        None,  # reasoning_parser_kwargs
-        False,  # abort_immediately
-        None,  # session_id
-        None,  # kv_hints
-    ]
+    tail = request_slots_after_sampling(
+        arrival_time=float(arrival_time),
+        data_parallel_rank=data_parallel_rank,
+        client_index=client_index,
+        current_wave=current_wave,
+        priority=priority,
+    )
     # 22 slots: msgpack's array16 header, then the three first slots without theirs
     payload = b"".join([b"\xdc\x00\x16", head[1:], packed_sampling, *map(msgpack.packb, tail)])
     return [_ADD, payload]

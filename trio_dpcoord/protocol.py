@@ -77,6 +77,7 @@ __all__ = [
     "encode_legacy_first_request",
     "encode_scale_elastic_ep",
     "encode_start_dp_wave",
+    "request_slots_after_sampling",
 ]
 
 
@@ -990,6 +991,39 @@ class EngineCoreRequest:
     max_tokens: int | None = None
 
 
+def request_slots_after_sampling(
+    *,
+    arrival_time: float,
+    data_parallel_rank: int | None,
+    client_index: int,
+    current_wave: int,
+    priority: int,
+) -> list[Any]:
+    """Slots 4-21 of vLLM's ``EngineCoreRequest`` array (``pooling_params`` to
+    ``kv_hints``), from values already checked: the layout both ADD encoders (this
+    module's and :mod:`trio_dpcoord.engine_protocol`'s) write, in one place."""
+    return [
+        None,  # pooling_params
+        arrival_time,
+        None,  # lora_request
+        None,  # cache_salt
+        data_parallel_rank,
+        None,  # prompt_embeds
+        None,  # prompt_is_token_ids
+        client_index,
+        current_wave,
+        priority,
+        None,  # trace_headers
+        False,  # resumable
+        None,  # external_req_id
+        None,  # reasoning_ended
+        None,  # reasoning_parser_kwargs
+        False,  # abort_immediately
+        None,  # session_id
+        None,  # kv_hints
+    ]
+
+
 def encode_add_request(req: EngineCoreRequest) -> list[bytes]:
     """Frames ``[b"\\x00", payload]`` of an ADD request, payload the 22-element array.
 
@@ -1005,24 +1039,13 @@ def encode_add_request(req: EngineCoreRequest) -> list[bytes]:
         _enc_uint_list(req.prompt_token_ids, "prompt_token_ids"),
         None,  # mm_features
         None if max_tokens is None else {"max_tokens": max_tokens},  # sampling_params
-        None,  # pooling_params
-        _enc_float(req.arrival_time, "arrival_time"),
-        None,  # lora_request
-        None,  # cache_salt
-        _enc_opt_uint(req.data_parallel_rank, "data_parallel_rank"),
-        None,  # prompt_embeds
-        None,  # prompt_is_token_ids
-        _enc_uint(req.client_index, "client_index"),
-        _enc_uint(req.current_wave, "current_wave"),
-        0,  # priority
-        None,  # trace_headers
-        False,  # resumable
-        None,  # external_req_id
-        None,  # reasoning_ended
-        None,  # reasoning_parser_kwargs
-        False,  # abort_immediately
-        None,  # session_id
-        None,  # kv_hints
+        *request_slots_after_sampling(
+            arrival_time=_enc_float(req.arrival_time, "arrival_time"),
+            data_parallel_rank=_enc_opt_uint(req.data_parallel_rank, "data_parallel_rank"),
+            client_index=_enc_uint(req.client_index, "client_index"),
+            current_wave=_enc_uint(req.current_wave, "current_wave"),
+            priority=0,
+        ),
     ]
     return [_ADD_FRAME, _pack(wire, "EngineCoreRequest")]
 
