@@ -115,10 +115,11 @@ class RankPrefixIndex:
         self._owners: dict[int, int] = {} if owners is None else owners
         self._seen: OrderedDict[int, float] = OrderedDict()
         """Key -> last seen; least recently seen first."""
-        self.slack = 0
-        """Blocks held beyond ``capacity_blocks`` without evicting: the exact feed's
-        provisional beliefs, which must not push out blocks the engine's events say it
-        holds (the engine evicts by its own order, and says so in its events)."""
+        self._provisional: dict[int, float] = {}
+        """Keys held only on belief (the exact feed's routed prompts) -> when the belief
+        ends unless an event confirms it; oldest first. Held beyond ``capacity_blocks``:
+        they must not push out blocks the engine's events say it holds (the engine
+        evicts by its own order, and says so in its events)."""
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -145,7 +146,7 @@ class RankPrefixIndex:
 
     def _evict_over_capacity(self) -> None:
         seen, owners = self._seen, self._owners
-        excess = len(seen) - self.capacity_blocks - self.slack
+        excess = len(seen) - self.capacity_blocks - len(self._provisional)
         if excess <= 0:
             return
         keep = ~self._bit
@@ -174,6 +175,35 @@ class RankPrefixIndex:
         for key in self._seen:
             self._disown(key)
         self._seen.clear()
+        self._provisional.clear()
+
+    def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
+        """:meth:`store` ``keys`` on belief: those not already known from events are
+        forgotten at ``until`` unless :meth:`confirm` comes first."""
+        self.expire_provisional(now)
+        provisional = self._provisional
+        for key in keys:
+            if key not in self._seen or key in provisional:
+                provisional.pop(key, None)
+                provisional[key] = until  # re-inserted: the dict stays oldest first
+        self.store(keys, now)
+
+    def confirm(self, keys: Iterable[int]) -> None:
+        """``keys`` are known from events now, not on belief."""
+        for key in keys:
+            self._provisional.pop(key, None)
+
+    def expire_provisional(self, now: float) -> None:
+        """Forget the provisional blocks whose time is up and that no event confirmed."""
+        provisional = self._provisional
+        expired = []
+        for key, until in provisional.items():
+            if until > now:
+                break
+            expired.append(key)
+        for key in expired:
+            del provisional[key]
+        self.remove(expired)
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
@@ -370,22 +400,6 @@ class _ExactRank:
     last_seq: int | None = None
     vllm_to_ours: dict[Any, tuple[int, int]] = field(default_factory=dict)
     """vLLM's block hash -> (our key, the block's depth in its chain)."""
-    provisional: dict[int, float] = field(default_factory=dict)
-    """Our keys believed cached only because a prompt was routed here -> when that
-    belief ends unless an event confirms it; oldest first."""
-
-    def expire_provisional(self, index: RankPrefixIndex, now: float) -> None:
-        """Forget the provisional blocks whose time is up and no event confirmed."""
-        provisional = self.provisional
-        expired = []
-        for key, until in provisional.items():
-            if until > now:
-                break
-            expired.append(key)
-        for key in expired:
-            del provisional[key]
-        index.remove(expired)
-        index.slack = len(provisional)
 
 
 def _first_from(values: Sequence[float], value: float, start: int) -> int:
@@ -408,7 +422,8 @@ class PrefixRouter:
     the ranks' queued work is imbalanced beyond both thresholds (see
     :class:`PrefixRouting`) the guard chooses the least loaded rank. A pinned rank is
     returned as is. Every routed or pinned prompt is learnt on its rank with
-    ``feed="approximate"``; ``feed="exact"`` learns only from :meth:`receive_kv_events`.
+    ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
+    (and, until they are due, believes its own decisions provisionally).
     """
 
     def __init__(self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0) -> None:
@@ -503,23 +518,10 @@ class PrefixRouter:
             if self.feed == "approximate":
                 self.indexes[decision.rank].store(keys, now)
             elif self.routing.provisional_age > 0:
-                self._store_provisionally(decision.rank, keys, now)
+                # the exact feed's belief in a prompt just routed, until events are due
+                until = now + min(self.routing.provisional_age, self.routing.max_age)
+                self.indexes[decision.rank].store_provisionally(keys, now, until)
         return decision
-
-    def _store_provisionally(self, rank: int, keys: Sequence[int], now: float) -> None:
-        """The exact feed's belief in a prompt just routed to ``rank``: its blocks not
-        already known from events are cached there until ``provisional_age`` passes or
-        an event confirms them."""
-        state, index = self._exact[rank], self.indexes[rank]
-        state.expire_provisional(index, now)
-        until = now + min(self.routing.provisional_age, self.routing.max_age)
-        provisional = state.provisional
-        for key in keys:
-            if key not in index or key in provisional:
-                provisional.pop(key, None)
-                provisional[key] = until  # re-inserted: the dict stays oldest first
-        index.slack = len(provisional)
-        index.store(keys, now)
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
@@ -636,8 +638,6 @@ class PrefixRouter:
             )
             index.clear()
             state.vllm_to_ours.clear()
-            state.provisional.clear()
-            index.slack = 0
         state.last_seq = seq
         self.counters.event_batches += 1
         for event in batch.events:
@@ -653,8 +653,7 @@ class PrefixRouter:
                 ours = block_keys(event.token_ids, event.block_size, parent, depth)
                 for offset, (theirs, key) in enumerate(zip(event.block_hashes, ours, strict=True)):
                     state.vllm_to_ours[theirs] = (key, depth + offset)
-                    state.provisional.pop(key, None)  # confirmed
-                index.slack = len(state.provisional)
+                index.confirm(ours)
                 index.store(ours, now)
             elif isinstance(event, BlockRemoved):
                 gone = (state.vllm_to_ours.pop(h, None) for h in event.block_hashes)
@@ -662,8 +661,6 @@ class PrefixRouter:
             else:
                 index.clear()
                 state.vllm_to_ours.clear()
-                state.provisional.clear()
-                index.slack = 0
         if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
             state.vllm_to_ours = {
                 h: known for h, known in state.vllm_to_ours.items() if known[0] in index
