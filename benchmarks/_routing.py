@@ -14,12 +14,13 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trio_dpcoord import EngineChooser, PrefixRouting
 from trio_dpcoord.protocol import EngineLoad
 from trio_dpcoord.sim.frontend import percentile
+from trio_dpcoord.sim.prefix import STEP_PER_TOKEN_S
 from trio_dpcoord.sim.routing import POLICIES, make_policy, run_policy
 from trio_dpcoord.sim.traces import (
     Request,
@@ -109,6 +110,26 @@ class PolicyFigures:
     ttft_p99_s: float
     busiest_over_mean: float
     guard_fallbacks: int
+    prefill_share: float
+    """Share of the run's step time spent on prompt tokens (the model's tally)."""
+
+
+def run_one(
+    trace: list[Request], ranks: int, policy_name: str, capacity_blocks: int, **model: Any
+) -> PolicyFigures:
+    """One policy on one trace on the model (``model``: ``run_fleet``'s cost parameters)."""
+    policy = make_policy(policy_name, ranks, capacity_blocks)
+    result = run_policy(trace, ranks, policy, capacity_blocks, **model)
+    counters = getattr(getattr(policy, "chooser", None), "router_counters", None)
+    return PolicyFigures(
+        hit_rate=result.hit_rate,
+        throughput=result.throughput_tokens_per_s,
+        ttft_p50_s=percentile(result.ttft_s, 50),
+        ttft_p99_s=percentile(result.ttft_s, 99),
+        busiest_over_mean=result.busiest_over_mean,
+        guard_fallbacks=counters.guard_fallbacks if counters else 0,
+        prefill_share=result.prefill_time_share,
+    )
 
 
 def measure_policies(
@@ -130,25 +151,57 @@ def measure_policies(
                 cell["bound"].append(reuse_bound(trace))
                 for policy_name in POLICIES:
                     started = time.perf_counter()
-                    policy = make_policy(policy_name, ranks, sizes.capacity_blocks)
-                    result = run_policy(trace, ranks, policy, sizes.capacity_blocks)
-                    counters = getattr(getattr(policy, "chooser", None), "router_counters", None)
-                    cell[policy_name].append(
-                        PolicyFigures(
-                            hit_rate=result.hit_rate,
-                            throughput=result.throughput_tokens_per_s,
-                            ttft_p50_s=percentile(result.ttft_s, 50),
-                            ttft_p99_s=percentile(result.ttft_s, 99),
-                            busiest_over_mean=result.busiest_over_mean,
-                            guard_fallbacks=counters.guard_fallbacks if counters else 0,
-                        )
-                    )
+                    figures = run_one(trace, ranks, policy_name, sizes.capacity_blocks)
+                    cell[policy_name].append(figures)
                     progress(
                         f"routing: {ranks} ranks, {trace_name}, seed {seed}, {policy_name}: "
-                        f"hit {result.hit_rate:.3f}, {time.perf_counter() - started:.1f} s"
+                        f"hit {figures.hit_rate:.3f}, {time.perf_counter() - started:.1f} s"
                     )
             by_trace[trace_name] = cell
         out[str(ranks)] = by_trace
+    return out
+
+
+PREFILL_SWEEP_PER_TOKEN_S = (1e-6, 5e-6, 2e-5, 1e-4)
+"""The sweep's per-token step cost ``b`` (the model's default ``STEP_PER_TOKEN_S`` is
+2e-5 s): with the fixed 5 ms a step, prompt tokens take from a few percent to most of
+the step time."""
+SWEEP_RANKS = 8
+SWEEP_TRACES = ("multi-turn", "no reuse")
+SWEEP_POLICIES = ("vllm", "approximate", "exact")
+
+
+def measure_prefill_sweep(
+    sizes: RoutingSizes, progress: Callable[[str], None] = logger.info
+) -> list[dict[str, Any]]:
+    """The policies at :data:`SWEEP_RANKS` ranks under every per-token cost of
+    :data:`PREFILL_SWEEP_PER_TOKEN_S`: where prefix affinity pays, and where it cannot.
+
+    The offered rate grows as the per-token cost shrinks (``rate_per_rank x STEP_PER_TOKEN_S / b``,
+    never less than ``rate_per_rank``), so the fleet stays saturated and throughput
+    measures its capacity, not the arrivals. One entry per (cost, trace):
+    ``{"step_per_token_s", "trace", policy: [PolicyFigures per seed]}``.
+    """
+    out: list[dict[str, Any]] = []
+    for per_token_s in PREFILL_SWEEP_PER_TOKEN_S:
+        scaled = replace(
+            sizes, rate_per_rank=sizes.rate_per_rank * max(1.0, STEP_PER_TOKEN_S / per_token_s)
+        )
+        for trace_name in SWEEP_TRACES:
+            entry: dict[str, Any] = {"step_per_token_s": per_token_s, "trace": trace_name}
+            for seed in range(sizes.seeds[SWEEP_RANKS]):
+                trace = make_trace(trace_name, seed, SWEEP_RANKS, scaled)
+                for policy_name in SWEEP_POLICIES:
+                    figures = run_one(
+                        trace,
+                        SWEEP_RANKS,
+                        policy_name,
+                        sizes.capacity_blocks,
+                        step_per_token_s=per_token_s,
+                    )
+                    entry.setdefault(policy_name, []).append(figures)
+            progress(f"routing sweep: b = {per_token_s:g} s/token, {trace_name} done")
+            out.append(entry)
     return out
 
 

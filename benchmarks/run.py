@@ -1012,6 +1012,7 @@ class Runner:
                                 hit / bound >= 0.9 if wants else None,
                             )
                         )
+        self._routing_sweep(rt, sizes, base_label)
         for fleet_size in sizes.decision_ranks:
             d = rt.measure_decision(
                 fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks
@@ -1063,6 +1064,40 @@ class Runner:
                     note=f"{d['memory_bytes'] / max(1, d['stored_blocks']):.0f} B/block",
                 )
             )
+
+    def _routing_sweep(self, rt: Any, sizes: Any, base_label: str) -> None:
+        """The prefill-share sweep: the same policies as the per-token cost ``b`` grows
+        (benchmarks/_routing.py ``measure_prefill_sweep``), as ratios to vLLM's score."""
+        sweep = rt.measure_prefill_sweep(sizes)
+        self.details["routing_sweep"] = [
+            {k: v if not isinstance(v, list) else [asdict(f) for f in v] for k, v in e.items()}
+            for e in sweep
+        ]
+        for entry in sweep:
+            per_token_us = entry["step_per_token_s"] * 1e6
+            section = f"10 routing sweep N={rt.SWEEP_RANKS} b={per_token_us:g}us/token"
+            share = rt.mean([f.prefill_share for f in entry["vllm"]]) * 100
+            for policy in ("approximate", "exact"):
+                label = rt.POLICY_LABELS[policy]
+                for figure, attr, unit, scale in (
+                    ("hit rate", "hit_rate", "%", 100.0),
+                    ("throughput", "throughput", "tok/s", 1.0),
+                    ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+                    ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+                ):
+                    self.rows.append(
+                        Row(
+                            section,
+                            f"{entry['trace']}: {label}, {figure}",
+                            rt.mean([getattr(f, attr) * scale for f in entry[policy]]),
+                            unit,
+                            rt.mean([getattr(f, attr) * scale for f in entry["vllm"]]),
+                            base_label,
+                            "",
+                            None,
+                            note=f"prompt tokens {share:.0f}% of step time under vLLM's score",
+                        )
+                    )
 
 
 def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

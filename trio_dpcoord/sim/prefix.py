@@ -22,6 +22,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = PrefixRouting().block_size
 """The router's default block size (vLLM's default ``--block-size``, 16)."""
+STEP_FIXED_S = 0.005
+"""The model's fixed cost of a lock-step step (``a``): the order of a decode step's
+weight reads and launch overhead for an 8B-class model on one GPU; assumed."""
+STEP_PER_TOKEN_S = 2e-5
+"""The model's cost per token processed in a step (``b``): 50k tokens/s of prefill, the
+order of an 8B-class model on one data-centre GPU; assumed. The routing benchmark sweeps
+it (``benchmarks/_routing.py``, ``PREFILL_SWEEP_PER_TOKEN_S``)."""
 
 
 @dataclass
@@ -115,6 +122,9 @@ class FleetResult:
     busiest_over_mean: float
     per_rank_queries: list[int]
     per_rank_hits: list[int]
+    prefill_time_share: float = 0.0
+    """The share of the run's step time spent on prompt tokens: per step, the busiest
+    rank's prefill tokens times ``step_per_token_s``, over the step time."""
 
 
 Chooser = Callable[[Request, list[RankModel]], int]
@@ -129,8 +139,8 @@ def run_fleet(
     capacity_blocks: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     token_budget: int = 2048,
-    step_fixed_s: float = 0.005,
-    step_per_token_s: float = 2e-5,
+    step_fixed_s: float = STEP_FIXED_S,
+    step_per_token_s: float = STEP_PER_TOKEN_S,
     report: Reporter | None = None,
     kv_events: bool = False,
 ) -> FleetResult:
@@ -149,6 +159,8 @@ def run_fleet(
     ttft: list[float] = []
     busiest_sum = 0.0
     mean_sum = 0.0
+    prefill_s = 0.0
+    busy_s = 0.0
     output_tokens = 0
     index = 0
     while index < len(pending) or any(rank.queue for rank in fleet):
@@ -162,6 +174,7 @@ def run_fleet(
             now = pending[index].arrival_s
             continue
         work = []
+        prefill_work = []
         for rank in fleet:
             budget = token_budget
             done = 0
@@ -169,6 +182,7 @@ def run_fleet(
                 if job.prefill_left == 0 and budget > 0:
                     budget -= 1
                     done += 1
+            decodes = done
             for job in rank.queue:
                 if job.prefill_left > 0 and budget > 0:
                     job.started = True
@@ -176,9 +190,12 @@ def run_fleet(
                     job.prefill_left -= chunk
                     budget -= chunk
                     done += chunk
+            prefill_work.append(done - decodes)
             work.append(done)
         busiest = max(work)
         step = step_fixed_s + step_per_token_s * busiest
+        busy_s += step
+        prefill_s += step_per_token_s * prefill_work[work.index(busiest)]
         now += step
         busiest_sum += busiest
         mean_sum += sum(work) / ranks
@@ -201,4 +218,5 @@ def run_fleet(
         busiest_over_mean=busiest_sum / mean_sum if mean_sum else 1.0,
         per_rank_queries=[rank.queries for rank in fleet],
         per_rank_hits=[rank.hits for rank in fleet],
+        prefill_time_share=prefill_s / busy_s if busy_s else 0.0,
     )
