@@ -109,6 +109,8 @@ class PolicyFigures:
     ttft_p50_s: float
     ttft_p99_s: float
     busiest_over_mean: float
+    busiest_tokens: float
+    """The busiest rank's tokens summed over the steps (the lock-step cost)."""
     guard_fallbacks: int
     prefill_share: float
     """Share of the run's step time spent on prompt tokens (the model's tally)."""
@@ -127,6 +129,7 @@ def run_one(
         ttft_p50_s=percentile(result.ttft_s, 50),
         ttft_p99_s=percentile(result.ttft_s, 99),
         busiest_over_mean=result.busiest_over_mean,
+        busiest_tokens=result.busiest_tokens,
         guard_fallbacks=counters.guard_fallbacks if counters else 0,
         prefill_share=result.prefill_time_share,
     )

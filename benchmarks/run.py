@@ -959,6 +959,7 @@ class Runner:
             ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
             ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
             ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+            ("busiest-rank work, whole run", "busiest_tokens", "tokens", 1.0),
         )
         for ranks, by_trace in figures.items():
             seeds = sizes.seeds[int(ranks)]

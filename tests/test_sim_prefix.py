@@ -92,7 +92,7 @@ def test_round_robin_spreads_requests_evenly() -> None:
     assert result.per_rank_queries == [8 * 64] * 8
 
 
-def test_prefill_time_share_is_the_busiest_ranks_prompt_tokens_over_step_time() -> None:
+def test_prefill_share_and_busiest_work_tally_the_busiest_ranks_tokens() -> None:
     # one rank, one request: 64 prompt tokens in one step (budget 2048), then 2 decode
     # steps of 1 token each (the first token comes with the prefill step's end)
     trace = [Request(0.0, tuple(range(64)), 3, 0)]
@@ -102,6 +102,7 @@ def test_prefill_time_share_is_the_busiest_ranks_prompt_tokens_over_step_time() 
     )
     steps = [a + b * 64, a + b * 1, a + b * 1]
     assert result.prefill_time_share == (b * 64) / sum(steps)
+    assert result.busiest_tokens == 64 + 1 + 1
     no_prompt_cost = run_fleet(
         trace, 1, lambda r, f: 0, capacity_blocks=10, step_fixed_s=a, step_per_token_s=0.0
     )

@@ -122,6 +122,9 @@ class FleetResult:
     busiest_over_mean: float
     per_rank_queries: list[int]
     per_rank_hits: list[int]
+    busiest_tokens: float = 0.0
+    """The busiest rank's tokens, summed over the steps: what the lock-step time grows
+    with (``busiest_over_mean`` also rises when the other ranks compute less)."""
     prefill_time_share: float = 0.0
     """The share of the run's step time spent on prompt tokens: per step, the busiest
     rank's prefill tokens times ``step_per_token_s``, over the step time."""
@@ -218,5 +221,6 @@ def run_fleet(
         busiest_over_mean=busiest_sum / mean_sum if mean_sum else 1.0,
         per_rank_queries=[rank.queries for rank in fleet],
         per_rank_hits=[rank.hits for rank in fleet],
+        busiest_tokens=busiest_sum,
         prefill_time_share=prefill_s / busy_s if busy_s else 0.0,
     )
