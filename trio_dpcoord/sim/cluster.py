@@ -415,6 +415,7 @@ async def run_cluster(
     log_line: Callable[[str], None] = _default_log_line,
     coordinator_factory: CoordinatorFactory | None = None,
     between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None = None,
+    drive: Callable[[SimFrontend], Awaitable[None]] | None = None,
 ) -> ClusterReport:
     """Run the whole cluster once and report; never leaves a child process behind.
 
@@ -425,6 +426,9 @@ async def run_cluster(
     ``between_bursts(frontend, progress)`` is awaited after every burst but the last,
     once its requests finished and the front-end saw every engine idle: tests inject
     faults there, deterministically outside a wave.
+    ``drive(frontend)`` replaces the load plan (a benchmark replaying a trace): it sends
+    requests and returns once they finished (``between_bursts`` is then not called;
+    set ``config.load.requests`` to the number it sends, for :attr:`ClusterReport.ok`).
     Failures of the cluster (an engine dying, a collective timeout, a stall, a start-up
     timeout) end the run early and are recorded in the report, not raised.
     """
@@ -442,7 +446,7 @@ async def run_cluster(
             async with AsyncExitStack() as stack:
                 await run.start(stack, coordinator_factory)
                 if await run.wait_ready():
-                    await run.apply_load(between_bursts)
+                    await run.apply_load(between_bursts, drive)
                 if progress is not None:
                     progress(run.progress())
                 run.collect()
@@ -555,10 +559,12 @@ class _ClusterRun:
         return True
 
     async def apply_load(
-        self, between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None
+        self,
+        between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None,
+        drive: Callable[[SimFrontend], Awaitable[None]] | None = None,
     ) -> None:
-        """The load plan, watched by the monitor; ``between_bursts`` once the engines are
-        idle after each burst."""
+        """The load plan (or ``drive``), watched by the monitor; ``between_bursts`` once
+        the engines are idle after each burst."""
         frontend, report = self.frontend, self.report
         assert frontend is not None
         hook: Callable[[], Awaitable[None]] | None = None
@@ -573,7 +579,10 @@ class _ClusterRun:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_monitor, frontend, self.config, report, self._progress, self.fail)
-            await generate_load(frontend, self.config.load, after_burst=hook)
+            if drive is None:
+                await generate_load(frontend, self.config.load, after_burst=hook)
+            else:
+                await drive(frontend)
             nursery.cancel_scope.cancel()
         if report.timeline is not None:
             # End the picture with the last wave, not with the teardown.

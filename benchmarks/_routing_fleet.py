@@ -1,0 +1,206 @@
+"""The ``routing_fleet`` section: engine-choice policies on the process fleet, with the
+engines' own prefix-cache counters, next to the lock-step model on the same trace (see
+``benchmarks/README.md``, section 10).
+
+Each (trace, policy) is one :func:`trio_dpcoord.sim.run_cluster`: an embedded coordinator,
+the simulated front-end and 8 ``python -m trio_dpcoord.sim engine`` processes with real
+sockets, each with a prefix cache (``EngineConfig.prefix_cache_blocks``) and the lock-step
+model's step cost (``a + b * tokens``, :data:`~trio_dpcoord.sim.prefix.STEP_FIXED_S` and
+:data:`~trio_dpcoord.sim.prefix.STEP_PER_TOKEN_S`). The trace is replayed on the wall
+clock at its arrival times. The hit rate is what the engines report in their scheduler
+stats (vLLM's ``prefix_cache_stats``: hits over queries, in prompt tokens), not what the
+router believes. Round-robin pins request ``k`` to rank ``k mod 8``; the exact feed gets
+the engines' KV events over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from benchmarks import _routing as rt
+from trio_dpcoord.sim import ClusterConfig, LoadPlan, run_cluster
+from trio_dpcoord.sim.frontend import SimFrontend, percentile
+from trio_dpcoord.sim.prefix import STEP_FIXED_S, STEP_PER_TOKEN_S
+from trio_dpcoord.sim.traces import Request, reuse_bound
+
+logger = logging.getLogger("benchmarks.routing_fleet")
+
+FLEET_RANKS = 8
+FLEET_POLICIES = ("round-robin", "vllm", "approximate", "exact")
+
+
+@dataclass(frozen=True)
+class FleetSizes:
+    traces: tuple[str, ...]
+    seeds: int
+    trace_sizes: rt.RoutingSizes
+    """The model benchmark's sizes the traces are made with (and the caches' size)."""
+    token_budget: int = 2048
+    """Tokens per engine step: the model's default ``token_budget``."""
+
+
+FLEET_QUICK = FleetSizes(traces=("multi-turn", "no reuse"), seeds=1, trace_sizes=rt.ROUTING_QUICK)
+FLEET_FULL = FleetSizes(traces=("multi-turn", "no reuse"), seeds=2, trace_sizes=rt.ROUTING_QUICK)
+
+
+@dataclass(frozen=True)
+class FleetFigures:
+    """One (trace, policy) on the process fleet."""
+
+    hit_rate: float
+    """The engines' reported prefix-cache hits over queries (prompt tokens)."""
+    throughput: float
+    """Output tokens per second of wall clock, from the first arrival to the last finish."""
+    ttft_p50_s: float
+    ttft_p99_s: float
+    busiest_over_mean: float
+    """Per rank, its work over the run (uncached prompt tokens plus output tokens, from
+    the engines' reports): the busiest rank's over the mean."""
+    requests: int
+    completed: int
+    ok: bool
+    kv_event_batches: int
+    guard_fallbacks: int
+
+
+class _Replay:
+    """Sends a trace at its arrival times and records each request's time to first token."""
+
+    def __init__(self, trace: list[Request], pin_round_robin: int | None) -> None:
+        self.trace = sorted(trace, key=lambda r: r.arrival_s)
+        self.pin_round_robin = pin_round_robin
+        self.ttft_s: list[float] = []
+        self.makespan_s = 0.0
+
+    def _listener(self, due: float) -> Callable[[tuple[int, ...], int | None], None]:
+        first = True
+
+        def on_output(tokens: tuple[int, ...], finish: int | None) -> None:
+            nonlocal first
+            if first and tokens:
+                first = False
+                self.ttft_s.append(trio.current_time() - due)
+
+        return on_output
+
+    async def __call__(self, frontend: SimFrontend) -> None:
+        start = trio.current_time()
+        for index, request in enumerate(self.trace):
+            due = start + request.arrival_s
+            await trio.sleep_until(due)
+            pinned = None if self.pin_round_robin is None else index % self.pin_round_robin
+            await frontend.submit(
+                max_tokens=request.output_len,
+                engine=pinned,
+                on_output=self._listener(due),
+                prompt_token_ids=request.token_ids,
+            )
+        await frontend.wait_for(lambda f: f.pending == 0)
+        self.makespan_s = trio.current_time() - start
+
+
+def run_fleet_policy(
+    trace: list[Request], policy: str, sizes: FleetSizes, ranks: int = FLEET_RANKS
+) -> FleetFigures:
+    """One policy of :data:`FLEET_POLICIES` on the process fleet, a fresh cluster."""
+    if policy not in FLEET_POLICIES:
+        raise ValueError(f"policy must be one of {FLEET_POLICIES}, got {policy!r}")
+    config = ClusterConfig(
+        engines=ranks,
+        load=LoadPlan(requests=len(trace)),
+        routing="prefix" if policy in ("approximate", "exact") else "vllm",
+        kv_events=policy == "exact",
+        prefix_cache_blocks=sizes.trace_sizes.capacity_blocks,
+        token_budget=sizes.token_budget,
+        step_time=STEP_FIXED_S,
+        step_per_token=STEP_PER_TOKEN_S,
+        max_running=len(trace),  # the model has no cap on running requests, only the budget
+        engine_log_level="ERROR",
+        collective_timeout=30.0,
+    )
+    replay = _Replay(trace, ranks if policy == "round-robin" else None)
+    report = trio.run(
+        functools.partial(
+            run_cluster, config, drive=replay, log_line=lambda line: logger.warning("%s", line)
+        )
+    )
+    work = [
+        queries - hits + tokens
+        for queries, hits, tokens in zip(
+            report.prefix_queries, report.prefix_hits, report.engine_tokens, strict=True
+        )
+    ]
+    mean_work = sum(work) / len(work) if work else 0.0
+    counters = report.routing_counters or {}
+    return FleetFigures(
+        hit_rate=report.prefix_hit_rate or 0.0,
+        throughput=sum(report.engine_tokens) / replay.makespan_s if replay.makespan_s else 0.0,
+        ttft_p50_s=percentile(replay.ttft_s, 50),
+        ttft_p99_s=percentile(replay.ttft_s, 99),
+        busiest_over_mean=max(work) / mean_work if mean_work else 1.0,
+        requests=report.requests,
+        completed=report.completed,
+        ok=report.ok,
+        kv_event_batches=report.kv_event_batches,
+        guard_fallbacks=int(counters.get("guard_fallbacks", 0)),
+    )
+
+
+def mean_over(
+    entries: list[dict[str, Any]], policy: str, attr: str, scale: float, key: str = "fleet"
+) -> float:
+    """The mean of one figure of ``policy`` over ``entries`` (``key``: "fleet" or "model")."""
+    return rt.mean([getattr(e[key][policy], attr) * scale for e in entries])
+
+
+def ranking(figures: dict[str, float]) -> list[str]:
+    """Policies from the best to the worst by one figure (higher is better)."""
+    return sorted(figures, key=lambda name: -figures[name])
+
+
+def measure_fleet(
+    sizes: FleetSizes, progress: Callable[[str], None] = logger.info
+) -> list[dict[str, Any]]:
+    """Every (trace, seed): each policy on the fleet and on the model, and the reuse bound.
+
+    One entry per (trace, seed): ``{"trace", "seed", "bound", "fleet": {policy:
+    FleetFigures}, "model": {policy: rt.PolicyFigures}}``.
+    """
+    out: list[dict[str, Any]] = []
+    model_cost = {
+        "token_budget": sizes.token_budget,
+        "step_fixed_s": STEP_FIXED_S,
+        "step_per_token_s": STEP_PER_TOKEN_S,
+    }
+    capacity = sizes.trace_sizes.capacity_blocks
+    for trace_name in sizes.traces:
+        for seed in range(sizes.seeds):
+            trace = rt.make_trace(trace_name, seed, FLEET_RANKS, sizes.trace_sizes)
+            entry: dict[str, Any] = {
+                "trace": trace_name,
+                "seed": seed,
+                "bound": reuse_bound(trace),
+                "fleet": {},
+                "model": {},
+            }
+            for policy in FLEET_POLICIES:
+                started = time.perf_counter()
+                fleet = run_fleet_policy(trace, policy, sizes)
+                entry["fleet"][policy] = fleet
+                entry["model"][policy] = rt.run_one(
+                    trace, FLEET_RANKS, policy, capacity, **model_cost
+                )
+                progress(
+                    f"routing fleet: {trace_name}, seed {seed}, {policy}: engines' hit rate "
+                    f"{fleet.hit_rate:.3f}, {fleet.completed}/{fleet.requests} requests, "
+                    f"{time.perf_counter() - started:.1f} s"
+                )
+            out.append(entry)
+    return out
