@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,14 +41,24 @@ FLEET_POLICIES = ("round-robin", "vllm", "approximate", "exact")
 class FleetSizes:
     traces: tuple[str, ...]
     seeds: int
+    repeats: int
+    """Runs of every (trace, seed, policy): the fleet's figures carry the machine's noise
+    (the model's do not); the policies take turns, so noise falls on all of them."""
     trace_sizes: rt.RoutingSizes
     """The model benchmark's sizes the traces are made with (and the caches' size)."""
     token_budget: int = 2048
     """Tokens per engine step: the model's default ``token_budget``."""
 
 
-FLEET_QUICK = FleetSizes(traces=("multi-turn", "no reuse"), seeds=1, trace_sizes=rt.ROUTING_QUICK)
-FLEET_FULL = FleetSizes(traces=("multi-turn", "no reuse"), seeds=2, trace_sizes=rt.ROUTING_QUICK)
+FLEET_QUICK = FleetSizes(
+    traces=("multi-turn", "no reuse"), seeds=1, repeats=3, trace_sizes=rt.ROUTING_QUICK
+)
+FLEET_FULL = FleetSizes(
+    traces=("multi-turn", "shared docs", "no reuse"),
+    seeds=2,
+    repeats=3,
+    trace_sizes=rt.ROUTING_QUICK,
+)
 
 
 @dataclass(frozen=True)
@@ -156,22 +167,52 @@ def run_fleet_policy(
 def mean_over(
     entries: list[dict[str, Any]], policy: str, attr: str, scale: float, key: str = "fleet"
 ) -> float:
-    """The mean of one figure of ``policy`` over ``entries`` (``key``: "fleet" or "model")."""
-    return rt.mean([getattr(e[key][policy], attr) * scale for e in entries])
+    """The mean of one figure of ``policy`` over ``entries`` and their runs (``key``:
+    "fleet" or "model")."""
+    return rt.mean([getattr(f, attr) * scale for e in entries for f in e[key][policy]])
 
 
-def ranking(figures: dict[str, float]) -> list[str]:
-    """Policies from the best to the worst by one figure (higher is better)."""
-    return sorted(figures, key=lambda name: -figures[name])
+def ratio_range(
+    entries: list[dict[str, Any]], policy: str, attr: str, base: str = "vllm"
+) -> tuple[float, float]:
+    """The lowest and highest ratio of ``policy``'s figure to ``base``'s in the same
+    (trace, seed, run): how much of a mean ratio is the machine's noise."""
+    ratios = [
+        getattr(ours, attr) / getattr(theirs, attr)
+        for e in entries
+        for ours, theirs in zip(e["fleet"][policy], e["fleet"][base], strict=True)
+        if getattr(theirs, attr)
+    ]
+    return (min(ratios), max(ratios)) if ratios else (math.nan, math.nan)
+
+
+RANKING_TOLERANCE = 0.05
+"""Figures within 5 % of each other rank as a tie: run-to-run noise on the shared
+machine moves the fleet's throughput by about that much (the model has no noise)."""
+
+
+def ranking(figures: dict[str, float], tolerance: float = RANKING_TOLERANCE) -> str:
+    """Policies from the best to the worst by one figure (higher is better), as
+    ``"a = b > c"``: a policy within ``tolerance`` of its group's best joins the group."""
+    groups: list[list[str]] = []
+    best = 0.0
+    for name in sorted(figures, key=lambda n: -figures[n]):
+        if groups and figures[name] >= best * (1.0 - tolerance):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+            best = figures[name]
+    return " > ".join(" = ".join(sorted(group)) for group in groups)
 
 
 def measure_fleet(
     sizes: FleetSizes, progress: Callable[[str], None] = logger.info
 ) -> list[dict[str, Any]]:
-    """Every (trace, seed): each policy on the fleet and on the model, and the reuse bound.
+    """Every (trace, seed): each policy on the fleet (``repeats`` runs) and on the model,
+    and the reuse bound.
 
     One entry per (trace, seed): ``{"trace", "seed", "bound", "fleet": {policy:
-    FleetFigures}, "model": {policy: rt.PolicyFigures}}``.
+    [FleetFigures per run]}, "model": {policy: [rt.PolicyFigures]}}``.
     """
     out: list[dict[str, Any]] = []
     model_cost = {
@@ -191,16 +232,20 @@ def measure_fleet(
                 "model": {},
             }
             for policy in FLEET_POLICIES:
-                started = time.perf_counter()
-                fleet = run_fleet_policy(trace, policy, sizes)
-                entry["fleet"][policy] = fleet
-                entry["model"][policy] = rt.run_one(
-                    trace, FLEET_RANKS, policy, capacity, **model_cost
-                )
-                progress(
-                    f"routing fleet: {trace_name}, seed {seed}, {policy}: engines' hit rate "
-                    f"{fleet.hit_rate:.3f}, {fleet.completed}/{fleet.requests} requests, "
-                    f"{time.perf_counter() - started:.1f} s"
-                )
+                entry["fleet"][policy] = []
+                entry["model"][policy] = [
+                    rt.run_one(trace, FLEET_RANKS, policy, capacity, **model_cost)
+                ]
+            for run in range(sizes.repeats):
+                for policy in FLEET_POLICIES:
+                    started = time.perf_counter()
+                    fleet = run_fleet_policy(trace, policy, sizes)
+                    entry["fleet"][policy].append(fleet)
+                    progress(
+                        f"routing fleet: {trace_name}, seed {seed}, run {run}, {policy}: "
+                        f"engines' hit rate {fleet.hit_rate:.3f}, busiest/mean "
+                        f"{fleet.busiest_over_mean:.2f}, {fleet.completed}/{fleet.requests} "
+                        f"requests, {time.perf_counter() - started:.1f} s"
+                    )
             out.append(entry)
     return out

@@ -1081,8 +1081,8 @@ class Runner:
         self.details["routing_fleet"] = [
             {
                 **{k: v for k, v in e.items() if k not in ("fleet", "model")},
-                "fleet": {p: asdict(f) for p, f in e["fleet"].items()},
-                "model": {p: asdict(f) for p, f in e["model"].items()},
+                "fleet": {p: [asdict(f) for f in runs] for p, runs in e["fleet"].items()},
+                "model": {p: [asdict(f) for f in runs] for p, runs in e["model"].items()},
             }
             for e in entries
         ]
@@ -1102,12 +1102,16 @@ class Runner:
 
             for policy in ("round-robin", "approximate", "exact"):
                 label = rt.POLICY_LABELS[policy]
-                done = sum(e["fleet"][policy].completed for e in cells)
-                sent = sum(e["fleet"][policy].requests for e in cells)
+                done = sum(f.completed for e in cells for f in e["fleet"][policy])
+                sent = sum(f.requests for e in cells for f in e["fleet"][policy])
                 for figure, attr, unit, scale in fields:
-                    note = ""
+                    low, high = rf.ratio_range(cells, policy, attr)
+                    note = f"{len(cells) * sizes.repeats} runs, ratio {low:.2f}..{high:.2f}"
                     if attr == "hit_rate":
-                        note = f"reuse bound {bound:.1f} %, {done}/{sent} requests"
+                        note += f", reuse bound {bound:.1f} %, {done}/{sent} requests"
+                    elif attr == "busiest_over_mean":
+                        worst = max(f.busiest_over_mean for e in cells for f in e["fleet"][policy])
+                        note += f", worst run {worst:.2f}"
                     self.rows.append(
                         Row(
                             section,
@@ -1143,8 +1147,9 @@ class Runner:
                         f"{trace}: ranking by {figure}, fleet vs model",
                         None,
                         "",
-                        note=f"fleet {' > '.join(orders['fleet'])}; model "
-                        f"{' > '.join(orders['model'])}: {'same' if same else 'DIFFERENT'}",
+                        note=f"fleet {orders['fleet']}; model {orders['model']}: "
+                        f"{'same' if same else 'DIFFERENT'} (ties within "
+                        f"{rf.RANKING_TOLERANCE:.0%})",
                     )
                 )
 
