@@ -496,9 +496,15 @@ class SimEngine:
         while self.waiting and len(self.running) < self.config.max_running:
             self.running.append(self.waiting.popleft())
         await trio.sleep(self.config.step_time)
+        items = self._sample(self.running)
+        self.running = [r for r in self.running if r.remaining > 0]
+        await self._send_outputs(items)
+
+    def _sample(self, requests: list[_Request]) -> list[tuple[_Request, int | None]]:
+        """One new token for each of ``requests``: the outputs to send, a request
+        finishing (length) when it has all its tokens."""
         items: list[tuple[_Request, int | None]] = []
-        still_running = []
-        for request in self.running:
+        for request in requests:
             request.generated += 1
             request.remaining -= 1
             if request.remaining <= 0:
@@ -506,9 +512,7 @@ class SimEngine:
                 self.counters.requests_finished += 1
             else:
                 items.append((request, None))
-                still_running.append(request)
-        self.running = still_running
-        await self._send_outputs(items)
+        return items
 
     # --- the prefix-cache engine (EngineConfig.prefix_cache_blocks > 0) -----------------
 
@@ -542,15 +546,7 @@ class SimEngine:
         tokens = cfg.token_budget - budget
         self.counters.computed_tokens += tokens
         await trio.sleep(cfg.step_time + cfg.step_per_token * tokens)
-        items: list[tuple[_Request, int | None]] = []
-        for request in stepped:
-            request.generated += 1
-            request.remaining -= 1
-            if request.remaining <= 0:
-                items.append((request, _FINISH_LENGTH))
-                self.counters.requests_finished += 1
-            else:
-                items.append((request, None))
+        items = self._sample(stepped)
         self.running = [r for r in self.running if r.remaining > 0]
         await self._send_outputs(items, self._step_stats(ledger))
         await self._publish_kv_events(ledger.cache)
