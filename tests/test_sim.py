@@ -19,6 +19,7 @@ import pytest
 import trio
 import zmq
 
+from tests.helpers import sim_engine_config
 from trio_dpcoord import EngineLoad, WaveSnapshot, open_coordinator, protocol
 from trio_dpcoord.protocol import IDLE_LOAD
 from trio_dpcoord.sim import (
@@ -106,26 +107,14 @@ def engine_config(
     tmp_path: Path,
     **overrides: object,
 ) -> EngineConfig:
+    """An engine of these tests: a 1 s collective timeout, so that a stranded rank fails
+    fast."""
     if isinstance(coordinator, HandCoordinator):
         inp, out = coordinator.input_address, coordinator.output_address
     else:
         inp, out = coordinator.back_publish_address, coordinator.back_output_address
-    settings: dict[str, object] = {
-        "step_time": 0.001,
-        "sync_interval": 4,
-        "collective_timeout": 1.0,
-    }
-    settings.update(overrides)
-    return EngineConfig(
-        rank=rank,
-        engine_count=engines,
-        back_publish_address=inp,
-        back_output_address=out,
-        request_address=frontend.request_address,
-        completion_address=frontend.completion_address,
-        collective_address=f"ipc://{tmp_path}/collective",
-        **settings,  # type: ignore[arg-type]
-    )
+    settings: dict[str, object] = {"collective_timeout": 1.0, **overrides}
+    return sim_engine_config(rank, engines, inp, out, frontend, tmp_path, **settings)
 
 
 class Failures(dict[int, BaseException]):
