@@ -37,10 +37,32 @@ def prompt(seed: int, tokens: int) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------- codec
 
+# vLLM's own MsgpackEncoder over EngineCoreOutputs(engine_index=1, scheduler_stats=
+# SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, step_counter=7, current_wave=3,
+# kv_cache_usage=0.25, prefix_cache_stats=PrefixCacheStats(requests=2, queries=160,
+# hits=96))), timestamp as it set it; written once by the CPU build in the shared cache
+# (vLLM 0.32.0, whose SchedulerStats and PrefixCacheStats fields are 0.33.0's).
+VLLM_OUTPUTS_WITH_PREFIX_STATS = bytes.fromhex(
+    "990190de0012b06e756d5f72756e6e696e675f7265717302b06e756d5f77616974696e675f726571"
+    "7301b86e756d5f736b69707065645f77616974696e675f7265717300ba6e756d5f6b765f66657463"
+    "685f726571735f62795f737461676580ac737465705f636f756e74657207ac63757272656e745f77"
+    "61766503ae6b765f63616368655f7573616765cb3fd0000000000000b1697465726174696f6e5f64"
+    "657461696c73c0b27072656669785f63616368655f737461747388a57265736574c2a87265717565"
+    "73747302a771756572696573cca0a46869747360b2707265656d707465645f726571756573747300"
+    "b1707265656d707465645f7175657269657300ae707265656d707465645f6869747300ae68697473"
+    "5f62795f736f7572636580bc636f6e6e6563746f725f7072656669785f63616368655f7374617473"
+    "c0b86b765f63616368655f6576696374696f6e5f6576656e747390b3737065635f6465636f64696e"
+    "675f7374617473c0b26b765f636f6e6e6563746f725f7374617473c0b265635f636f6e6e6563746f"
+    "725f7374617473c0b577616974696e675f6c6f72615f616461707465727380b572756e6e696e675f"
+    "6c6f72615f616461707465727380af6375646167726170685f7374617473c0aa706572665f737461"
+    "7473c0cb408cc6483d2b0c51c0c0c0c0c0"
+)
+
 
 def test_prefix_cache_stats_round_trip_as_vllm_writes_them() -> None:
     """The counters travel in vLLM's ``prefix_cache_stats`` map, in vLLM's field order,
-    and decode back; an engine without lookups writes vLLM's all-zero map."""
+    byte for byte as vLLM's encoder writes them, and decode back; an engine without
+    lookups writes vLLM's all-zero map."""
     stats = SchedulerStats(
         num_running_reqs=2,
         num_waiting_reqs=1,
@@ -63,6 +85,12 @@ def test_prefix_cache_stats_round_trip_as_vllm_writes_them() -> None:
         ("hits_by_source", {}),
     ]
     assert protocol.decode_engine_core_outputs(frame) == out
+    theirs = protocol.decode_engine_core_outputs(VLLM_OUTPUTS_WITH_PREFIX_STATS)
+    assert theirs.scheduler_stats == stats
+    same = protocol.EngineCoreOutputs(
+        engine_index=1, scheduler_stats=stats, timestamp=theirs.timestamp
+    )
+    assert protocol.encode_engine_core_outputs(same) == VLLM_OUTPUTS_WITH_PREFIX_STATS
     plain = protocol.encode_engine_core_outputs(
         protocol.EngineCoreOutputs(scheduler_stats=SchedulerStats())
     )
