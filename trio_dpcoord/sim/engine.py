@@ -342,13 +342,12 @@ class SimEngine:
             return
         self._last_counts = counts
         self.counters.stats_sent += 1
-        usage = min(1.0, len(self.running) / self.config.max_running) * 0.9
         stats = protocol.SchedulerStats(
             num_running_reqs=counts[0],
             num_waiting_reqs=counts[1],
             step_counter=self.step_counter,
             current_wave=self.current_wave,
-            kv_cache_usage=usage,
+            kv_cache_usage=self._kv_usage(),
         )
         await self._to_coordinator(
             protocol.EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
@@ -519,18 +518,15 @@ class SimEngine:
     async def _prefill_step(self, ledger: RankModel) -> None:
         """One step as the lock-step prefix model takes it (:mod:`.prefix`), on this rank.
 
-        Newly scheduled requests are looked up in the prefix cache (vLLM looks up when it
-        schedules a waiting request) and their blocks cached; then up to
-        ``token_budget`` tokens: one per decoding request first, then chunks of the
-        uncached prompt tokens (a request whose prompt completes samples its first
-        token in that step). The step lasts ``step_time + step_per_token * tokens``;
-        the collective that follows makes every rank wait for the busiest one.
+        Up to ``token_budget`` tokens, in vLLM's scheduler's order: one per decoding
+        request, then the next chunk of the prompts being computed, then waiting requests
+        while budget is left, each looked up in the prefix cache as it is scheduled (as
+        vLLM does), its blocks cached, and only its uncached tokens computed; a request
+        whose prompt completes samples its first token in that step. The step lasts
+        ``step_time + step_per_token * tokens``; the collective that follows makes every
+        rank wait for the busiest one.
         """
         cfg = self.config
-        while self.waiting and len(self.running) < cfg.max_running:
-            request = self.waiting.popleft()
-            self._look_up(ledger, request)
-            self.running.append(request)
         budget = cfg.token_budget
         stepped = [r for r in self.running if r.prefill_left == 0][:budget]
         budget -= len(stepped)
@@ -538,11 +534,12 @@ class SimEngine:
             if budget == 0:
                 break
             if request.prefill_left > 0:
-                chunk = min(request.prefill_left, budget)
-                request.prefill_left -= chunk
-                budget -= chunk
-                if request.prefill_left == 0:
-                    stepped.append(request)
+                budget -= self._prefill_chunk(request, budget, stepped)
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            request = self.waiting.popleft()
+            self._look_up(ledger, request)
+            self.running.append(request)
+            budget -= self._prefill_chunk(request, budget, stepped)
         tokens = cfg.token_budget - budget
         self.counters.computed_tokens += tokens
         await trio.sleep(cfg.step_time + cfg.step_per_token * tokens)
@@ -550,6 +547,26 @@ class SimEngine:
         self.running = [r for r in self.running if r.remaining > 0]
         await self._send_outputs(items, self._step_stats(ledger))
         await self._publish_kv_events(ledger.cache)
+
+    @staticmethod
+    def _prefill_chunk(request: _Request, budget: int, stepped: list[_Request]) -> int:
+        """Compute up to ``budget`` of the request's prompt tokens; returns how many. A
+        request whose prompt is done joins ``stepped`` (it samples a token)."""
+        chunk = min(request.prefill_left, budget)
+        request.prefill_left -= chunk
+        if request.prefill_left == 0:
+            stepped.append(request)
+        return chunk
+
+    def _kv_usage(self) -> float:
+        """The KV-cache usage an engine reports: the toy's running share of
+        ``max_running`` (times 0.9); with the prefix cache, the blocks its running
+        requests hold over the cache's size (at most 1), as vLLM counts it."""
+        if self._prefix is None:
+            return min(1.0, len(self.running) / self.config.max_running) * 0.9
+        size = self.config.block_size
+        held = sum(-(-(len(r.prompt) + r.generated) // size) for r in self.running)
+        return min(1.0, held / self._prefix.cache.capacity_blocks)
 
     def _look_up(self, ledger: RankModel, request: _Request) -> None:
         """Match the prompt's cached blocks, cache its blocks, set what is left to compute
@@ -577,7 +594,7 @@ class SimEngine:
             num_waiting_reqs=len(self.waiting),
             step_counter=self.step_counter,
             current_wave=self.current_wave,
-            kv_cache_usage=len(ledger.cache.blocks) / ledger.cache.capacity_blocks,
+            kv_cache_usage=self._kv_usage(),
             prefix_cache_stats=protocol.PrefixCacheStats(
                 requests=requests, queries=queries, hits=hits
             ),
