@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -39,7 +39,10 @@ FLEET_POLICIES = ("round-robin", "vllm", "approximate", "exact")
 
 @dataclass(frozen=True)
 class FleetSizes:
-    traces: tuple[str, ...]
+    traces: tuple[tuple[str, float], ...]
+    """(trace name, offered requests/s per rank): the model benchmark's 600 saturates
+    the fleet (the whole trace arrives in 80 ms, before most load reports); 100 spreads
+    the arrivals over about a second, so the routing follows the engines' reports."""
     seeds: int
     repeats: int
     """Runs of every (trace, seed, policy): the fleet's figures carry the machine's noise
@@ -51,14 +54,27 @@ class FleetSizes:
 
 
 FLEET_QUICK = FleetSizes(
-    traces=("multi-turn", "no reuse"), seeds=1, repeats=3, trace_sizes=rt.ROUTING_QUICK
+    traces=(("multi-turn", 600.0), ("multi-turn", 100.0), ("no reuse", 600.0)),
+    seeds=1,
+    repeats=3,
+    trace_sizes=rt.ROUTING_QUICK,
 )
 FLEET_FULL = FleetSizes(
-    traces=("multi-turn", "shared docs", "no reuse"),
+    traces=(
+        ("multi-turn", 600.0),
+        ("multi-turn", 100.0),
+        ("shared docs", 600.0),
+        ("no reuse", 600.0),
+        ("no reuse", 100.0),
+    ),
     seeds=2,
     repeats=3,
     trace_sizes=rt.ROUTING_QUICK,
 )
+
+
+def trace_label(name: str, rate_per_rank: float) -> str:
+    return f"{name} @{rate_per_rank:g}/s/rank"
 
 
 @dataclass(frozen=True)
@@ -221,11 +237,13 @@ def measure_fleet(
         "step_per_token_s": STEP_PER_TOKEN_S,
     }
     capacity = sizes.trace_sizes.capacity_blocks
-    for trace_name in sizes.traces:
+    for trace_name, rate in sizes.traces:
+        label = trace_label(trace_name, rate)
+        trace_sizes = replace(sizes.trace_sizes, rate_per_rank=rate)
         for seed in range(sizes.seeds):
-            trace = rt.make_trace(trace_name, seed, FLEET_RANKS, sizes.trace_sizes)
+            trace = rt.make_trace(trace_name, seed, FLEET_RANKS, trace_sizes)
             entry: dict[str, Any] = {
-                "trace": trace_name,
+                "trace": label,
                 "seed": seed,
                 "bound": reuse_bound(trace),
                 "fleet": {},
@@ -242,7 +260,7 @@ def measure_fleet(
                     fleet = run_fleet_policy(trace, policy, sizes)
                     entry["fleet"][policy].append(fleet)
                     progress(
-                        f"routing fleet: {trace_name}, seed {seed}, run {run}, {policy}: "
+                        f"routing fleet: {label}, seed {seed}, run {run}, {policy}: "
                         f"engines' hit rate {fleet.hit_rate:.3f}, busiest/mean "
                         f"{fleet.busiest_over_mean:.2f}, {fleet.completed}/{fleet.requests} "
                         f"requests, {time.perf_counter() - started:.1f} s"

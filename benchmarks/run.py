@@ -1094,7 +1094,8 @@ class Runner:
             ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
             ("busiest/mean work (run)", "busiest_over_mean", "", 1.0),
         )
-        for trace in sizes.traces:
+        for name, rate in sizes.traces:
+            trace = rf.trace_label(name, rate)
             cells = [e for e in entries if e["trace"] == trace]
             section = f"10 routing fleet N={rf.FLEET_RANKS}"
             bound = rt.mean([e["bound"] for e in cells]) * 100
@@ -1123,7 +1124,7 @@ class Runner:
                             note=note,
                         )
                     )
-                for figure, attr, unit, scale in fields[:2]:
+                for figure, attr, unit, scale in (fields[0], fields[1], fields[3]):
                     model_figure = "hit rate" if attr == "hit_rate" else figure
                     self.rows.append(
                         Row(
@@ -1135,9 +1136,15 @@ class Runner:
                             f"{base_label} (model)",
                         )
                     )
-            for figure, attr in (("hit rate", "hit_rate"), ("throughput", "throughput")):
+            for figure, attr, sign in (
+                ("hit rate", "hit_rate", 1),
+                ("throughput", "throughput", 1),
+                ("TTFT p99 (lower first)", "ttft_p99_s", -1),
+            ):
                 orders = {
-                    key: rf.ranking({p: fleet_mean(p, attr, 1.0, key) for p in rf.FLEET_POLICIES})
+                    key: rf.ranking(
+                        {p: fleet_mean(p, attr, 1.0, key) ** sign for p in rf.FLEET_POLICIES}
+                    )
                     for key in ("fleet", "model")
                 }
                 same = orders["fleet"] == orders["model"]
