@@ -30,6 +30,12 @@ engines (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no pr
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
+SPEED_FIGURES = (
+    ("throughput", "throughput", "tok/s", 1.0),
+    ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
+    ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+)
+"""The routing sections' (figure, attribute, unit, scale) rows for throughput and TTFT."""
 """Our wake-latency targets at N = 8, standalone, as ratios to vLLM's coordinator measured
 in the same run: p50 <= 0.8x and p99 <= 1.0x (replacing vLLM's must not slow a wake)."""
 TRIO_FLOOR_NOTE = "no coordinator: the least a trio program of the coordinator's shape does"
@@ -957,9 +963,7 @@ class Runner:
         }
         fields = (
             ("hit rate", "hit_rate", "%", 100.0),
-            ("throughput", "throughput", "tok/s", 1.0),
-            ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
-            ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+            *SPEED_FIGURES,
             ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
             ("busiest-rank work, whole run", "busiest_tokens", "tokens", 1.0),
         )
@@ -1089,9 +1093,7 @@ class Runner:
         base_label = rt.POLICY_LABELS["vllm"]
         fields = (
             ("engines' hit rate", "hit_rate", "%", 100.0),
-            ("throughput", "throughput", "tok/s", 1.0),
-            ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
-            ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+            *SPEED_FIGURES,
             ("busiest/mean work (run)", "busiest_over_mean", "", 1.0),
         )
         for name, rate in sizes.traces:

@@ -15,6 +15,11 @@ Sockets, as a vLLM ``DPEngineCoreProc`` has them:
 The busy loop follows §6.5 step by step; the scheduler is a toy: a waiting queue, at
 most ``max_running`` running requests, one token per running request per step, a request
 finishes (``finish_reason`` 1, length) after ``max_tokens`` tokens.
+With ``EngineConfig.prefix_cache_blocks`` the engine is the lock-step prefix model's rank
+(:mod:`.prefix`) instead: an LRU prefix cache, chunked prefill of the uncached prompt
+tokens under a token budget, steps that last ``step_time + step_per_token * tokens``,
+vLLM's ``prefix_cache_stats`` in the scheduler stats it attaches to its outputs, and,
+with ``kv_events_address``, vLLM's KV-cache events on a PUB socket (:mod:`.kv_events`).
 
 Deliberate deviations from vLLM's engines, each harmless to the coordinator protocol:
 
