@@ -576,13 +576,16 @@ class SimEngine:
     def _look_up(self, ledger: RankModel, request: _Request) -> None:
         """Match the prompt's cached blocks, cache its blocks, set what is left to compute
         (the model's own rule, :meth:`RankModel.admit`: whole blocks, the last prompt
-        token always computed, as vLLM)."""
+        token always computed, as vLLM). Only the ledger's cache and tallies serve here:
+        the job it queues is dropped, this engine schedules its own requests."""
         if self._kv_events is not None:
             self._kv_events.remember(request.prompt)
+        hits = ledger.hits
         ledger.admit(
             _TraceRequest(0.0, request.prompt, request.remaining, 0), self.config.block_size
         )
-        request.prefill_left = ledger.queue.pop().prefill_left
+        ledger.queue.clear()
+        request.prefill_left = len(request.prompt) - (ledger.hits - hits)
         self._lookups += 1
 
     def _step_stats(self, ledger: RankModel) -> protocol.SchedulerStats:
