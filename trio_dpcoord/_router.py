@@ -117,15 +117,28 @@ class RankPrefixIndex:
         """Key -> last seen; least recently seen first."""
         self._provisional: dict[int, float] = {}
         """Keys held only on belief (the exact feed's routed prompts) -> when the belief
-        ends unless an event confirms it; oldest first. Held beyond ``capacity_blocks``:
-        they must not push out blocks the engine's events say it holds (the engine
-        evicts by its own order, and says so in its events)."""
+        ends unless an event confirms it; oldest first. Always a subset of ``_seen``:
+        they count against ``capacity_blocks``, as the engine makes room for a prompt by
+        evicting (a belief beyond the capacity would send requests to blocks the engine
+        has already evicted)."""
+        self._displaced: OrderedDict[int, float] = OrderedDict()
+        """Blocks the engine's events reported, pushed out of the capacity by
+        provisional ones -> last seen, oldest first. Not believed (absent from
+        ``owners``), since the engine evicts to make room as well; but it evicts by its
+        own order, which its events tell: one it reports gone is dropped here, and the
+        others come back (at the least recently used end) as room returns. At most as
+        many as there are provisional blocks."""
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def __contains__(self, key: int) -> bool:
         return key in self._seen
+
+    def knows(self, key: int) -> bool:
+        """Whether ``key`` is believed cached here or was reported and only displaced
+        (a ``BlockStored`` chained on it can still be followed)."""
+        return key in self._seen or key in self._displaced
 
     def last_seen(self, key: int) -> float | None:
         return self._seen.get(key)
@@ -138,6 +151,10 @@ class RankPrefixIndex:
         """
         seen, owners, bit = self._seen, self._owners, self._bit
         pop, get = seen.pop, owners.get
+        displaced = self._displaced
+        if displaced:
+            for key in keys:
+                displaced.pop(key, None)
         for key in reversed(keys):
             if pop(key, None) is None:
                 owners[key] = get(key, 0) | bit
@@ -146,18 +163,35 @@ class RankPrefixIndex:
 
     def _evict_over_capacity(self) -> None:
         seen, owners = self._seen, self._owners
-        excess = len(seen) - self.capacity_blocks - len(self._provisional)
+        excess = len(seen) - self.capacity_blocks
         if excess <= 0:
             return
         keep = ~self._bit
         pop, get = seen.popitem, owners.get
+        provisional, displaced = self._provisional, self._displaced
         for _ in range(excess):
-            key = pop(last=False)[0]
+            key, last = pop(last=False)
             mask = get(key, 0) & keep
             if mask:
                 owners[key] = mask
             else:
                 del owners[key]
+            if provisional.pop(key, None) is None and provisional:
+                displaced[key] = last
+        while len(displaced) > len(provisional):
+            displaced.popitem(last=False)
+
+    def _restore_displaced(self) -> None:
+        """Room came back: believe the most recent displaced blocks again, as the least
+        recently used (they were, when they were pushed out)."""
+        seen, displaced, bit = self._seen, self._displaced, self._bit
+        room = self.capacity_blocks - len(seen)
+        while room > 0 and displaced:
+            key, last = displaced.popitem()
+            seen[key] = last
+            seen.move_to_end(key, last=False)
+            self._owners[key] = self._owners.get(key, 0) | bit
+            room -= 1
 
     def _disown(self, key: int) -> None:
         mask = self._owners.get(key, 0) & ~self._bit
@@ -167,22 +201,31 @@ class RankPrefixIndex:
             self._owners.pop(key, None)
 
     def remove(self, keys: Iterable[int]) -> None:
+        """Forget ``keys`` (the engine evicted them, or a belief ended)."""
+        seen, provisional, displaced = self._seen, self._provisional, self._displaced
         for key in keys:
-            if self._seen.pop(key, None) is not None:
+            if seen.pop(key, None) is not None:
+                provisional.pop(key, None)
                 self._disown(key)
+            else:
+                displaced.pop(key, None)
+        self._restore_displaced()
 
     def clear(self) -> None:
         for key in self._seen:
             self._disown(key)
         self._seen.clear()
         self._provisional.clear()
+        self._displaced.clear()
 
     def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
         """:meth:`store` ``keys`` on belief: those not already known from events are
         forgotten at ``until`` unless :meth:`confirm` comes first."""
         self.expire_provisional(now)
-        provisional = self._provisional
+        provisional, displaced = self._provisional, self._displaced
         for key in keys:
+            if key in displaced:
+                continue  # reported by the engine: :meth:`store` takes it back as such
             if key not in self._seen or key in provisional:
                 provisional.pop(key, None)
                 provisional[key] = until  # re-inserted: the dict stays oldest first
@@ -207,12 +250,15 @@ class RankPrefixIndex:
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
-        seen = self._seen
+        seen, displaced = self._seen, self._displaced
+        while displaced and now - next(iter(displaced.values())) > self.max_age:
+            displaced.popitem(last=False)
         while seen:
             key, last = next(iter(seen.items()))
             if now - last <= self.max_age:
                 break
             del seen[key]
+            self._provisional.pop(key, None)
             self._disown(key)
 
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
@@ -341,13 +387,14 @@ class PrefixRouting:
     routed prompt as cached on its rank; ``"exact"`` learns from the engines' KV
     events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`), and takes a routed
     prompt's new blocks as cached *provisionally*, for ``provisional_age`` seconds
-    (``max_age`` at most), until the rank's events confirm them: an engine stores a
-    prompt's blocks only when it computes them, after its queue, and without the
-    provisional belief the next turn of a conversation routed before that would find
-    nothing anywhere (0: events only).
-    Provisional blocks are held beyond ``capacity_blocks``, not in place of blocks the
-    events reported, so the index may hold as many more as were routed to the rank in
-    the last ``provisional_age`` seconds.
+    (``max_age`` at most; within ``provisional_age / 8`` more), until the rank's events
+    confirm them: an engine stores a prompt's blocks only when it computes them, after
+    its queue, and without the provisional belief the next turn of a conversation
+    routed before that would find nothing anywhere (0: events only).
+    Provisional blocks count against ``capacity_blocks`` as the engine's own do (it
+    makes room for a prompt by evicting); the reported blocks they push out are kept
+    aside, unbelieved, until the events say which ones the engine evicted, so the index
+    remembers at most twice ``capacity_blocks`` a rank and believes at most that.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -447,6 +494,7 @@ class PrefixRouter:
         self.resize(ranks)
         self._rotation = start % ranks
         self._next_sweep = -float("inf")
+        self._next_belief_sweep = -float("inf")
         self.counters = RouterCounters()
 
     def resize(self, ranks: int) -> None:
@@ -511,6 +559,12 @@ class PrefixRouter:
             for index in self.indexes:
                 index.expire(now)
             self._next_sweep = now + self.routing.max_age / 8
+        if self.feed == "exact" and self.routing.provisional_age and now >= self._next_belief_sweep:
+            # Every rank's due beliefs end, not only the chosen rank's: a rank no
+            # request went to since must not keep a belief no event confirmed.
+            for index in self.indexes:
+                index.expire_provisional(now)
+            self._next_belief_sweep = now + self.routing.provisional_age / 8
         groups = self._walk(keys)
         if pinned_rank is not None:
             depth = self._depth_of(groups, pinned_rank)
@@ -652,7 +706,7 @@ class PrefixRouter:
                 parent, depth = _ROOT, 0
                 if event.parent_block_hash is not None:
                     known = state.vllm_to_ours.get(event.parent_block_hash)
-                    if known is None or known[0] not in index:
+                    if known is None or not index.knows(known[0]):
                         continue  # parent unknown: the chain cannot be matched anyway
                     parent, depth = known[0], known[1] + 1
                 ours = block_keys(event.token_ids, event.block_size, parent, depth)
@@ -668,6 +722,6 @@ class PrefixRouter:
                 state.vllm_to_ours.clear()
         if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
             state.vllm_to_ours = {
-                h: known for h, known in state.vllm_to_ours.items() if known[0] in index
+                h: known for h, known in state.vllm_to_ours.items() if index.knows(known[0])
             }
         return True
