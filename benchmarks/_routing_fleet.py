@@ -231,7 +231,7 @@ def measure_fleet(
     [FleetFigures per run]}, "model": {policy: [rt.PolicyFigures]}}``.
     """
     out: list[dict[str, Any]] = []
-    model_cost = {
+    model_cost: dict[str, Any] = {
         "token_budget": sizes.token_budget,
         "step_fixed_s": STEP_FIXED_S,
         "step_per_token_s": STEP_PER_TOKEN_S,
