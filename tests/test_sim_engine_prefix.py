@@ -91,6 +91,13 @@ def test_prefix_cache_stats_round_trip_as_vllm_writes_them() -> None:
         engine_index=1, scheduler_stats=stats, timestamp=theirs.timestamp
     )
     assert protocol.encode_engine_core_outputs(same) == VLLM_OUTPUTS_WITH_PREFIX_STATS
+    # A coordinator accepts any value under the key it does not read; so does this decoder.
+    for odd in ([1, 2], {"requests": -1}, {"reset": 1}, {"hits": True}):
+        wire_map = msgpack.unpackb(frame)
+        wire_map[2]["prefix_cache_stats"] = odd
+        decoded_odd = protocol.decode_engine_core_outputs(msgpack.packb(wire_map))
+        assert decoded_odd.scheduler_stats is not None
+        assert decoded_odd.scheduler_stats.prefix_cache_stats == PrefixCacheStats()
     plain = protocol.encode_engine_core_outputs(
         protocol.EngineCoreOutputs(scheduler_stats=SchedulerStats())
     )

@@ -694,18 +694,18 @@ def _decode_stats(d: object) -> SchedulerStats:
 
 
 def _decode_prefix_cache_stats(d: object) -> PrefixCacheStats:
-    """vLLM's ``PrefixCacheStats`` map (missing keys default, unknown ones ignored)."""
+    """vLLM's ``PrefixCacheStats`` map (missing keys default, unknown ones ignored).
+
+    Read only when well formed (a map, ``reset`` a bool, the counts ints >= 0);
+    otherwise vLLM's defaults, and no error: a coordinator does not read the key and
+    accepts any value there (:mod:`._coordinator_decoder` agrees with this decoder on
+    every frame), so one engine's odd counters must not make the two disagree."""
     if type(d) is not dict:
-        raise ProtocolError(f"scheduler_stats.prefix_cache_stats must be a map, got {_tname(d)}")
+        return NO_PREFIX_CACHE_STATS
     reset = d.get("reset", False)
-    if type(reset) is not bool:
-        raise ProtocolError(
-            f"scheduler_stats.prefix_cache_stats.reset must be a bool, got {_tname(reset)}"
-        )
-    counts = [
-        _uint(d.get(key, 0), f"scheduler_stats.prefix_cache_stats.{key}")
-        for key in _PREFIX_COUNT_KEYS
-    ]
+    counts = [d.get(key, 0) for key in _PREFIX_COUNT_KEYS]
+    if type(reset) is not bool or not all(type(c) is int and c >= 0 for c in counts):
+        return NO_PREFIX_CACHE_STATS
     if not reset and not any(counts):
         return NO_PREFIX_CACHE_STATS
     return PrefixCacheStats(reset, *counts)
@@ -769,8 +769,9 @@ def decode_engine_core_outputs(frame: bytes) -> EngineCoreOutputs:
     at their defaults and extra trailing elements are ignored. Types are checked:
     ``engine_index`` int >= 0; ``outputs`` array of EngineCoreOutput arrays (only
     request_id, new_token_ids and finish_reason are read); ``scheduler_stats`` map or nil
-    (only the five coordinator keys are read; missing keys default, unknown keys are
-    ignored); ``timestamp`` float (an int is accepted); ``utility_output`` array or nil
+    (only the five coordinator keys and ``prefix_cache_stats`` are read; missing keys
+    default, unknown keys are ignored, a malformed ``prefix_cache_stats`` reads as
+    vLLM's defaults); ``timestamp`` float (an int is accepted); ``utility_output`` array or nil
     (kept raw); ``finished_requests`` array of str or nil; ``wave_complete`` /
     ``start_wave`` int >= 0 or nil; ``weight_version`` str or nil. Anything else raises
     ProtocolError.
