@@ -203,7 +203,8 @@ class SimFrontend:
         self._observers.unpark_all()
 
     def _observe_front_wave(self, wave: int) -> None:
-        connection = getattr(self.view, "disconnects", 0)  # a remote coordinator's view
+        disconnects = getattr(self.view, "disconnects", None)  # a remote coordinator's view
+        connection = 0 if disconnects is None else disconnects()
         if wave < self.front_wave and connection != self._raised_in:
             self.wave_resets += 1
             logger.warning(
