@@ -54,9 +54,10 @@ class EngineChooser:
 
     ``routing="prefix"`` hands the choice to a :class:`~trio_dpcoord._router.PrefixRouter`
     (settings: ``prefix``, a :class:`PrefixRouting`). Each rank's queued work, in
-    tokens, is its latest report's queue (vLLM's score without the in-flight term:
-    waiting + running + the KV-pressure penalty) times the mean uncached prompt of the
-    requests this chooser routed, plus ``client_count`` times the uncached tokens this
+    tokens, is its latest report's queue (vLLM's score: waiting + running, or
+    ``client_count`` times this chooser's requests in flight there if more, plus the
+    KV-pressure penalty) times the mean uncached prompt of the requests this chooser
+    routed, plus ``client_count`` times the uncached tokens this
     chooser sent there since that report (shrinking as they finish). Without
     ``prompt_token_ids`` a request costs the mean and goes to the least loaded rank.
     ``now`` (a clock reading, seconds) ages the index; without it blocks are forgotten
@@ -166,15 +167,22 @@ class EngineChooser:
         return self._now
 
     def _follow_report(self, loads: Sequence[EngineLoad]) -> None:
-        """A new load report: it now counts what was routed before it."""
+        """A new load report: it now counts what was routed before it, or this
+        front-end's requests still in flight there if they are more (vLLM's score): an
+        engine reports between its steps and the coordinator publishes every 100 ms, so
+        a table often predates what was just sent to some engine, which would otherwise
+        look idle and draw every request."""
         table = tuple(loads)
         if table == self._table:
             return
         self._table = table
         if self._mean_uncached is not None:
             self._unit = max(1.0, self._mean_uncached)
-        unit = self._unit
-        self._queued = [unit * engine_score(load, 0, self.client_count) for load in table]
+        unit, clients = self._unit, self.client_count
+        self._queued = [
+            unit * engine_score(load, inflight, clients)
+            for load, inflight in zip(table, self._inflight, strict=True)
+        ]
         self._pending = [0.0] * len(table)
 
     def _choose_prefix(

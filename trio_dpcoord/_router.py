@@ -378,12 +378,13 @@ class PrefixRouting:
     work exceeds the idlest's by more than ``imbalance_abs`` *and* by a factor of more
     than ``imbalance_rel``, the loads are imbalanced beyond what affinity may cost and
     the guard sends the request to the least loaded rank (SGLang's cache-aware router
-    has the same two thresholds, in requests). The defaults, 4,096 tokens and 2x, are
-    the best compromise of a sweep on the lock-step model (``benchmarks/README.md``,
+    has the same two thresholds, in requests). The defaults, 4,096 tokens and 3x, come
+    from sweeps on the lock-step model and the process fleet (``benchmarks/README.md``,
     the routing section): a guard that never fires (SGLang's 32,768) left most of 64
     ranks idle behind the holders of a few shared documents (2.3x vLLM's throughput
-    instead of 4.8x), and a tighter one (1.5x, or 3,072 tokens) broke up conversations
-    for nothing (multi-turn up to 15 % slower). ``feed``: ``"approximate"`` takes every
+    instead of 4.8x); a tighter one (2x, 1.5x, or 3,072 tokens) broke up conversations
+    for nothing (multi-turn up to 15 % slower, and on the fleet, whose loads are a
+    step old, 5 points of hit rate). ``feed``: ``"approximate"`` takes every
     routed prompt as cached on its rank; ``"exact"`` learns from the engines' KV
     events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`), and takes a routed
     prompt's new blocks as cached *provisionally*, for ``provisional_age`` seconds
@@ -401,7 +402,7 @@ class PrefixRouting:
     capacity_blocks: int = 16384
     max_age: float = 600.0
     imbalance_abs: float = 4096.0
-    imbalance_rel: float = 2.0
+    imbalance_rel: float = 3.0
     feed: Feed = "approximate"
     provisional_age: float = 10.0
 
