@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import random
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, islice
-from operator import add
+from itertools import accumulate, chain, compress, islice, repeat, takewhile
+from operator import add, and_, is_, not_
 from typing import Any, Literal
 
 import msgpack
@@ -81,10 +81,14 @@ def block_keys(
     blocks = len(token_ids) // block_size
     if blocks == 0:
         return []
-    salts = islice(_salts(depth + blocks), depth, None)
-    tokens = iter(token_ids)
-    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it.
-    hashes = map(hash, zip(*(tokens,) * block_size, salts, strict=False))
+    salts: Iterable[int] = _salts(depth + blocks)
+    if depth:
+        salts = islice(salts, depth, None)
+    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it
+    # (zip stops at the tokens' end before it takes a salt).
+    hashes = map(hash, zip(*(iter(token_ids),) * block_size, salts, strict=False))
+    if not parent:
+        return list(accumulate(hashes, add))
     keys = list(accumulate(hashes, add, initial=parent))
     del keys[0]
     return keys
@@ -95,6 +99,11 @@ class RankPrefixIndex:
 
     ``owners``, shared by the ranks of one router, maps a block key to the bit mask of
     the ranks holding it (this rank's bit is ``bit``); a lone index keeps its own.
+
+    The recency order is a plain dict's insertion order (a key is refreshed by taking it
+    out and putting it back), not an ``OrderedDict``'s linked list: a prompt's keys then
+    go in and out with C-level bulk calls (``map(seen.pop, ...)``, ``seen.update``), the
+    bulk of one decision's cost at 256-block prompts, and the index takes less memory.
     """
 
     def __init__(
@@ -113,7 +122,7 @@ class RankPrefixIndex:
         self.max_age = max_age
         self._bit = bit
         self._owners: dict[int, int] = {} if owners is None else owners
-        self._seen: OrderedDict[int, float] = OrderedDict()
+        self._seen: dict[int, float] = {}
         """Key -> last seen; least recently seen first."""
         self._provisional: dict[int, float] = {}
         """Keys held only on belief (the exact feed's routed prompts) -> when the belief
@@ -134,47 +143,53 @@ class RankPrefixIndex:
         """``keys`` (one prompt's chain, root first) are cached here as of ``now``.
 
         Stored deepest first, so that the root ends most recent: eviction then takes a
-        prompt's last blocks before the blocks every longer prompt needs first.
+        prompt's last blocks before the blocks every longer prompt needs first. A key
+        that repeats in ``keys`` ends where its first occurrence puts it.
         """
-        seen, owners, bit = self._seen, self._owners, self._bit
-        pop, get = seen.pop, owners.get
-        for key in reversed(keys):
-            if pop(key, None) is None:
-                owners[key] = get(key, 0) | bit
-            seen[key] = now
-        self._evict_over_capacity()
+        seen = self._seen
+        size = len(seen)
+        # Take every key out (None: it was not here), put them back deepest first.
+        was = list(map(seen.pop, keys, repeat(None)))
+        seen.update(zip(reversed(keys), repeat(now)))
+        new = was.count(None)
+        if len(seen) - size != new:
+            # A key repeats in ``keys`` (each repeat counts as new, but grows nothing):
+            # update left it at its deepest occurrence, move it to its shallowest.
+            for key in reversed(keys):
+                del seen[key]
+                seen[key] = now
+        if new:
+            fresh = list(compress(keys, map(is_, was, repeat(None))))
+            owners, bit = self._owners, self._bit
+            if owners.keys().isdisjoint(fresh):
+                owners.update(zip(fresh, repeat(bit)))
+            else:  # (a repeated key is or-ed twice: no matter)
+                get = owners.get
+                for key in fresh:
+                    owners[key] = get(key, 0) | bit
+        self._evict_over_capacity()  # even with nothing new: a confirm may have freed room
 
     def _evict_over_capacity(self) -> None:
-        seen, owners = self._seen, self._owners
+        seen = self._seen
         excess = len(seen) - self.capacity_blocks - len(self._provisional)
-        if excess <= 0:
-            return
-        keep = ~self._bit
-        pop, get = seen.popitem, owners.get
-        for _ in range(excess):
-            key = pop(last=False)[0]
-            mask = get(key, 0) & keep
-            if mask:
-                owners[key] = mask
-            else:
-                del owners[key]
+        if excess > 0:
+            self._forget(list(islice(seen, excess)))
 
-    def _disown(self, key: int) -> None:
-        mask = self._owners.get(key, 0) & ~self._bit
-        if mask:
-            self._owners[key] = mask
-        else:
-            self._owners.pop(key, None)
+    def _forget(self, keys: list[int]) -> None:
+        """Drop ``keys`` (all held here, distinct) and this rank's bit from their owners."""
+        deque(map(self._seen.__delitem__, keys), maxlen=0)
+        owners = self._owners
+        masks = list(map(and_, map(owners.get, keys, repeat(0)), repeat(~self._bit)))
+        owners.update(zip(keys, masks, strict=True))
+        if not all(masks):
+            deque(map(owners.pop, compress(keys, map(not_, masks)), repeat(None)), maxlen=0)
 
     def remove(self, keys: Iterable[int]) -> None:
-        for key in keys:
-            if self._seen.pop(key, None) is not None:
-                self._disown(key)
+        seen = self._seen
+        self._forget([key for key in dict.fromkeys(keys) if key in seen])
 
     def clear(self) -> None:
-        for key in self._seen:
-            self._disown(key)
-        self._seen.clear()
+        self._forget(list(self._seen))
         self._provisional.clear()
 
     def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
@@ -207,23 +222,18 @@ class RankPrefixIndex:
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
-        seen = self._seen
-        while seen:
-            key, last = next(iter(seen.items()))
+        expired = []
+        for key, last in self._seen.items():
             if now - last <= self.max_age:
                 break
-            del seen[key]
-            self._disown(key)
+            expired.append(key)
+        if expired:
+            self._forget(expired)
 
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
-        matched = 0
-        for key in keys:
-            if key not in self._seen:
-                break
-            matched += 1
-        return matched
+        return len(list(takewhile(self._seen.__contains__, keys)))
 
 
 class KVEventError(ValueError):
@@ -402,12 +412,22 @@ class _ExactRank:
     """vLLM's block hash -> (our key, the block's depth in its chain)."""
 
 
-def _first_from(values: Sequence[float], value: float, start: int) -> int:
+def first_from(values: Sequence[float], value: float, start: int) -> int:
     """The first index of ``value`` at or after ``start``, wrapping around."""
     try:
         return values.index(value, start)
     except ValueError:
         return values.index(value)
+
+
+def _busiest_but(queued: Sequence[float], top: int, high: float, low: float) -> float:
+    """The highest work of the ranks other than ``top``, the first busiest (at ``high``;
+    the idlest is at ``low``)."""
+    if queued.count(high) > 1:
+        return high
+    rest = list(queued)
+    rest[top] = low
+    return max(rest)
 
 
 class PrefixRouter:
@@ -525,7 +545,11 @@ class PrefixRouter:
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
-        the ranks holding exactly that many), deepest last; ranks holding none omitted."""
+        the ranks holding exactly that many), deepest last; ranks holding none omitted.
+
+        Once one rank is left, the rest of its run is counted in its own index (a small
+        dict, C-level) rather than key by key in the shared map (every rank's blocks).
+        """
         owners = self._owners.get
         alive = self._all
         groups: list[tuple[int, int]] = []
@@ -537,6 +561,11 @@ class PrefixRouter:
                     groups.append((depth, alive ^ mask))
                 alive = mask
                 if not alive:
+                    return groups
+                if not alive & (alive - 1):
+                    seen = self.indexes[alive.bit_length() - 1]._seen
+                    depth += 1 + len(list(takewhile(seen.__contains__, keys[depth + 1 :])))
+                    groups.append((depth, alive))
                     return groups
             depth += 1
         if depth:
@@ -552,6 +581,8 @@ class PrefixRouter:
 
     def _members(self, mask: int) -> list[int]:
         """The ranks of ``mask``, ascending (a byte at a time, through a table)."""
+        if not mask & (mask - 1):
+            return [mask.bit_length() - 1]
         table = self._byte_ranks
         members: list[int] = []
         for offset, byte in enumerate(mask.to_bytes(len(table), "little")):
@@ -567,7 +598,7 @@ class PrefixRouter:
         self._rotation = (start + 1) % ranks
         block = self.block_size
         low, high = min(queued), max(queued)
-        least = _first_from(queued, low, start)
+        least = first_from(queued, low, start)
         least_depth = self._depth_of(groups, least)
         if ranks == 1:
             return RouteDecision(0, least_depth * block, False)
@@ -593,20 +624,15 @@ class PrefixRouter:
                         break
         if len(candidates) == 1:
             return RouteDecision(least, least_depth * block, False)
-        # Placing on r leaves the busiest at max(the busiest other rank, r's own work).
+        # Placing on r leaves the busiest at max(the busiest other rank, r's own work):
+        # the busiest other than the first busiest rank is needed only if it is a candidate.
         top = queued.index(high)
-        if queued.count(high) > 1:
-            second = high
-        else:
-            rest = list(queued)
-            rest[top] = low
-            second = max(rest)
         best: tuple[float, int, float, int] | None = None
         chosen, chosen_depth = least, least_depth
         for rank, depth in candidates:
             cached = depth * block
             own = queued[rank] + prompt_len - cached
-            others = second if rank == top else high
+            others = high if rank != top else _busiest_but(queued, top, high, low)
             candidate = (max(others, own), -cached, own, (rank - start) % ranks)
             if best is None or candidate < best:
                 best, chosen, chosen_depth = candidate, rank, depth
