@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
-from operator import add, and_, is_, not_
+from operator import add, and_, is_
 from typing import Any, Literal
 
 import msgpack
@@ -148,25 +148,32 @@ class RankPrefixIndex:
         """
         seen = self._seen
         size = len(seen)
-        # Take every key out (None: it was not here), put them back deepest first.
+        # Take every key out (None: it was not here), put them back deepest first; the
+        # sizes tell how many were new and whether a key repeats, in O(1).
         was = list(map(seen.pop, keys, repeat(None)))
+        taken_out = len(seen)
         seen.update(zip(reversed(keys), repeat(now)))
-        new = was.count(None)
-        if len(seen) - size != new:
-            # A key repeats in ``keys`` (each repeat counts as new, but grows nothing):
-            # update left it at its deepest occurrence, move it to its shallowest.
+        new = len(seen) - size
+        repeats = len(seen) - taken_out != len(keys)
+        if repeats:
+            # update left a repeated key at its deepest occurrence: to its shallowest
             for key in reversed(keys):
                 del seen[key]
                 seen[key] = now
         if new:
-            fresh = list(compress(keys, map(is_, was, repeat(None))))
+            # Usually the new keys are the prompt's last ones (after its cached prefix).
+            first_new = len(keys) - new
+            fresh: Sequence[int] = keys[first_new:]
+            if repeats or was[first_new:].count(None) != new:
+                fresh = list(compress(keys, map(is_, was, repeat(None))))
+            # Own the new keys: one setdefault each, then an or for the few that other
+            # ranks hold too (their setdefault returned their mask, not ``bit`` itself).
             owners, bit = self._owners, self._bit
-            if owners.keys().isdisjoint(fresh):
-                owners.update(zip(fresh, repeat(bit)))
-            else:  # (a repeated key is or-ed twice: no matter)
-                get = owners.get
-                for key in fresh:
-                    owners[key] = get(key, 0) | bit
+            masks = list(map(owners.setdefault, fresh, repeat(bit)))
+            if masks.count(bit) != len(masks):
+                for key, mask in zip(fresh, masks, strict=True):
+                    if mask is not bit:
+                        owners[key] = mask | bit
         self._evict_over_capacity()  # even with nothing new: a confirm may have freed room
 
     def _evict_over_capacity(self) -> None:
@@ -178,11 +185,12 @@ class RankPrefixIndex:
     def _forget(self, keys: list[int]) -> None:
         """Drop ``keys`` (all held here, distinct) and this rank's bit from their owners."""
         deque(map(self._seen.__delitem__, keys), maxlen=0)
+        # Out of the owners map with one pop each; back with the other ranks' bits for
+        # the few that other ranks hold too.
         owners = self._owners
-        masks = list(map(and_, map(owners.get, keys, repeat(0)), repeat(~self._bit)))
-        owners.update(zip(keys, masks, strict=True))
-        if not all(masks):
-            deque(map(owners.pop, compress(keys, map(not_, masks)), repeat(None)), maxlen=0)
+        others = list(map(and_, map(owners.pop, keys, repeat(0)), repeat(~self._bit)))
+        if any(others):
+            owners.update(zip(compress(keys, others), compress(others, others), strict=False))
 
     def remove(self, keys: Iterable[int]) -> None:
         seen = self._seen
