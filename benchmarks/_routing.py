@@ -9,6 +9,7 @@ figure is reproducible for its seed.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 import time
@@ -117,10 +118,16 @@ class PolicyFigures:
 
 
 def run_one(
-    trace: list[Request], ranks: int, policy_name: str, capacity_blocks: int, **model: Any
+    trace: list[Request],
+    ranks: int,
+    policy_name: str,
+    capacity_blocks: int,
+    prefix: PrefixRouting | None = None,
+    **model: Any,
 ) -> PolicyFigures:
-    """One policy on one trace on the model (``model``: ``run_fleet``'s cost parameters)."""
-    policy = make_policy(policy_name, ranks, capacity_blocks)
+    """One policy on one trace on the model (``prefix``: our policies' settings other
+    than the feed and the sizes; ``model``: ``run_fleet``'s cost parameters)."""
+    policy = make_policy(policy_name, ranks, capacity_blocks, prefix=prefix)
     result = run_policy(trace, ranks, policy, capacity_blocks, **model)
     counters = getattr(getattr(policy, "chooser", None), "router_counters", None)
     return PolicyFigures(
@@ -205,6 +212,56 @@ def measure_prefill_sweep(
                     entry.setdefault(policy_name, []).append(figures)
             progress(f"routing sweep: b = {per_token_s:g} s/token, {trace_name} done")
             out.append(entry)
+    return out
+
+
+GUARD_SETTINGS: tuple[tuple[float, float], ...] = (
+    (math.inf, 2.0),
+    (32768.0, 2.0),
+    (8192.0, 2.0),
+    (4096.0, 2.0),
+    (4096.0, 1.5),
+    (2048.0, 1.5),
+)
+"""The guard sweep's (``imbalance_abs``, ``imbalance_rel``): never, SGLang's 32,768
+tokens, and tighter down to 2,048 tokens and 1.5x. The default is 4,096 and 2x."""
+GUARD_SWEEP_TRACES = ("multi-turn", "shared docs")
+"""With no reuse every policy is the least loaded one, whatever the guard."""
+
+
+def measure_guard_sweep(
+    sizes: RoutingSizes, progress: Callable[[str], None] = logger.info
+) -> list[dict[str, Any]]:
+    """Ours (approximate) under every guard setting of :data:`GUARD_SETTINGS`, on the
+    same traces and fleets as :func:`measure_policies`, beside vLLM's score: how the
+    default thresholds were chosen. One entry per (ranks, trace, setting):
+    ``{"ranks", "trace", "imbalance_abs", "imbalance_rel", "ours": [PolicyFigures per
+    seed], "vllm": [PolicyFigures per seed]}``.
+    """
+    out: list[dict[str, Any]] = []
+    for ranks in sizes.ranks:
+        for trace_name in GUARD_SWEEP_TRACES:
+            traces = [
+                make_trace(trace_name, seed, ranks, sizes) for seed in range(sizes.seeds[ranks])
+            ]
+            baseline = [run_one(t, ranks, "vllm", sizes.capacity_blocks) for t in traces]
+            for absolute, relative in GUARD_SETTINGS:
+                settings = PrefixRouting(imbalance_abs=absolute, imbalance_rel=relative)
+                ours = [
+                    run_one(t, ranks, "approximate", sizes.capacity_blocks, prefix=settings)
+                    for t in traces
+                ]
+                out.append(
+                    {
+                        "ranks": ranks,
+                        "trace": trace_name,
+                        "imbalance_abs": absolute,
+                        "imbalance_rel": relative,
+                        "ours": ours,
+                        "vllm": baseline,
+                    }
+                )
+            progress(f"routing guard sweep: {ranks} ranks, {trace_name} done")
     return out
 
 

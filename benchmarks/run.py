@@ -1014,6 +1014,7 @@ class Runner:
                             )
                         )
         self._routing_sweep(rt, sizes, base_label)
+        self._routing_guard_sweep(rt, sizes, base_label)
         for fleet_size in sizes.decision_ranks:
             d = rt.measure_decision(
                 fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks
@@ -1099,6 +1100,37 @@ class Runner:
                             note=f"prompt tokens {share:.0f}% of step time under vLLM's score",
                         )
                     )
+
+    def _routing_guard_sweep(self, rt: Any, sizes: Any, base_label: str) -> None:
+        """Ours (approximate) under each guard setting (benchmarks/_routing.py
+        ``measure_guard_sweep``), as ratios to vLLM's score: the default's evidence."""
+        sweep = rt.measure_guard_sweep(sizes)
+        self.details["routing_guard_sweep"] = [
+            {k: v if not isinstance(v, list) else [asdict(f) for f in v] for k, v in e.items()}
+            for e in sweep
+        ]
+        for entry in sweep:
+            section = f"10 routing guard N={entry['ranks']}"
+            setting = f"abs {entry['imbalance_abs']:g} rel {entry['imbalance_rel']:g}"
+            fallbacks = rt.mean([float(f.guard_fallbacks) for f in entry["ours"]])
+            for figure, attr, unit, scale in (
+                ("throughput", "throughput", "tok/s", 1.0),
+                ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+                ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+            ):
+                self.rows.append(
+                    Row(
+                        section,
+                        f"{entry['trace']}: ours approximate, {setting}, {figure}",
+                        rt.mean([getattr(f, attr) * scale for f in entry["ours"]]),
+                        unit,
+                        rt.mean([getattr(f, attr) * scale for f in entry["vllm"]]),
+                        base_label,
+                        "",
+                        None,
+                        note=f"guard fallbacks {fallbacks:.0f}/run",
+                    )
+                )
 
 
 def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -85,6 +85,25 @@ async def engines_of(
         yield engines
 
 
+@asynccontextmanager
+async def ready_engines(cli_process: ServeProcess, count: int) -> AsyncIterator[list[EnginePeer]]:
+    """``count`` engines (ranks from 0), yielded once each has received READY: the gate
+    has opened, and the next broadcast each sees is the first one its test caused."""
+    async with engines_of(cli_process, count) as engines:
+        await expect_broadcast(engines, READY)
+        yield engines
+
+
+@asynccontextmanager
+async def front_and_ready_engines(
+    cli_process: ServeProcess, count: int
+) -> AsyncIterator[tuple[AsyncSocket, list[EnginePeer]]]:
+    """The usual opening of these tests: a front-end subscribed first (so that it sees
+    every publish from the gate's opening on), then :func:`ready_engines`."""
+    async with connect_frontend(cli_process) as front, ready_engines(cli_process, count) as engines:
+        yield front, engines
+
+
 async def next_wave_publish(front: AsyncSocket) -> bytes:
     """The next ``[nil, wave, running]`` publish, skipping timed ones with counts."""
     while True:
@@ -161,41 +180,37 @@ async def test_every_wave_rule_with_exact_bytes(
 ) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3", *tcp_or_ipc(transport, tmp_path)) as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 3) as engines:
-                    await expect_broadcast(engines, READY)
-                    # an idle engine got a request: everyone else is woken, at once published
-                    await engines[2].start_wave(0)
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x02"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
-                    # rank 0's mirror of a running wave is ignored; its completion pauses
-                    await engines[0].start_wave(0)
-                    await engines[0].wave_complete(0)
-                    assert await next_wave_publish(front) == b"\x93\xc0\x01\xc2"
-                    # a stale start is ignored; a newer one jumps ahead
-                    await engines[1].start_wave(0)
-                    await engines[1].start_wave(3)
-                    await expect_broadcast(
-                        engines, vector_frames(vectors, "start_dp_wave_exclude_int")
-                    )
-                    assert await next_wave_publish(front) == b"\x93\xc0\x03\xc3"
-                    # an older completion is ignored; a newer one moves to its wave + 1
-                    await engines[0].wave_complete(2)
-                    await engines[0].wave_complete(5)
-                    assert [await next_wave_publish(front)] == vector_frames(
-                        vectors, "front_publish_wave_only"
-                    )
-                    await engines[2].start_wave(6)
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x06\x02"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
-                    # a duplicate start of the running wave is ignored
-                    await engines[1].start_wave(6)
-                    await engines[1].wave_complete(6)
-                    assert await next_wave_publish(front) == b"\x93\xc0\x07\xc2"
-                    await engines[0].start_wave(7)
-                    # nothing was broadcast in between
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x07\x00"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x07\xc3"
+            async with front_and_ready_engines(coordinator, 3) as (front, engines):
+                # an idle engine got a request: everyone else is woken, at once published
+                await engines[2].start_wave(0)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x00\x02"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
+                # rank 0's mirror of a running wave is ignored; its completion pauses
+                await engines[0].start_wave(0)
+                await engines[0].wave_complete(0)
+                assert await next_wave_publish(front) == b"\x93\xc0\x01\xc2"
+                # a stale start is ignored; a newer one jumps ahead
+                await engines[1].start_wave(0)
+                await engines[1].start_wave(3)
+                await expect_broadcast(engines, vector_frames(vectors, "start_dp_wave_exclude_int"))
+                assert await next_wave_publish(front) == b"\x93\xc0\x03\xc3"
+                # an older completion is ignored; a newer one moves to its wave + 1
+                await engines[0].wave_complete(2)
+                await engines[0].wave_complete(5)
+                assert [await next_wave_publish(front)] == vector_frames(
+                    vectors, "front_publish_wave_only"
+                )
+                await engines[2].start_wave(6)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x06\x02"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
+                # a duplicate start of the running wave is ignored
+                await engines[1].start_wave(6)
+                await engines[1].wave_complete(6)
+                assert await next_wave_publish(front) == b"\x93\xc0\x07\xc2"
+                await engines[0].start_wave(7)
+                # nothing was broadcast in between
+                await expect_broadcast(engines, [b"\x02", b"\x92\x07\x00"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x07\xc3"
             counters = await stop_cleanly(coordinator)
             assert counters["wave_starts"] == 4
             assert counters["errors"] == 0
@@ -204,18 +219,16 @@ async def test_every_wave_rule_with_exact_bytes(
 async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str, Any]]) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3") as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 3) as engines:
-                    await expect_broadcast(engines, READY)
-                    await engines[2].start_wave(5)
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x05\x02"])
-                    await engines[0].stats(3, 12, 0.4375, wave=5, step=1)
-                    await engines[1].stats(0, 4, 0.1, wave=5, step=1)
-                    counts = ((3, 12, 0.4375), (0, 4, 0.1), (0, 0, 0.0))
-                    # [[3, 12, 0.4375], [0, 4, 0.1], [0, 0, 0.0]], wave 5, running
-                    assert [await publish_with_counts(front, counts)] == vector_frames(
-                        vectors, "front_publish_counts"
-                    )
+            async with front_and_ready_engines(coordinator, 3) as (front, engines):
+                await engines[2].start_wave(5)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x05\x02"])
+                await engines[0].stats(3, 12, 0.4375, wave=5, step=1)
+                await engines[1].stats(0, 4, 0.1, wave=5, step=1)
+                counts = ((3, 12, 0.4375), (0, 4, 0.1), (0, 0, 0.0))
+                # [[3, 12, 0.4375], [0, 4, 0.1], [0, 0, 0.0]], wave 5, running
+                assert [await publish_with_counts(front, counts)] == vector_frames(
+                    vectors, "front_publish_counts"
+                )
             counters = await stop_cleanly(coordinator)
             assert counters["stats_applied"] == 2
             assert counters["errors"] == 0
@@ -224,35 +237,29 @@ async def test_stats_are_published_with_exact_bytes(vectors: dict[str, dict[str,
 async def test_scale_down_drops_stats_from_removed_engines() -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3") as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 3) as engines:
-                    await expect_broadcast(engines, READY)
-                    await front.send(b"\x92\xb0SCALE_ELASTIC_EP\x02")
-                    # a legacy FIRST_REQ behind it on the same pipe: its broadcast proves
-                    # that the resize was applied
-                    await front.send(b"\x92\x00\x00")
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
-                    # engine 2 is gone: a report for index 2 is dropped, engine 0's counts
-                    stats = protocol.SchedulerStats(num_waiting_reqs=9, num_running_reqs=9)
-                    await engines[0].send_output(
-                        protocol.EngineCoreOutputs(engine_index=2, scheduler_stats=stats)
-                    )
-                    await engines[0].stats(1, 2, 0.25, wave=0, step=1)
-                    while True:
-                        frame = await front.recv()
-                        publish = protocol.decode_front_publish(frame)
-                        assert publish.counts is not None
-                        assert len(publish.counts) == 2
-                        if publish.counts[0] == (1, 2, 0.25):
-                            break
-                    assert frame == (
-                        b"\x93\x92\x93\x01\x02"
-                        + f64(0.25)
-                        + b"\x93\x00\x00"
-                        + f64(0.0)
-                        + b"\x00\xc3"
-                    )
+            async with front_and_ready_engines(coordinator, 3) as (front, engines):
+                await front.send(b"\x92\xb0SCALE_ELASTIC_EP\x02")
+                # a legacy FIRST_REQ behind it on the same pipe: its broadcast proves
+                # that the resize was applied
+                await front.send(b"\x92\x00\x00")
+                await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
+                # engine 2 is gone: a report for index 2 is dropped, engine 0's counts
+                stats = protocol.SchedulerStats(num_waiting_reqs=9, num_running_reqs=9)
+                await engines[0].send_output(
+                    protocol.EngineCoreOutputs(engine_index=2, scheduler_stats=stats)
+                )
+                await engines[0].stats(1, 2, 0.25, wave=0, step=1)
+                while True:
+                    frame = await front.recv()
+                    publish = protocol.decode_front_publish(frame)
+                    assert publish.counts is not None
+                    assert len(publish.counts) == 2
+                    if publish.counts[0] == (1, 2, 0.25):
+                        break
+                assert frame == (
+                    b"\x93\x92\x93\x01\x02" + f64(0.25) + b"\x93\x00\x00" + f64(0.0) + b"\x00\xc3"
+                )
             counters = await stop_cleanly(coordinator)
             assert counters["rejected"] == {"unknown_engine_index": 1}
             assert counters["commands"] == 2
@@ -262,24 +269,22 @@ async def test_scale_down_drops_stats_from_removed_engines() -> None:
 async def test_legacy_first_request_both_ways(vectors: dict[str, dict[str, Any]]) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "3") as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 3) as engines:
-                    await expect_broadcast(engines, READY)
-                    await engines[0].wave_complete(4)
-                    assert await next_wave_publish(front) == b"\x93\xc0\x05\xc2"
-                    # [1, 5] at wave 5, paused: wave 5 runs, engine 1 excluded
-                    (first_req,) = vector_frames(vectors, "legacy_first_req_int")
-                    await front.send(first_req)
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x05\x01"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x05\xc3"
-                    await engines[0].wave_complete(5)
-                    assert await next_wave_publish(front) == b"\x93\xc0\x06\xc2"
-                    # [identity 0x0100, 5] at wave 6: stale, so the current wave, nobody
-                    # excluded (never a rewind to 5)
-                    (stale_req,) = vector_frames(vectors, "legacy_first_req_identity_bytes")
-                    await front.send(stale_req)
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x06\xc0"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
+            async with front_and_ready_engines(coordinator, 3) as (front, engines):
+                await engines[0].wave_complete(4)
+                assert await next_wave_publish(front) == b"\x93\xc0\x05\xc2"
+                # [1, 5] at wave 5, paused: wave 5 runs, engine 1 excluded
+                (first_req,) = vector_frames(vectors, "legacy_first_req_int")
+                await front.send(first_req)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x05\x01"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x05\xc3"
+                await engines[0].wave_complete(5)
+                assert await next_wave_publish(front) == b"\x93\xc0\x06\xc2"
+                # [identity 0x0100, 5] at wave 6: stale, so the current wave, nobody
+                # excluded (never a rewind to 5)
+                (stale_req,) = vector_frames(vectors, "legacy_first_req_identity_bytes")
+                await front.send(stale_req)
+                await expect_broadcast(engines, [b"\x02", b"\x92\x06\xc0"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x06\xc3"
             counters = await stop_cleanly(coordinator)
             assert counters["commands"] == 2
             assert counters["wave_starts"] == 2
@@ -293,8 +298,7 @@ async def test_unsubscription_during_the_gate_is_survived() -> None:
             async with engines_of(coordinator, 1) as flaky:
                 await flaky[0].unsubscribe()
                 await coordinator.logged("an engine unsubscribed")
-                async with engines_of(coordinator, 2) as engines:
-                    await expect_broadcast(engines, READY)
+                async with ready_engines(coordinator, 2) as engines:
                     await engines[1].start_wave(0)
                     await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
             counters = await stop_cleanly(coordinator)
@@ -306,14 +310,12 @@ async def test_a_bad_front_payload_is_survived() -> None:
     """vLLM's coordinator dies on a front payload that is not msgpack (§5.9)."""
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2") as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 2) as engines:
-                    await expect_broadcast(engines, READY)
-                    await front.send(b"\xc1\xc1 not msgpack")
-                    await front.send(b"\x93\x01\x02\x03")  # msgpack, but no known message
-                    await front.send(b"\x92\x01\x00")  # then a valid FIRST_REQ
-                    await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
-                    assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
+            async with front_and_ready_engines(coordinator, 2) as (front, engines):
+                await front.send(b"\xc1\xc1 not msgpack")
+                await front.send(b"\x93\x01\x02\x03")  # msgpack, but no known message
+                await front.send(b"\x92\x01\x00")  # then a valid FIRST_REQ
+                await expect_broadcast(engines, [b"\x02", b"\x92\x00\x01"])
+                assert await next_wave_publish(front) == b"\x93\xc0\x00\xc3"
             counters = await stop_cleanly(coordinator)
             assert counters["rejected"] == {"undecodable_front_message": 2}
             assert counters["commands"] == 1
@@ -343,8 +345,7 @@ async def test_a_bad_engine_output_is_survived(
     reason, frames = BAD_ENGINE_OUTPUTS[case]
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2") as coordinator:
-            async with engines_of(coordinator, 2) as engines:
-                await expect_broadcast(engines, READY)
+            async with ready_engines(coordinator, 2) as engines:
                 await engines[0].send_raw(frames(vectors))
                 await engines[0].start_wave(0)
                 await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
@@ -359,24 +360,22 @@ async def test_a_bad_engine_output_is_survived(
 async def test_without_wave_coordination_wave_fields_are_ignored() -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2", "--no-wave-coordination") as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 2) as engines:
-                    await expect_broadcast(engines, READY)
-                    await engines[0].start_wave(1)
-                    await engines[0].wave_complete(3)
-                    await engines[0].stats(2, 1, 0.5, wave=3, step=7)
-                    counts = ((2, 1, 0.5), (0, 0, 0.0))
-                    while True:
-                        frame = await front.recv()
-                        publish = protocol.decode_front_publish(frame)
-                        assert publish.counts is not None  # never a wave-change publish
-                        if publish.counts == counts:
-                            break
-                    expected = b"\x93\x92\x93\x02\x01" + f64(0.5) + b"\x93\x00\x00" + f64(0.0)
-                    assert frame == expected + b"\x00\xc2"  # wave 0, not running
-                    # the start was not broadcast: a late subscription's READY comes next
-                    async with engines_of(coordinator, 1, first_index=1) as late:
-                        await expect_broadcast(engines + late, READY)
+            async with front_and_ready_engines(coordinator, 2) as (front, engines):
+                await engines[0].start_wave(1)
+                await engines[0].wave_complete(3)
+                await engines[0].stats(2, 1, 0.5, wave=3, step=7)
+                counts = ((2, 1, 0.5), (0, 0, 0.0))
+                while True:
+                    frame = await front.recv()
+                    publish = protocol.decode_front_publish(frame)
+                    assert publish.counts is not None  # never a wave-change publish
+                    if publish.counts == counts:
+                        break
+                expected = b"\x93\x92\x93\x02\x01" + f64(0.5) + b"\x93\x00\x00" + f64(0.0)
+                assert frame == expected + b"\x00\xc2"  # wave 0, not running
+                # the start was not broadcast: a late subscription's READY comes next
+                async with engines_of(coordinator, 1, first_index=1) as late:
+                    await expect_broadcast(engines + late, READY)
             counters = await stop_cleanly(coordinator)
             assert counters["wave_starts"] == 0
             assert counters["errors"] == 0
@@ -401,8 +400,7 @@ async def test_default_endpoints_are_private_and_removed_on_exit(tmp_path: Path)
 async def test_signals_stop_it_cleanly(signum: int) -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "1") as coordinator:
-            async with engines_of(coordinator, 1) as engines:
-                await expect_broadcast(engines, READY)
+            async with ready_engines(coordinator, 1) as engines:
                 await engines[0].start_wave(0)
                 await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
                 assert await coordinator.stop(signum) == 0
@@ -435,22 +433,20 @@ async def test_sigterm_under_engine_traffic_still_exits_cleanly() -> None:
     cancelled must not turn a clean stop into a task failure."""
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "2") as coordinator:
-            async with connect_frontend(coordinator) as front:
-                async with engines_of(coordinator, 2) as engines:
-                    await expect_broadcast(engines, READY)
+            async with front_and_ready_engines(coordinator, 2) as (front, engines):
 
-                    async def report(engine: EnginePeer) -> None:
-                        for step in range(1, 1_000_000):
-                            await engine.stats(step % 5, 1, 0.5, wave=step, step=1)
-                            await engine.start_wave(step)
-                            await engine.wave_complete(step)
+                async def report(engine: EnginePeer) -> None:
+                    for step in range(1, 1_000_000):
+                        await engine.stats(step % 5, 1, 0.5, wave=step, step=1)
+                        await engine.start_wave(step)
+                        await engine.wave_complete(step)
 
-                    async with trio.open_nursery() as nursery:
-                        for engine in engines:
-                            nursery.start_soon(report, engine)
-                        await next_wave_publish(front)  # the traffic is being handled
-                        status = await coordinator.stop()
-                        nursery.cancel_scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    for engine in engines:
+                        nursery.start_soon(report, engine)
+                    await next_wave_publish(front)  # the traffic is being handled
+                    status = await coordinator.stop()
+                    nursery.cancel_scope.cancel()
             assert status == 0, coordinator.stderr
             assert "Traceback" not in coordinator.stderr
             counters = json.loads(coordinator.stdout_lines[-1])["counters"]
@@ -552,8 +548,7 @@ async def test_an_event_storm_while_serving_stalls_no_other_socket() -> None:
     storm, rounds = 300, 3
     with trio.fail_after(10 * GUARD):
         async with open_serve("--engines", "2") as coordinator:
-            async with engines_of(coordinator, 2) as engines:
-                await expect_broadcast(engines, READY)
+            async with ready_engines(coordinator, 2) as engines:
                 stats = protocol.encode_engine_core_outputs(
                     protocol.EngineCoreOutputs(
                         engine_index=0, scheduler_stats=protocol.SchedulerStats()
@@ -661,8 +656,7 @@ async def test_the_console_script_is_installed() -> None:
 async def test_exit_on_stdin_eof_stops_it_when_the_launcher_goes() -> None:
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "1", "--exit-on-stdin-eof") as coordinator:
-            async with engines_of(coordinator, 1) as engines:
-                await expect_broadcast(engines, READY)
+            async with ready_engines(coordinator, 1):
                 assert coordinator.process.stdin is not None
                 await coordinator.process.stdin.aclose()  # what a dying launcher does
                 await coordinator.process.wait()

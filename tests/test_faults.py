@@ -18,6 +18,7 @@ import pytest
 import trio
 import zmq
 
+from tests.helpers import sim_engine_config
 from trio_dpcoord import (
     Coordinator,
     CoordinatorError,
@@ -86,21 +87,9 @@ async def test_a_killed_engine_is_named_with_its_wave_promptly() -> None:
     ), report.engine_failures[0]
 
 
-def _config(
-    rank: int, count: int, inp: str, out: str, fe_req: str, fe_done: str, tmp: Path
-) -> EngineConfig:
-    return EngineConfig(
-        rank=rank,
-        engine_count=count,
-        back_publish_address=inp,
-        back_output_address=out,
-        request_address=fe_req,
-        completion_address=fe_done,
-        collective_address=f"ipc://{tmp}/collective",
-        step_time=0.001,
-        sync_interval=4,
-        collective_timeout=10.0,
-    )
+def _config(rank: int, count: int, inp: str, out: str, fe: SimFrontend, tmp: Path) -> EngineConfig:
+    """An engine of these tests, with a 10 s collective timeout."""
+    return sim_engine_config(rank, count, inp, out, fe, tmp, collective_timeout=10.0)
 
 
 async def test_a_vanished_engine_shows_in_the_engine_view_and_gets_ready_again(
@@ -120,8 +109,7 @@ async def test_a_vanished_engine_shows_in_the_engine_view_and_gets_ready_again(
                         2,
                         coord.back_publish_address,
                         coord.back_output_address,
-                        fe.request_address,
-                        fe.completion_address,
+                        fe,
                         tmp_path,
                     )
 
@@ -183,8 +171,7 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                                 2,
                                 endpoints["back_pub"],
                                 endpoints["back_out"],
-                                fe.request_address,
-                                fe.completion_address,
+                                fe,
                                 tmp_path,
                             )
                         )
@@ -486,8 +473,7 @@ async def test_curve_simulated_engines_work_and_a_keyless_engine_is_kept_out(
                             2,
                             coord.back_publish_address,
                             coord.back_output_address,
-                            fe.request_address,
-                            fe.completion_address,
+                            fe,
                             tmp_path,
                         ),
                         curve_server_key=key,

@@ -66,6 +66,25 @@ async def _engine_process(coordinator: Coordinator) -> AsyncIterator[trio.Proces
             await process.stdout.aclose()
 
 
+@asynccontextmanager
+async def _coordinator_with_engine_process(
+    liveness: Liveness,
+) -> AsyncIterator[tuple[Coordinator, trio.Process]]:
+    """The opening of these tests: a one-engine coordinator with ``liveness`` on TCP
+    loopback (heartbeats, and a frozen peer's connection left open by its kernel, are TCP
+    matters), its engine in a process of its own (so that SIGSTOP freezes it), yielded
+    once the gate has opened."""
+    async with open_coordinator(
+        1,
+        back_publish_address="tcp://127.0.0.1:0",
+        back_output_address="tcp://127.0.0.1:0",
+        liveness=liveness,
+    ) as coordinator:
+        async with _engine_process(coordinator) as engine:
+            await coordinator.wait_ready()
+            yield coordinator, engine
+
+
 def _metrics(coordinator: Coordinator) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """What Prometheus would scrape, parsed (needs the metrics extra, as CI installs)."""
     prometheus = pytest.importorskip("prometheus_client")
@@ -101,79 +120,65 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
     subscribes again and gets READY again."""
     caplog.set_level(logging.WARNING, logger="trio_dpcoord")
     with trio.fail_after(GUARD):
-        async with open_coordinator(
-            1,
-            back_publish_address="tcp://127.0.0.1:0",
-            back_output_address="tcp://127.0.0.1:0",
-            liveness=FAST,
-        ) as coordinator:
-            async with _engine_process(coordinator) as engine:
-                await coordinator.wait_ready()
-                assert await _broadcasts(engine, 1) == ["READY"]
-                # Harmless to a peer with no heartbeat settings of its own (as vLLM's
-                # engines): libzmq answers the PINGs, nothing drops over 3 timeouts.
-                await trio.sleep(3 * FAST.heartbeat_timeout)
-                view = coordinator.subscriptions()
-                assert (view.current, view.connections, view.connections_lost) == (1, 1, 0)
+        async with _coordinator_with_engine_process(FAST) as (coordinator, engine):
+            assert await _broadcasts(engine, 1) == ["READY"]
+            # Harmless to a peer with no heartbeat settings of its own (as vLLM's
+            # engines): libzmq answers the PINGs, nothing drops over 3 timeouts.
+            await trio.sleep(3 * FAST.heartbeat_timeout)
+            view = coordinator.subscriptions()
+            assert (view.current, view.connections, view.connections_lost) == (1, 1, 0)
 
-                os.kill(engine.pid, signal.SIGSTOP)
-                stopped_at = trio.current_time()
-                await coordinator.wait_for(lambda c: c.subscriptions().current == 0)
-                noticed_after = trio.current_time() - stopped_at
-                await coordinator.wait_for(
-                    lambda c: c.counters().connections_lost.get("back_output") == 1
+            os.kill(engine.pid, signal.SIGSTOP)
+            stopped_at = trio.current_time()
+            await coordinator.wait_for(lambda c: c.subscriptions().current == 0)
+            noticed_after = trio.current_time() - stopped_at
+            await coordinator.wait_for(
+                lambda c: c.counters().connections_lost.get("back_output") == 1
+            )
+            view = coordinator.subscriptions()
+            assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
+            metrics = _metrics(coordinator)
+            assert metrics[("trio_dpcoord_engine_connections", ())] == 0
+            for socket in ("back_publish", "back_output"):
+                key = ("trio_dpcoord_connections_lost_total", (("socket", socket),))
+                assert metrics[key] == 1
+            assert view.last_connection_lost_at is not None
+            # Silent for the timeout before it is dropped: not a closed connection.
+            assert noticed_after >= FAST.heartbeat_timeout * 0.9
+            port = coordinator.back_publish_address.rsplit(":", 1)[1]
+            lost = [r.getMessage() for r in caplog.records if "lost peer" in r.getMessage()]
+            assert any(
+                re.search(
+                    rf"engine broadcast socket tcp://127\.0\.0\.1:{port} lost peer "
+                    r"127\.0\.0\.1:\d+ \(connected since \d\d:\d\d:\d\d\.\d{3}\).*"
+                    r"answered no heartbeat for 1 s",
+                    message,
                 )
-                view = coordinator.subscriptions()
-                assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
-                metrics = _metrics(coordinator)
-                assert metrics[("trio_dpcoord_engine_connections", ())] == 0
-                for socket in ("back_publish", "back_output"):
-                    key = ("trio_dpcoord_connections_lost_total", (("socket", socket),))
-                    assert metrics[key] == 1
-                assert view.last_connection_lost_at is not None
-                # Silent for the timeout before it is dropped: not a closed connection.
-                assert noticed_after >= FAST.heartbeat_timeout * 0.9
-                port = coordinator.back_publish_address.rsplit(":", 1)[1]
-                lost = [r.getMessage() for r in caplog.records if "lost peer" in r.getMessage()]
-                assert any(
-                    re.search(
-                        rf"engine broadcast socket tcp://127\.0\.0\.1:{port} lost peer "
-                        r"127\.0\.0\.1:\d+ \(connected since \d\d:\d\d:\d\d\.\d{3}\).*"
-                        r"answered no heartbeat for 1 s",
-                        message,
-                    )
-                    for message in lost
-                ), lost
+                for message in lost
+            ), lost
 
-                os.kill(engine.pid, signal.SIGCONT)
-                await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
-                assert await _broadcasts(engine, 1) == ["READY"]
-                await coordinator.wait_for(lambda c: c.counters().ready_broadcasts == 2)
-                view = coordinator.subscriptions()
-                assert (view.current, view.connections) == (1, 1)
-                assert coordinator.counters().errors == 0
+            os.kill(engine.pid, signal.SIGCONT)
+            await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
+            assert await _broadcasts(engine, 1) == ["READY"]
+            await coordinator.wait_for(lambda c: c.counters().ready_broadcasts == 2)
+            view = coordinator.subscriptions()
+            assert (view.current, view.connections) == (1, 1)
+            assert coordinator.counters().errors == 0
 
 
 async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
     """A peer silent for less than the heartbeat timeout (a short partition) stays."""
     liveness = Liveness(heartbeat_interval=0.2, heartbeat_timeout=3.0)
     with trio.fail_after(GUARD):
-        async with open_coordinator(
-            1,
-            back_publish_address="tcp://127.0.0.1:0",
-            back_output_address="tcp://127.0.0.1:0",
-            liveness=liveness,
-        ) as coordinator:
-            async with _engine_process(coordinator) as engine:
-                await coordinator.wait_ready()
-                for _ in range(3):
-                    os.kill(engine.pid, signal.SIGSTOP)
-                    await trio.sleep(0.5)
-                    os.kill(engine.pid, signal.SIGCONT)
-                    await trio.sleep(0.5)
-                view = coordinator.subscriptions()
-                assert (view.current, view.unsubscribed, view.connections_lost) == (1, 0, 0)
-                assert not any(coordinator.counters().connections_lost.values())
+        async with _coordinator_with_engine_process(liveness) as (coordinator, engine):
+            for _ in range(3):
+                os.kill(engine.pid, signal.SIGSTOP)
+                await trio.sleep(0.5)
+                os.kill(engine.pid, signal.SIGCONT)
+                await trio.sleep(0.5)
+            view = coordinator.subscriptions()
+            assert (view.current, view.unsubscribed, view.connections_lost) == (1, 0, 0)
+            assert not any(coordinator.counters().connections_lost.values())
 
 
 def test_liveness_settings_become_socket_options() -> None:

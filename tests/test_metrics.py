@@ -13,7 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trio_dpcoord import WaveSnapshot, open_coordinator, protocol
 from trio_dpcoord.metrics import CoordinatorCollector, serve_metrics
-from trio_dpcoord.testing import connect_engines, open_serve, serve_command
+from trio_dpcoord.testing import (
+    connect_engines,
+    open_coordinator_with_engines,
+    open_serve,
+    serve_command,
+)
 
 GUARD = 30.0  # generous: real sockets (and a subprocess) on a shared 2-core machine
 
@@ -48,63 +53,61 @@ def check_histogram(samples: Samples, name: str, count: int) -> None:
 
 async def test_embedded_collector_shows_what_happened() -> None:
     with trio.fail_after(GUARD):
-        async with open_coordinator(2, wake_confirm_timeout=0.2) as coordinator:
+        async with open_coordinator_with_engines(2, wake_confirm_timeout=0.2) as (
+            coordinator,
+            engines,
+        ):
             registry = CollectorRegistry()
             registry.register(CoordinatorCollector(coordinator))
             with pytest.raises(ValueError, match="Duplicated timeseries"):
                 registry.register(CoordinatorCollector(coordinator))  # names are described
-            addresses = (coordinator.back_publish_address, coordinator.back_output_address)
-            async with connect_engines(*addresses, 2) as engines:
-                await coordinator.wait_ready()
-                for engine in engines:
-                    assert await engine.next_broadcast_frames() == [protocol.READY]
-                await engines[0].stats(3, 5, 0.25, wave=0, step=1)
-                await engines[1].stats(0, 2, 0.5, wave=0, step=1)
-                await coordinator.wait_for(lambda c: c.counters().stats_applied == 2)
-                # An engine's start_wave wakes the other; rank 0 completes the wave.
-                await engines[1].start_wave(0)
-                for engine in engines:
-                    assert await engine.next_broadcast() == protocol.StartDPWave(0, 1)
-                await engines[0].wave_complete(0)
-                await coordinator.wait_for(lambda c: c.snapshot() == WaveSnapshot(1, False))
-                # A front-end's first request wakes everyone but its target; nobody
-                # confirms, so the start expires and the engines count as paused again.
-                coordinator.notify_first_request(0)
-                for engine in engines:
-                    assert await engine.next_broadcast() == protocol.StartDPWave(1, 0)
-                await coordinator.wait_for(lambda c: c.counters().unconfirmed_expiries == 1)
-                await engines[0].send_raw([b"\xc1"])  # not msgpack
-                await coordinator.wait_for(lambda c: c.counters().errors == 1)
-                await engines[1].unsubscribe()
-                await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
+            await engines[0].stats(3, 5, 0.25, wave=0, step=1)
+            await engines[1].stats(0, 2, 0.5, wave=0, step=1)
+            await coordinator.wait_for(lambda c: c.counters().stats_applied == 2)
+            # An engine's start_wave wakes the other; rank 0 completes the wave.
+            await engines[1].start_wave(0)
+            for engine in engines:
+                assert await engine.next_broadcast() == protocol.StartDPWave(0, 1)
+            await engines[0].wave_complete(0)
+            await coordinator.wait_for(lambda c: c.snapshot() == WaveSnapshot(1, False))
+            # A front-end's first request wakes everyone but its target; nobody
+            # confirms, so the start expires and the engines count as paused again.
+            coordinator.notify_first_request(0)
+            for engine in engines:
+                assert await engine.next_broadcast() == protocol.StartDPWave(1, 0)
+            await coordinator.wait_for(lambda c: c.counters().unconfirmed_expiries == 1)
+            await engines[0].send_raw([b"\xc1"])  # not msgpack
+            await coordinator.wait_for(lambda c: c.counters().errors == 1)
+            await engines[1].unsubscribe()
+            await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
 
-                counters = coordinator.counters()
-                samples = parse(generate_latest(registry).decode())
-                assert value(samples, "current_wave") == 1
-                assert value(samples, "engines_running") == 0
-                assert value(samples, "waves_completed_total") == 1
-                assert value(samples, "wave_starts_total", cause="engine_start_wave") == 1
-                assert value(samples, "wave_starts_total", cause="first_request") == 1
-                assert value(samples, "wave_starts_total", cause="legacy_first_request") == 0
-                check_histogram(samples, "wake_latency_seconds", count=2)
-                assert value(samples, "engine_waiting_requests", engine="0") == 3
-                assert value(samples, "engine_running_requests", engine="0") == 5
-                assert value(samples, "engine_kv_cache_usage_ratio", engine="0") == 0.25
-                assert value(samples, "engine_running_requests", engine="1") == 2
-                assert value(samples, "engine_kv_cache_usage_ratio", engine="1") == 0.5
-                assert value(samples, "engine_subscriptions") == 1
-                assert value(samples, "engine_subscribe_events_total") == 2
-                assert value(samples, "engine_vanished_total") == 1
-                assert value(samples, "startup_gate_open") == 1
-                assert value(samples, "ready_broadcasts_total") == 1
-                assert value(samples, "unconfirmed_wake_expiries_total") == 1
-                assert value(samples, "engine_messages_total") == 5  # 2 stats, 2 waves, 1 bad
-                assert value(samples, "stats_applied_total") == 2
-                assert value(samples, "stats_coalesced_total") == counters.stats_coalesced
-                assert value(samples, "engine_output_backlog_seconds") == 0  # keeping up
-                (reason,) = counters.rejected
-                assert value(samples, "rejected_inputs_total", reason=reason) == 1
-                assert value(samples, "commands_total") == counters.commands
+            counters = coordinator.counters()
+            samples = parse(generate_latest(registry).decode())
+            assert value(samples, "current_wave") == 1
+            assert value(samples, "engines_running") == 0
+            assert value(samples, "waves_completed_total") == 1
+            assert value(samples, "wave_starts_total", cause="engine_start_wave") == 1
+            assert value(samples, "wave_starts_total", cause="first_request") == 1
+            assert value(samples, "wave_starts_total", cause="legacy_first_request") == 0
+            check_histogram(samples, "wake_latency_seconds", count=2)
+            assert value(samples, "engine_waiting_requests", engine="0") == 3
+            assert value(samples, "engine_running_requests", engine="0") == 5
+            assert value(samples, "engine_kv_cache_usage_ratio", engine="0") == 0.25
+            assert value(samples, "engine_running_requests", engine="1") == 2
+            assert value(samples, "engine_kv_cache_usage_ratio", engine="1") == 0.5
+            assert value(samples, "engine_subscriptions") == 1
+            assert value(samples, "engine_subscribe_events_total") == 2
+            assert value(samples, "engine_vanished_total") == 1
+            assert value(samples, "startup_gate_open") == 1
+            assert value(samples, "ready_broadcasts_total") == 1
+            assert value(samples, "unconfirmed_wake_expiries_total") == 1
+            assert value(samples, "engine_messages_total") == 5  # 2 stats, 2 waves, 1 bad
+            assert value(samples, "stats_applied_total") == 2
+            assert value(samples, "stats_coalesced_total") == counters.stats_coalesced
+            assert value(samples, "engine_output_backlog_seconds") == 0  # keeping up
+            (reason,) = counters.rejected
+            assert value(samples, "rejected_inputs_total", reason=reason) == 1
+            assert value(samples, "commands_total") == counters.commands
 
 
 async def test_serve_metrics_answers_scrapes_and_nothing_else() -> None:

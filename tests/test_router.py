@@ -443,6 +443,67 @@ class RouterMachine(RuleBasedStateMachine):
 TestRouterMachine = RouterMachine.TestCase
 
 
+class ExactRouterMachine(RouterMachine):
+    """The same with the exact feed's provisional beliefs: they count against the
+    capacity, the reported blocks they push out are kept aside unbelieved (never more
+    than the beliefs), and nothing is both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        routing = PrefixRouting(
+            block_size=BLOCK, capacity_blocks=self.CAPACITY, max_age=5.0, feed="exact"
+        )
+        self.router = PrefixRouter(self.RANKS, routing)
+
+    @invariant()
+    def beliefs_and_displaced_blocks_apart(self) -> None:
+        for rank, index in enumerate(self.router.indexes):
+            assert set(index._provisional) <= set(index._seen)
+            assert len(index._displaced) <= len(index._provisional)
+            assert not set(index._displaced) & set(index._seen)
+            assert all(not self.router._owners.get(key, 0) >> rank & 1 for key in index._displaced)
+
+
+TestExactRouterMachine = ExactRouterMachine.TestCase
+
+
+def test_exact_feed_beliefs_push_out_reported_blocks_until_the_events_tell_which_went() -> None:
+    """A rank full of reported blocks takes a routed prompt: the prompt is believed and
+    the least recently used reported blocks are no longer (the engine must evict to
+    cache it). The events then tell: what the engine evicted is forgotten; and if the
+    belief ends unconfirmed (the engine never cached the prompt), what it pushed out is
+    believed again."""
+    old = list(range(100, 116))  # 4 blocks: the rank is full
+    new = list(range(200, 208))  # 2 blocks, routed to rank 0 (pinned)
+
+    def full_rank_takes_the_new_prompt() -> PrefixRouter:
+        routing = PrefixRouting(feed="exact", block_size=4, capacity_blocks=4, provisional_age=5)
+        router = PrefixRouter(2, routing)
+        stored = batch(stored_event([1, 2, 3, 4], None, old, 4))
+        assert router.receive_kv_events(0, 0, stored, 0.0)
+        assert router.cached_tokens(0, old, 0.0) == 16
+        router.route(new, [0, 0], 1.0, pinned_rank=0)
+        assert router.cached_tokens(0, new, 1.0) == 8
+        assert len(router.indexes[0]) == 4  # never more than the capacity
+        assert router.cached_tokens(0, old, 1.0) == 8  # its last 2 blocks pushed out
+        return router
+
+    router = full_rank_takes_the_new_prompt()
+    events = [
+        {"type": "BlockRemoved", "block_hashes": [3, 4], "medium": None},
+        stored_event([5, 6], None, new, 4),
+    ]
+    assert router.receive_kv_events(0, 1, batch(*events), 2.0)
+    assert router.cached_tokens(0, new, 2.0) == 8
+    assert router.cached_tokens(0, old, 2.0) == 8
+    assert len(router.indexes[0]._displaced) == 0  # nothing left aside
+
+    router = full_rank_takes_the_new_prompt()
+    router.route([7] * 4, [0, 0], 7.0, pinned_rank=1)  # a later decision: the belief is due
+    assert router.cached_tokens(0, new, 7.0) == 0
+    assert router.cached_tokens(0, old, 7.0) == 16  # pushed out, never evicted: back
+
+
 # --- the wired chooser -------------------------------------------------------------------
 
 

@@ -29,13 +29,15 @@ from trio_dpcoord._router import RankPrefixIndex, block_keys
 
 class ReferenceIndex:
     """One rank's index as the rule reads: every stored key moves to the most recent end
-    (deepest first), the least recent go first beyond ``capacity`` plus the provisional
-    keys, and a rank's bit is in ``owners`` exactly while the key is held."""
+    (deepest first), the least recent go first beyond ``capacity``, and a rank's bit is
+    in ``owners`` exactly while the key is held; with the exact feed's beliefs, the
+    reported blocks they push out wait aside and come back first in line."""
 
     def __init__(self, capacity: int, max_age: float, bit: int, owners: dict[int, int]) -> None:
         self.capacity, self.max_age, self.bit, self.owners = capacity, max_age, bit, owners
         self.seen: OrderedDict[int, float] = OrderedDict()
         self.provisional: dict[int, float] = {}
+        self.displaced: OrderedDict[int, float] = OrderedDict()
 
     def _disown(self, key: int) -> None:
         mask = self.owners.get(key, 0) & ~self.bit
@@ -45,28 +47,47 @@ class ReferenceIndex:
             self.owners.pop(key, None)
 
     def store(self, keys: Sequence[int], now: float) -> None:
+        for key in keys:
+            self.displaced.pop(key, None)
         for key in reversed(keys):
             if self.seen.pop(key, None) is None:
                 self.owners[key] = self.owners.get(key, 0) | self.bit
             self.seen[key] = now
-        while len(self.seen) > self.capacity + len(self.provisional):
-            key, _ = self.seen.popitem(last=False)
+        if len(self.seen) <= self.capacity:
+            return
+        while len(self.seen) > self.capacity:
+            key, last = self.seen.popitem(last=False)
             self._disown(key)
+            if self.provisional.pop(key, None) is None and self.provisional:
+                self.displaced[key] = last
+        while len(self.displaced) > len(self.provisional):
+            self.displaced.popitem(last=False)
 
     def remove(self, keys: Iterable[int]) -> None:
         for key in keys:
             if self.seen.pop(key, None) is not None:
+                self.provisional.pop(key, None)
                 self._disown(key)
+            else:
+                self.displaced.pop(key, None)
+        while len(self.seen) < self.capacity and self.displaced:
+            key, last = self.displaced.popitem()
+            self.seen[key] = last
+            self.seen.move_to_end(key, last=False)
+            self.owners[key] = self.owners.get(key, 0) | self.bit
 
     def clear(self) -> None:
         for key in self.seen:
             self._disown(key)
         self.seen.clear()
         self.provisional.clear()
+        self.displaced.clear()
 
     def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
         self.expire_provisional(now)
         for key in keys:
+            if key in self.displaced:
+                continue
             if key not in self.seen or key in self.provisional:
                 self.provisional.pop(key, None)
                 self.provisional[key] = until
@@ -87,11 +108,14 @@ class ReferenceIndex:
         self.remove(due)
 
     def expire(self, now: float) -> None:
+        while self.displaced and now - next(iter(self.displaced.values())) > self.max_age:
+            self.displaced.popitem(last=False)
         while self.seen:
             key, last = next(iter(self.seen.items()))
             if now - last <= self.max_age:
                 break
             del self.seen[key]
+            self.provisional.pop(key, None)
             self._disown(key)
 
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
@@ -127,7 +151,7 @@ class IndexAgainstReference(RuleBasedStateMachine):
         self.indexes[rank].store(keys, self.now)
         self.refs[rank].store(keys, self.now)
 
-    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st, age=st.floats(0, 4))
+    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st, age=st.floats(0, 8))
     def store_provisionally(self, rank: int, keys: list[int], age: float) -> None:
         self.indexes[rank].store_provisionally(keys, self.now, self.now + age)
         self.refs[rank].store_provisionally(keys, self.now, self.now + age)
@@ -160,8 +184,11 @@ class IndexAgainstReference(RuleBasedStateMachine):
     def same_state(self) -> None:
         assert self.owners == self.ref_owners
         for index, ref in zip(self.indexes, self.refs, strict=True):
-            assert list(index._seen.items()) == list(ref.seen.items())  # order included
+            in_order = [(key, index._seen[key]) for key in index._oldest(len(index))]
+            assert in_order == list(ref.seen.items())  # the recency order included
+            assert index._seen == ref.seen
             assert list(index._provisional.items()) == list(ref.provisional.items())
+            assert list(index._displaced.items()) == list(ref.displaced.items())
 
 
 TestIndexAgainstReference = IndexAgainstReference.TestCase

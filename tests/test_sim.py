@@ -19,6 +19,7 @@ import pytest
 import trio
 import zmq
 
+from tests.helpers import sim_engine_config
 from trio_dpcoord import EngineLoad, WaveSnapshot, open_coordinator, protocol
 from trio_dpcoord.protocol import IDLE_LOAD
 from trio_dpcoord.sim import (
@@ -29,6 +30,7 @@ from trio_dpcoord.sim import (
     EngineProtocolError,
     LoadPlan,
     SimFrontend,
+    WakePath,
     open_sim_frontend,
     run_cluster,
     run_engine,
@@ -106,26 +108,14 @@ def engine_config(
     tmp_path: Path,
     **overrides: object,
 ) -> EngineConfig:
+    """An engine of these tests: a 1 s collective timeout, so that a stranded rank fails
+    fast."""
     if isinstance(coordinator, HandCoordinator):
         inp, out = coordinator.input_address, coordinator.output_address
     else:
         inp, out = coordinator.back_publish_address, coordinator.back_output_address
-    settings: dict[str, object] = {
-        "step_time": 0.001,
-        "sync_interval": 4,
-        "collective_timeout": 1.0,
-    }
-    settings.update(overrides)
-    return EngineConfig(
-        rank=rank,
-        engine_count=engines,
-        back_publish_address=inp,
-        back_output_address=out,
-        request_address=frontend.request_address,
-        completion_address=frontend.completion_address,
-        collective_address=f"ipc://{tmp_path}/collective",
-        **settings,  # type: ignore[arg-type]
-    )
+    settings: dict[str, object] = {"collective_timeout": 1.0, **overrides}
+    return sim_engine_config(rank, engines, inp, out, frontend, tmp_path, **settings)
 
 
 class Failures(dict[int, BaseException]):
@@ -143,6 +133,31 @@ async def run_rank(config: EngineConfig, failures: Failures) -> None:
     except (CollectiveTimeoutError, EngineProtocolError) as exc:
         failures[config.rank] = exc
         failures.event.set()
+
+
+@asynccontextmanager
+async def hand_cluster(
+    tmp_path: Path,
+    engines: int,
+    failures: Failures,
+    *,
+    wake_path: WakePath = "both",
+    **engine_overrides: object,
+) -> AsyncIterator[tuple[HandCoordinator, SimFrontend]]:
+    """The opening of the engine-wire tests: the hand-driven coordinator sockets, a
+    simulated front-end, and ``engines`` ranks run in-process (their fatal errors recorded
+    in ``failures``), yielded once the gate has opened and every engine is ready. Leaving
+    the block stops the ranks still running."""
+    async with hand_coordinator(tmp_path) as coord:
+        async with open_sim_frontend(coord, engines, wake_path=wake_path) as fe:
+            async with trio.open_nursery() as nursery:
+                for rank in range(engines):
+                    config = engine_config(rank, engines, coord, fe, tmp_path, **engine_overrides)
+                    nursery.start_soon(run_rank, config, failures)
+                await coord.open_gate(engines)
+                await fe.wait_for(lambda f: all(f.engine_ready))
+                yield coord, fe
+                nursery.cancel_scope.cancel()
 
 
 def counts(outs: list[protocol.EngineCoreOutputs], engine: int) -> list[tuple[int, int]]:
@@ -181,44 +196,32 @@ async def test_engine_wakes_itself_mirrors_completes_and_honours_exclusion(
     """§6.3-§6.6 on the wire, then an excluded rank strands its peer (collective timeout)."""
     failures = Failures()
     with trio.fail_after(20):
-        async with hand_coordinator(tmp_path) as coord:
-            async with open_sim_frontend(coord, 2, wake_path="engine") as fe:
-                async with trio.open_nursery() as nursery:
-                    for rank in range(2):
-                        nursery.start_soon(
-                            run_rank, engine_config(rank, 2, coord, fe, tmp_path), failures
-                        )
-                    await coord.open_gate(2)
-                    await fe.wait_for(lambda f: all(f.engine_ready))
+        async with hand_cluster(tmp_path, 2, failures, wake_path="engine") as (coord, fe):
+            # A request reaches idle engine 1: it wakes itself and reports
+            # start_wave before anything else (R5), then its load.
+            await fe.submit(max_tokens=3, engine=1)
+            first = await coord.next_output()
+            assert (first.engine_index, first.start_wave) == (1, 0)
+            assert first.scheduler_stats is None
 
-                    # A request reaches idle engine 1: it wakes itself and reports
-                    # start_wave before anything else (R5), then its load.
-                    await fe.submit(max_tokens=3, engine=1)
-                    first = await coord.next_output()
-                    assert (first.engine_index, first.start_wave) == (1, 0)
-                    assert first.scheduler_stats is None
+            # Engine 1 now blocks in its first collective until rank 0 joins.
+            await coord.start_dp_wave(0, 1)
+            outs = await coord.outputs_until(engine_index=0, wave_complete=0)
+            assert wave_fields(outs) == [(0, "start_wave", 0), (0, "wave_complete", 0)]
+            assert counts([first, *outs], 1) == [(0, 1), (1, 0), (0, 0)]
+            assert all(
+                o.scheduler_stats.current_wave == 0 for o in outs if o.scheduler_stats is not None
+            )
+            await fe.wait_for(lambda f: f.completed == 1)
+            await fe.wait_for(lambda f: f.engine_running == [False, False])
+            assert fe.waves_completed == {0}
+            assert fe.wave_regressions == 0
 
-                    # Engine 1 now blocks in its first collective until rank 0 joins.
-                    await coord.start_dp_wave(0, 1)
-                    outs = await coord.outputs_until(engine_index=0, wave_complete=0)
-                    assert wave_fields(outs) == [(0, "start_wave", 0), (0, "wave_complete", 0)]
-                    assert counts([first, *outs], 1) == [(0, 1), (1, 0), (0, 0)]
-                    assert all(
-                        o.scheduler_stats.current_wave == 0
-                        for o in outs
-                        if o.scheduler_stats is not None
-                    )
-                    await fe.wait_for(lambda f: f.completed == 1)
-                    await fe.wait_for(lambda f: f.engine_running == [False, False])
-                    assert fe.waves_completed == {0}
-                    assert fe.wave_regressions == 0
-
-                    # START_DP_WAVE [1, exclude 0]: only rank 1 wakes, and its first step
-                    # waits for rank 0 in vain.
-                    await coord.start_dp_wave(1, 0)
-                    await fe.wait_for(lambda f: f.engine_running == [False, True])
-                    await failures.event.wait()
-                    nursery.cancel_scope.cancel()
+            # START_DP_WAVE [1, exclude 0]: only rank 1 wakes, and its first step
+            # waits for rank 0 in vain.
+            await coord.start_dp_wave(1, 0)
+            await fe.wait_for(lambda f: f.engine_running == [False, True])
+            await failures.event.wait()
     error = failures[1]
     assert isinstance(error, CollectiveTimeoutError)
     assert error.missing == (0,)
@@ -231,51 +234,37 @@ async def test_legacy_engine_reports_only_stale_requests(tmp_path: Path) -> None
     request, start_wave(current) for a request stamped with a finished wave (R2)."""
     failures = Failures()
     with trio.fail_after(20):
-        async with hand_coordinator(tmp_path) as coord:
-            async with open_sim_frontend(coord, 2, wake_path="frontend") as fe:
-                async with trio.open_nursery() as nursery:
-                    for rank in range(2):
-                        config = engine_config(
-                            rank, 2, coord, fe, tmp_path, report_start_wave=False
-                        )
-                        nursery.start_soon(run_rank, config, failures)
-                    await coord.open_gate(2)
-                    await fe.wait_for(lambda f: all(f.engine_ready))
+        async with hand_cluster(
+            tmp_path, 2, failures, wake_path="frontend", report_start_wave=False
+        ) as (coord, fe):
+            await fe.submit(max_tokens=2, engine=1)
+            assert coord.notified == [1]  # the front-end's wake notice
+            first = await coord.next_output()
+            assert first.engine_index == 1 and first.start_wave is None
+            assert counts([first], 1) == [(0, 1)]
+            await coord.start_dp_wave(0, 1)  # what the coordinator answers
+            outs = await coord.outputs_until(engine_index=0, wave_complete=0)
+            assert wave_fields(outs) == [(0, "start_wave", 0), (0, "wave_complete", 0)]
+            await fe.wait_for(lambda f: f.completed == 1)
 
-                    await fe.submit(max_tokens=2, engine=1)
-                    assert coord.notified == [1]  # the front-end's wake notice
-                    first = await coord.next_output()
-                    assert first.engine_index == 1 and first.start_wave is None
-                    assert counts([first], 1) == [(0, 1)]
-                    await coord.start_dp_wave(0, 1)  # what the coordinator answers
-                    outs = await coord.outputs_until(engine_index=0, wave_complete=0)
-                    assert wave_fields(outs) == [(0, "start_wave", 0), (0, "wave_complete", 0)]
-                    await fe.wait_for(lambda f: f.completed == 1)
-
-                    # Stamped 0 while the engines are at wave 1 and idle: report wave 1.
-                    await fe.wait_for(lambda f: f.engine_running == [False, False])
-                    await fe.submit(max_tokens=2, engine=1)
-                    outs = await coord.outputs_until(engine_index=1, start_wave=1)
-                    assert wave_fields(outs) == [(1, "start_wave", 1)]
-                    await coord.start_dp_wave(1, 1)
-                    outs = await coord.outputs_until(engine_index=0, wave_complete=1)
-                    assert wave_fields(outs) == [(0, "start_wave", 1), (0, "wave_complete", 1)]
-                    await fe.wait_for(lambda f: f.completed == 2)
-                    nursery.cancel_scope.cancel()
+            # Stamped 0 while the engines are at wave 1 and idle: report wave 1.
+            await fe.wait_for(lambda f: f.engine_running == [False, False])
+            await fe.submit(max_tokens=2, engine=1)
+            outs = await coord.outputs_until(engine_index=1, start_wave=1)
+            assert wave_fields(outs) == [(1, "start_wave", 1)]
+            await coord.start_dp_wave(1, 1)
+            outs = await coord.outputs_until(engine_index=0, wave_complete=1)
+            assert wave_fields(outs) == [(0, "start_wave", 1), (0, "wave_complete", 1)]
+            await fe.wait_for(lambda f: f.completed == 2)
     assert failures == {}
 
 
 async def test_invalid_broadcast_kills_the_engine_like_vllm(tmp_path: Path) -> None:
     failures = Failures()
     with trio.fail_after(20):
-        async with hand_coordinator(tmp_path) as coord:
-            async with open_sim_frontend(coord, 1) as fe:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(run_rank, engine_config(0, 1, coord, fe, tmp_path), failures)
-                    await coord.open_gate(1)
-                    await fe.wait_for(lambda f: all(f.engine_ready))
-                    await coord.xpub.send_multipart([b"\x07", b"\x90"])
-                    await failures.event.wait()
+        async with hand_cluster(tmp_path, 1, failures) as (coord, _fe):
+            await coord.xpub.send_multipart([b"\x07", b"\x90"])
+            await failures.event.wait()
     assert isinstance(failures[0], EngineProtocolError)
     assert "invalid broadcast" in str(failures[0])
 

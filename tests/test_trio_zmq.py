@@ -663,22 +663,25 @@ async def test_monitor_events_decoded_and_garbage_refused(ctx: Context, tmp_path
 # -- closing ----------------------------------------------------------------------------------
 
 
+async def expect_closed(outcomes: list[str], op: Any, *args: Any) -> None:
+    """Await ``op(*args)``, which must fail with ClosedResourceError (the socket closed
+    under it); then record its name in ``outcomes``."""
+    with pytest.raises(trio.ClosedResourceError):
+        await op(*args)
+    outcomes.append(op.__name__)
+
+
 async def test_close_wakes_fd_waiter_and_parked_tasks(ctx: Context, address: str) -> None:
     outcomes: list[str] = []
     async with pair(ctx, address, zmq.DEALER, zmq.DEALER) as (a, b):
         assert not b.closed
 
-        async def expect_closed(op: Any, *args: Any) -> None:
-            with pytest.raises(trio.ClosedResourceError):
-                await op(*args)
-            outcomes.append(op.__name__)
-
         with trio.fail_after(TIMEOUT):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(expect_closed, a.recv)  # becomes the FD waiter
+                nursery.start_soon(expect_closed, outcomes, a.recv)  # becomes the FD waiter
                 await trio.testing.wait_all_tasks_blocked()
-                nursery.start_soon(expect_closed, a.recv_batch)  # parked
-                nursery.start_soon(expect_closed, a.recv_multipart)  # parked
+                nursery.start_soon(expect_closed, outcomes, a.recv_batch)  # parked
+                nursery.start_soon(expect_closed, outcomes, a.recv_multipart)  # parked
                 await trio.testing.wait_all_tasks_blocked()
                 await a.aclose()
             assert sorted(outcomes) == ["recv", "recv_batch", "recv_multipart"]
@@ -708,17 +711,11 @@ async def test_close_wakes_fd_waiter_and_parked_tasks(ctx: Context, address: str
 async def test_close_wakes_sender_and_receiver_on_one_socket(ctx: Context) -> None:
     outcomes: list[str] = []
     async with open_socket(ctx, zmq.DEALER) as dealer:  # no peer: send and recv both wait
-
-        async def expect_closed(op: Any, *args: Any) -> None:
-            with pytest.raises(trio.ClosedResourceError):
-                await op(*args)
-            outcomes.append(op.__name__)
-
         with trio.fail_after(TIMEOUT):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(expect_closed, dealer.send, b"x")
+                nursery.start_soon(expect_closed, outcomes, dealer.send, b"x")
                 await trio.testing.wait_all_tasks_blocked()
-                nursery.start_soon(expect_closed, dealer.recv)
+                nursery.start_soon(expect_closed, outcomes, dealer.recv)
                 await trio.testing.wait_all_tasks_blocked()
                 await dealer.aclose()
     assert sorted(outcomes) == ["recv", "send"]

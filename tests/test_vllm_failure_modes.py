@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.helpers import sim_engine_config
 from trio_dpcoord import (
     Coordinator,
     ReadyTimeoutError,
@@ -37,22 +38,9 @@ class Fleet:
 def _config(
     rank: int, count: int, coord: Coordinator, fe: SimFrontend, tmp: Path, **kw: object
 ) -> EngineConfig:
-    settings: dict[str, object] = {
-        "step_time": 0.001,
-        "sync_interval": 4,
-        "collective_timeout": 5.0,
-    }
-    settings.update(kw)
-    return EngineConfig(
-        rank=rank,
-        engine_count=count,
-        back_publish_address=coord.back_publish_address,
-        back_output_address=coord.back_output_address,
-        request_address=fe.request_address,
-        completion_address=fe.completion_address,
-        collective_address=f"ipc://{tmp}/collective",
-        **settings,  # type: ignore[arg-type]
-    )
+    settings: dict[str, object] = {"collective_timeout": 5.0, **kw}
+    inp, out = coord.back_publish_address, coord.back_output_address
+    return sim_engine_config(rank, count, inp, out, fe, tmp, **settings)
 
 
 @asynccontextmanager

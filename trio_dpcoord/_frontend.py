@@ -303,6 +303,26 @@ class Frontend:
             self._lost = CoordinatorError(message)
             raise self._lost
 
+    @asynccontextmanager
+    async def _running_tasks(
+        self, sub: AsyncSocket, coordinator_timeout: float | None
+    ) -> AsyncIterator[None]:
+        """The four tasks (publish receiver, sender, monitor, connection watcher) running
+        for the duration of the block; leaving it, or any task failing, closes the
+        handle (a failure becomes :meth:`_failure`'s error)."""
+        async with open_task_nursery(on_exit=self._close, failure=self._failure) as nursery:
+            await nursery.start(self._publish_receiver, sub)
+            await nursery.start(self._sender, sub)
+            await nursery.start(self._monitor.run)
+            await nursery.start(self._watch_connection, self._monitor, coordinator_timeout)
+            logger.info(
+                "front-end %d of %d following the coordinator at %s",
+                self.client_index,
+                self.client_count,
+                self.front_address,
+            )
+            yield
+
     def _failure(self, group: BaseExceptionGroup[BaseException]) -> BaseException:
         """What a failed background task becomes: the coordinator-lost error if that is
         all it was, else one CoordinatorError."""
@@ -334,17 +354,15 @@ async def open_frontend(
 ) -> AsyncIterator[Frontend]:
     """Follow a coordinator's front socket for the duration of the block.
 
-    ``routing``: how :meth:`Frontend.choose_engine` chooses, ``"vllm"`` (vLLM 0.33.0's
-    score, the default) or ``"prefix"`` (prefix-cache affinity weighed against the
-    busiest rank, settings in ``prefix_routing``); see :class:`EngineChooser`.
-
-    ``curve_server_key``: the coordinator's ``curve_public_key`` when it runs with
-    CURVE (this front-end then connects as a CURVE client with a fresh key pair).
-
     ``front_address`` is the ``front`` endpoint the standalone coordinator printed (or
     :attr:`Coordinator.front_address`). ``client_index`` of ``client_count`` front-ends
     sets where this one's engine scan starts, as in vLLM; ``engine_count``, if known,
     lets :meth:`Frontend.choose_engine` work before the first publish arrives.
+    ``routing``: how :meth:`Frontend.choose_engine` chooses, ``"vllm"`` (vLLM 0.33.0's
+    score, the default) or ``"prefix"`` (prefix-cache affinity weighed against the
+    busiest rank, settings in ``prefix_routing``); see :class:`EngineChooser`.
+    ``curve_server_key``: the coordinator's ``curve_public_key`` when it runs with
+    CURVE (this front-end then connects as a CURVE client with a fresh key pair).
 
     Yields once the XSUB is connected and subscribed (the coordinator answers a
     subscription with a publish as soon as its start-up gate is open). A dropped
@@ -355,10 +373,9 @@ async def open_frontend(
     connection has been down that long (a dead coordinator process drops it at once; an
     unreachable host after the 3 s heartbeat timeout), or when no publish came for
     ``max(coordinator_timeout, 10)`` s while connected (a healthy coordinator publishes
-    at least every 5 s). Leaving the
-    block stops both tasks and closes the socket; a failure inside raises
-    :class:`CoordinatorError` with the original exceptions as its cause; an exception
-    from the block itself propagates unchanged.
+    at least every 5 s). Leaving the block stops every task and closes the socket; a
+    failure inside raises :class:`CoordinatorError` with the original exceptions as its
+    cause; an exception from the block itself propagates unchanged.
     """
     if coordinator_timeout is not None and not coordinator_timeout > 0:
         raise ValueError(f"coordinator_timeout must be positive, got {coordinator_timeout!r}")
@@ -375,17 +392,7 @@ async def open_frontend(
         async with AsyncExitStack() as stack:
             sub, monitor = await _connect_front_socket(stack, front_address, curve_server_key)
             handle = Frontend(front_address, monitor, state)
-            async with open_task_nursery(on_exit=handle._close, failure=handle._failure) as nursery:
-                await nursery.start(handle._publish_receiver, sub)
-                await nursery.start(handle._sender, sub)
-                await nursery.start(monitor.run)
-                await nursery.start(handle._watch_connection, monitor, coordinator_timeout)
-                logger.info(
-                    "front-end %d of %d following the coordinator at %s",
-                    client_index,
-                    client_count,
-                    front_address,
-                )
+            async with handle._running_tasks(sub, coordinator_timeout):
                 yield handle
     finally:
         if handle is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 from bisect import bisect_left
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
@@ -104,6 +104,9 @@ class RankPrefixIndex:
     out and putting it back), not an ``OrderedDict``'s linked list: a prompt's keys then
     go in and out with C-level bulk calls (``map(seen.pop, ...)``, ``seen.update``), the
     bulk of one decision's cost at 256-block prompts, and the index takes less memory.
+    A plain dict cannot put a key first: the displaced blocks that come back as the
+    least recently used (exact feed) are listed in ``_front``, which the order reads
+    before the dict's own.
     """
 
     def __init__(
@@ -123,12 +126,23 @@ class RankPrefixIndex:
         self._bit = bit
         self._owners: dict[int, int] = {} if owners is None else owners
         self._seen: dict[int, float] = {}
-        """Key -> last seen; least recently seen first."""
+        """Key -> last seen; least recently seen first, after the keys of ``_front``."""
+        self._front: OrderedDict[int, None] = OrderedDict()
+        """Keys of ``_seen`` that are less recently used than all its others, least
+        first, wherever the dict holds them (the displaced blocks that came back)."""
         self._provisional: dict[int, float] = {}
         """Keys held only on belief (the exact feed's routed prompts) -> when the belief
-        ends unless an event confirms it; oldest first. Held beyond ``capacity_blocks``:
-        they must not push out blocks the engine's events say it holds (the engine
-        evicts by its own order, and says so in its events)."""
+        ends unless an event confirms it; oldest first. Always a subset of ``_seen``:
+        they count against ``capacity_blocks``, as the engine makes room for a prompt by
+        evicting (a belief beyond the capacity would send requests to blocks the engine
+        has already evicted)."""
+        self._displaced: OrderedDict[int, float] = OrderedDict()
+        """Blocks the engine's events reported, pushed out of the capacity by
+        provisional ones -> last seen, oldest first. Not believed (absent from
+        ``owners``), since the engine evicts to make room as well; but it evicts by its
+        own order, which its events tell: one it reports gone is dropped here, and the
+        others come back (at the least recently used end) as room returns. At most as
+        many as there are provisional blocks."""
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -136,8 +150,24 @@ class RankPrefixIndex:
     def __contains__(self, key: int) -> bool:
         return key in self._seen
 
+    def knows(self, key: int) -> bool:
+        """Whether ``key`` is believed cached here or was reported and only displaced
+        (a ``BlockStored`` chained on it can still be followed)."""
+        return key in self._seen or key in self._displaced
+
     def last_seen(self, key: int) -> float | None:
         return self._seen.get(key)
+
+    def _oldest(self, count: int) -> list[int]:
+        """The ``count`` least recently used keys (fewer if there are not as many)."""
+        front = self._front
+        if not front:
+            return list(islice(self._seen, count))
+        oldest = list(islice(front, count))
+        if len(oldest) < count:
+            rest = (key for key in self._seen if key not in front)
+            oldest.extend(islice(rest, count - len(oldest)))
+        return oldest
 
     def store(self, keys: Sequence[int], now: float) -> None:
         """``keys`` (one prompt's chain, root first) are cached here as of ``now``.
@@ -146,6 +176,10 @@ class RankPrefixIndex:
         prompt's last blocks before the blocks every longer prompt needs first. A key
         that repeats in ``keys`` ends where its first occurrence puts it.
         """
+        if self._displaced:
+            deque(map(self._displaced.pop, keys, repeat(None)), maxlen=0)
+        if self._front:
+            deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
         seen = self._seen
         size = len(seen)
         # Take every key out (None: it was not here), put them back deepest first; the
@@ -179,17 +213,54 @@ class RankPrefixIndex:
                         strict=True,
                     )
                 )
-        self._evict_over_capacity()  # even with nothing new: a confirm may have freed room
+        self._evict_over_capacity()
 
     def _evict_over_capacity(self) -> None:
-        seen = self._seen
-        excess = len(seen) - self.capacity_blocks - len(self._provisional)
-        if excess > 0:
-            self._forget(list(islice(seen, excess)))
+        excess = len(self._seen) - self.capacity_blocks
+        if excess <= 0:
+            return
+        victims = self._oldest(excess)
+        provisional, displaced = self._provisional, self._displaced
+        if not provisional:
+            self._forget(victims)
+        else:
+            # A reported block pushed out by a belief is kept aside (see ``_displaced``).
+            seen = self._seen
+            for key in victims:
+                last = seen[key]
+                self._forget([key])
+                if provisional.pop(key, None) is None and provisional:
+                    displaced[key] = last
+        while len(displaced) > len(provisional):
+            displaced.popitem(last=False)
+
+    def _restore_displaced(self) -> None:
+        """Room came back: believe the most recent displaced blocks again, as the least
+        recently used (they were, when they were pushed out)."""
+        seen, displaced, front = self._seen, self._displaced, self._front
+        room = self.capacity_blocks - len(seen)
+        restored = []
+        while room > 0 and displaced:
+            key, last = displaced.popitem()
+            seen[key] = last
+            front[key] = None
+            front.move_to_end(key, last=False)
+            restored.append(key)
+            room -= 1
+        if restored:
+            self._own(restored)
+
+    def _own(self, keys: list[int]) -> None:
+        owners, bit = self._owners, self._bit
+        owners.update(
+            zip(keys, map(or_, map(owners.get, keys, repeat(0)), repeat(bit)), strict=True)
+        )
 
     def _forget(self, keys: list[int]) -> None:
         """Drop ``keys`` (all held here, distinct) and this rank's bit from their owners."""
         deque(map(self._seen.__delitem__, keys), maxlen=0)
+        if self._front:
+            deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
         # Out of the owners map with one pop each; back with the other ranks' bits for
         # the few that other ranks hold too.
         owners = self._owners
@@ -198,19 +269,31 @@ class RankPrefixIndex:
             owners.update(zip(compress(keys, others), compress(others, others), strict=False))
 
     def remove(self, keys: Iterable[int]) -> None:
-        seen = self._seen
-        self._forget([key for key in dict.fromkeys(keys) if key in seen])
+        """Forget ``keys`` (the engine evicted them, or a belief ended)."""
+        seen, provisional, displaced = self._seen, self._provisional, self._displaced
+        held = []
+        for key in dict.fromkeys(keys):
+            if key in seen:
+                held.append(key)
+                provisional.pop(key, None)
+            else:
+                displaced.pop(key, None)
+        self._forget(held)
+        self._restore_displaced()
 
     def clear(self) -> None:
         self._forget(list(self._seen))
         self._provisional.clear()
+        self._displaced.clear()
 
     def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
         """:meth:`store` ``keys`` on belief: those not already known from events are
         forgotten at ``until`` unless :meth:`confirm` comes first."""
         self.expire_provisional(now)
-        provisional = self._provisional
+        provisional, displaced = self._provisional, self._displaced
         for key in keys:
+            if key in displaced:
+                continue  # reported by the engine: :meth:`store` takes it back as such
             if key not in self._seen or key in provisional:
                 provisional.pop(key, None)
                 provisional[key] = until  # re-inserted: the dict stays oldest first
@@ -235,12 +318,17 @@ class RankPrefixIndex:
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
-        expired = []
-        for key, last in self._seen.items():
-            if now - last <= self.max_age:
-                break
-            expired.append(key)
+        displaced = self._displaced
+        while displaced and now - next(iter(displaced.values())) > self.max_age:
+            displaced.popitem(last=False)
+        seen, front, max_age = self._seen, self._front, self.max_age
+        order = chain(front, (key for key in seen if key not in front)) if front else seen
+        expired = list(takewhile(lambda key: not now - seen[key] <= max_age, order))
         if expired:
+            provisional = self._provisional
+            if provisional:
+                for key in expired:
+                    provisional.pop(key, None)
             self._forget(expired)
 
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
@@ -355,23 +443,29 @@ class PrefixRouting:
     work exceeds the idlest's by more than ``imbalance_abs`` *and* by a factor of more
     than ``imbalance_rel``, the loads are imbalanced beyond what affinity may cost and
     the guard sends the request to the least loaded rank (SGLang's cache-aware router
-    has the same two thresholds, in requests). ``feed``: ``"approximate"`` takes every
+    has the same two thresholds, in requests). The defaults, 4,096 tokens and 2x, are
+    the best compromise of a sweep on the lock-step model (``benchmarks/README.md``,
+    the routing section): a guard that never fires (SGLang's 32,768) left most of 64
+    ranks idle behind the holders of a few shared documents (2.3x vLLM's throughput
+    instead of 4.8x), and a tighter one (1.5x, or 3,072 tokens) broke up conversations
+    for nothing (multi-turn up to 15 % slower). ``feed``: ``"approximate"`` takes every
     routed prompt as cached on its rank; ``"exact"`` learns from the engines' KV
     events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`), and takes a routed
     prompt's new blocks as cached *provisionally*, for ``provisional_age`` seconds
-    (``max_age`` at most), until the rank's events confirm them: an engine stores a
-    prompt's blocks only when it computes them, after its queue, and without the
-    provisional belief the next turn of a conversation routed before that would find
-    nothing anywhere (0: events only).
-    Provisional blocks are held beyond ``capacity_blocks``, not in place of blocks the
-    events reported, so the index may hold as many more as were routed to the rank in
-    the last ``provisional_age`` seconds.
+    (``max_age`` at most; within ``provisional_age / 8`` more), until the rank's events
+    confirm them: an engine stores a prompt's blocks only when it computes them, after
+    its queue, and without the provisional belief the next turn of a conversation
+    routed before that would find nothing anywhere (0: events only).
+    Provisional blocks count against ``capacity_blocks`` as the engine's own do (it
+    makes room for a prompt by evicting); the reported blocks they push out are kept
+    aside, unbelieved, until the events say which ones the engine evicted, so the index
+    remembers at most twice ``capacity_blocks`` a rank and believes at most that.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     capacity_blocks: int = 16384
     max_age: float = 600.0
-    imbalance_abs: float = 32768.0
+    imbalance_abs: float = 4096.0
     imbalance_rel: float = 2.0
     feed: Feed = "approximate"
     provisional_age: float = 10.0
@@ -475,6 +569,7 @@ class PrefixRouter:
         self.resize(ranks)
         self._rotation = start % ranks
         self._next_sweep = -float("inf")
+        self._next_belief_sweep = -float("inf")
         self.counters = RouterCounters()
 
     def resize(self, ranks: int) -> None:
@@ -539,6 +634,12 @@ class PrefixRouter:
             for index in self.indexes:
                 index.expire(now)
             self._next_sweep = now + self.routing.max_age / 8
+        if self.feed == "exact" and self.routing.provisional_age and now >= self._next_belief_sweep:
+            # Every rank's due beliefs end, not only the chosen rank's: a rank no
+            # request went to since must not keep a belief no event confirmed.
+            for index in self.indexes:
+                index.expire_provisional(now)
+            self._next_belief_sweep = now + self.routing.provisional_age / 8
         groups = self._walk(keys)
         if pinned_rank is not None:
             depth = self._depth_of(groups, pinned_rank)
@@ -686,7 +787,7 @@ class PrefixRouter:
                 parent, depth = _ROOT, 0
                 if event.parent_block_hash is not None:
                     known = state.vllm_to_ours.get(event.parent_block_hash)
-                    if known is None or known[0] not in index:
+                    if known is None or not index.knows(known[0]):
                         continue  # parent unknown: the chain cannot be matched anyway
                     parent, depth = known[0], known[1] + 1
                 ours = block_keys(event.token_ids, event.block_size, parent, depth)
@@ -702,6 +803,6 @@ class PrefixRouter:
                 state.vllm_to_ours.clear()
         if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
             state.vllm_to_ours = {
-                h: known for h, known in state.vllm_to_ours.items() if known[0] in index
+                h: known for h, known in state.vllm_to_ours.items() if index.knows(known[0])
             }
         return True

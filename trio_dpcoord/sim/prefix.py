@@ -113,6 +113,43 @@ class RankModel:
         self.computed_prompt_tokens += uncached
         self.queue.append(_Job(request, uncached, request.output_len))
 
+    def schedule_step(self, token_budget: int) -> tuple[int, int]:
+        """Spend one step's ``token_budget`` (decodes first, then prompt chunks in queue
+        order, as vLLM's chunked prefill): the tokens computed, and how many of them are
+        prompt tokens."""
+        budget = token_budget
+        done = 0
+        for job in self.queue:
+            if job.prefill_left == 0 and budget > 0:
+                budget -= 1
+                done += 1
+        decodes = done
+        for job in self.queue:
+            if job.prefill_left > 0 and budget > 0:
+                job.started = True
+                chunk = min(job.prefill_left, budget)
+                job.prefill_left -= chunk
+                budget -= chunk
+                done += chunk
+        return done, done - decodes
+
+    def finish_step(self, now: float, ttft: list[float]) -> int:
+        """End the step at ``now``: every job past its prompt emits one token (its first
+        one's latency appended to ``ttft``), finished jobs leave the queue. Returns the
+        tokens emitted."""
+        emitted = 0
+        for job in self.queue:
+            if job.prefill_left == 0:
+                if job.first_token_s is None:
+                    job.first_token_s = now
+                    ttft.append(now - job.request.arrival_s)
+                job.decode_left -= 1
+                emitted += 1
+        before = len(self.queue)
+        self.queue = [job for job in self.queue if job.decode_left > 0]
+        self.finished += before - len(self.queue)
+        return emitted
+
 
 @dataclass(frozen=True)
 class FleetResult:
@@ -158,69 +195,68 @@ def run_fleet(
         for model in fleet:
             model.cache.changes = []
     pending = sorted(trace, key=lambda r: r.arrival_s)
-    now = 0.0
-    ttft: list[float] = []
-    busiest_sum = 0.0
-    mean_sum = 0.0
-    prefill_s = 0.0
-    busy_s = 0.0
-    output_tokens = 0
+    tally = _RunTally()
     index = 0
     while index < len(pending) or any(rank.queue for rank in fleet):
         if report is not None:
-            report(now, fleet)
-        while index < len(pending) and pending[index].arrival_s <= now:
+            report(tally.now, fleet)
+        while index < len(pending) and pending[index].arrival_s <= tally.now:
             request = pending[index]
             fleet[choose(request, fleet)].admit(request, block_size)
             index += 1
         if not any(rank.queue for rank in fleet):
-            now = pending[index].arrival_s
+            tally.now = pending[index].arrival_s
             continue
+        tally.step(fleet, token_budget, step_fixed_s, step_per_token_s)
+    return tally.result(fleet)
+
+
+@dataclass
+class _RunTally:
+    """One :func:`run_fleet` run's clock and its sums over the steps so far."""
+
+    now: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    busiest_sum: float = 0.0
+    mean_sum: float = 0.0
+    prefill_s: float = 0.0
+    busy_s: float = 0.0
+    output_tokens: int = 0
+
+    def step(
+        self,
+        fleet: list[RankModel],
+        token_budget: int,
+        step_fixed_s: float,
+        step_per_token_s: float,
+    ) -> None:
+        """One lock-step step of every rank: it lasts as long as the busiest rank's work."""
         work = []
         prefill_work = []
         for rank in fleet:
-            budget = token_budget
-            done = 0
-            for job in rank.queue:
-                if job.prefill_left == 0 and budget > 0:
-                    budget -= 1
-                    done += 1
-            decodes = done
-            for job in rank.queue:
-                if job.prefill_left > 0 and budget > 0:
-                    job.started = True
-                    chunk = min(job.prefill_left, budget)
-                    job.prefill_left -= chunk
-                    budget -= chunk
-                    done += chunk
-            prefill_work.append(done - decodes)
+            done, prefill = rank.schedule_step(token_budget)
+            prefill_work.append(prefill)
             work.append(done)
         busiest = max(work)
         step = step_fixed_s + step_per_token_s * busiest
-        busy_s += step
-        prefill_s += step_per_token_s * prefill_work[work.index(busiest)]
-        now += step
-        busiest_sum += busiest
-        mean_sum += sum(work) / ranks
+        self.busy_s += step
+        self.prefill_s += step_per_token_s * prefill_work[work.index(busiest)]
+        self.now += step
+        self.busiest_sum += busiest
+        self.mean_sum += sum(work) / len(fleet)
         for rank in fleet:
-            for job in rank.queue:
-                if job.prefill_left == 0:
-                    if job.first_token_s is None:
-                        job.first_token_s = now
-                        ttft.append(now - job.request.arrival_s)
-                    job.decode_left -= 1
-                    output_tokens += 1
-            before = len(rank.queue)
-            rank.queue = [job for job in rank.queue if job.decode_left > 0]
-            rank.finished += before - len(rank.queue)
-    queries = sum(rank.queries for rank in fleet)
-    return FleetResult(
-        hit_rate=sum(rank.hits for rank in fleet) / queries if queries else 0.0,
-        throughput_tokens_per_s=output_tokens / now if now else 0.0,
-        ttft_s=ttft,
-        busiest_over_mean=busiest_sum / mean_sum if mean_sum else 1.0,
-        per_rank_queries=[rank.queries for rank in fleet],
-        per_rank_hits=[rank.hits for rank in fleet],
-        busiest_tokens=busiest_sum,
-        prefill_time_share=prefill_s / busy_s if busy_s else 0.0,
-    )
+            self.output_tokens += rank.finish_step(self.now, self.ttft)
+
+    def result(self, fleet: list[RankModel]) -> FleetResult:
+        """The run's figures, once every request of the trace has finished."""
+        queries = sum(rank.queries for rank in fleet)
+        return FleetResult(
+            hit_rate=sum(rank.hits for rank in fleet) / queries if queries else 0.0,
+            throughput_tokens_per_s=self.output_tokens / self.now if self.now else 0.0,
+            ttft_s=self.ttft,
+            busiest_over_mean=self.busiest_sum / self.mean_sum if self.mean_sum else 1.0,
+            per_rank_queries=[rank.queries for rank in fleet],
+            per_rank_hits=[rank.hits for rank in fleet],
+            busiest_tokens=self.busiest_sum,
+            prefill_time_share=self.prefill_s / self.busy_s if self.busy_s else 0.0,
+        )
