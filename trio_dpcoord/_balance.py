@@ -51,7 +51,10 @@ class EngineChooser:
     first strictly lowest score, then counts the request as waiting on that engine
     until the next load report replaces the table. With no load reports yet, the
     in-flight counts alone spread requests over all engines instead of piling them on
-    rank 0. Prompt token ids and clock readings are ignored.
+    rank 0. Prompt token ids and clock readings are ignored. Each engine's score is
+    kept, recomputed only where a report, a choice or a finished request changes it,
+    so that a choice costs a C-level ``min`` and ``index`` over the scores, not a
+    Python-level score per engine (at 256 engines, 100 us a choice).
 
     ``routing="prefix"`` hands the choice to a :class:`~trio_dpcoord._router.PrefixRouter`
     (settings: ``prefix``, a :class:`PrefixRouting`). Each rank's queued work, in
