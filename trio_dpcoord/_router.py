@@ -278,8 +278,10 @@ class RankPrefixIndex:
                 provisional.pop(key, None)
             else:
                 displaced.pop(key, None)
-        self._forget(held)
-        self._restore_displaced()
+        if held:
+            self._forget(held)
+        if displaced:
+            self._restore_displaced()
 
     def clear(self) -> None:
         self._forget(list(self._seen))
@@ -322,6 +324,8 @@ class RankPrefixIndex:
         while displaced and now - next(iter(displaced.values())) > self.max_age:
             displaced.popitem(last=False)
         seen, front, max_age = self._seen, self._front, self.max_age
+        if not seen or now - seen[next(iter(front or seen))] <= max_age:
+            return  # the least recently used is young enough: all are
         order = chain(front, (key for key in seen if key not in front)) if front else seen
         expired = list(takewhile(lambda key: not now - seen[key] <= max_age, order))
         if expired:
