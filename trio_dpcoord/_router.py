@@ -221,16 +221,13 @@ class RankPrefixIndex:
             return
         victims = self._oldest(excess)
         provisional, displaced = self._provisional, self._displaced
-        if not provisional:
-            self._forget(victims)
-        else:
+        if provisional:
             # A reported block pushed out by a belief is kept aside (see ``_displaced``).
             seen = self._seen
             for key in victims:
-                last = seen[key]
-                self._forget([key])
                 if provisional.pop(key, None) is None and provisional:
-                    displaced[key] = last
+                    displaced[key] = seen[key]
+        self._forget(victims)
         while len(displaced) > len(provisional):
             displaced.popitem(last=False)
 
