@@ -259,10 +259,11 @@ class RankPrefixIndex:
         if self._front:
             deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
         # Out of the owners map with one pop each; back with the other ranks' bits for
-        # the few that other ranks hold too.
-        owners = self._owners
-        others = list(map(and_, map(owners.pop, keys, repeat(0)), repeat(~self._bit)))
-        if any(others):
+        # those that other ranks hold too (a mask other than this rank's bit alone).
+        owners, bit = self._owners, self._bit
+        masks = list(map(owners.pop, keys, repeat(0)))
+        if masks.count(bit) != len(masks):
+            others = list(map(and_, masks, repeat(~bit)))
             owners.update(zip(compress(keys, others), compress(others, others), strict=False))
 
     def remove(self, keys: Iterable[int]) -> None:
