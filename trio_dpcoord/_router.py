@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
-from operator import add, and_, is_, is_not, or_
+from operator import add, and_, is_, or_
 from typing import Any, Literal
 
 import msgpack
@@ -200,19 +200,12 @@ class RankPrefixIndex:
             fresh: Sequence[int] = keys[first_new:]
             if repeats or was[first_new:].count(None) != new:
                 fresh = list(compress(keys, map(is_, was, repeat(None))))
-            # Own the new keys: one setdefault each, then an or for those other ranks
-            # hold too (their setdefault returned their mask, not ``bit`` itself).
+            # Own the new keys: one setdefault each; if other ranks hold some too (their
+            # setdefault returned their mask), or this rank's bit into every mask.
             owners, bit = self._owners, self._bit
             masks = list(map(owners.setdefault, fresh, repeat(bit)))
             if masks.count(bit) != len(masks):
-                shared = list(map(is_not, masks, repeat(bit)))
-                owners.update(
-                    zip(
-                        compress(fresh, shared),
-                        map(or_, compress(masks, shared), repeat(bit)),
-                        strict=True,
-                    )
-                )
+                owners.update(zip(fresh, map(or_, masks, repeat(bit)), strict=True))
         self._evict_over_capacity()
 
     def _evict_over_capacity(self) -> None:
