@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouter, PrefixRouting, engine_score
 
@@ -166,7 +166,6 @@ class IndexAgainstReference(RuleBasedStateMachine):
         self.indexes[rank].remove(iter(keys))
         self.refs[rank].remove(iter(keys))
 
-    @precondition(lambda self: self.now > 0)
     @rule(rank=st.integers(0, RANKS - 1))
     def clear(self, rank: int) -> None:
         self.indexes[rank].clear()
