@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import logging
 import math
 import traceback
@@ -22,12 +23,19 @@ from benchmarks._util import REPO_ROOT
 logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e", "saturation", "flood")
-OPT_IN_SECTIONS = ("client", "routing")
+OPT_IN_SECTIONS = ("client", "routing", "routing_fleet")
 """Run only when named (``python -m benchmarks client``): ``client`` runs real vLLM
-engines (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no processes)."""
+engines (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no processes);
+``routing_fleet`` the same policies on 8 simulated engine processes with prefix caches."""
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
+SPEED_FIGURES = (
+    ("throughput", "throughput", "tok/s", 1.0),
+    ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
+    ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+)
+"""The routing sections' (figure, attribute, unit, scale) rows for throughput and TTFT."""
 """Our wake-latency targets at N = 8, standalone, as ratios to vLLM's coordinator measured
 in the same run: p50 <= 0.8x and p99 <= 1.0x (replacing vLLM's must not slow a wake)."""
 TRIO_FLOOR_NOTE = "no coordinator: the least a trio program of the coordinator's shape does"
@@ -955,9 +963,7 @@ class Runner:
         }
         fields = (
             ("hit rate", "hit_rate", "%", 100.0),
-            ("throughput", "throughput", "tok/s", 1.0),
-            ("TTFT p50", "ttft_p50_s", "ms", 1000.0),
-            ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+            *SPEED_FIGURES,
             ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
             ("busiest-rank work, whole run", "busiest_tokens", "tokens", 1.0),
         )
@@ -1066,6 +1072,96 @@ class Runner:
                     note=f"{d['memory_bytes'] / max(1, d['stored_blocks']):.0f} B/block",
                 )
             )
+
+    def routing_fleet(self) -> None:
+        """Engine-choice policies on the process fleet (8 simulated engines with prefix
+        caches, real sockets), the hit rate as the engines report it, as ratios to vLLM
+        0.33.0's score in the same run, beside the lock-step model on the same trace
+        (benchmarks/_routing_fleet.py)."""
+        from benchmarks import _routing as rt
+        from benchmarks import _routing_fleet as rf
+
+        sizes = rf.FLEET_QUICK if self.env.quick else rf.FLEET_FULL
+        entries = rf.measure_fleet(sizes)
+        self.details["routing_fleet"] = [
+            {
+                **{k: v for k, v in e.items() if k not in ("fleet", "model")},
+                "fleet": {p: [asdict(f) for f in runs] for p, runs in e["fleet"].items()},
+                "model": {p: [asdict(f) for f in runs] for p, runs in e["model"].items()},
+            }
+            for e in entries
+        ]
+        base_label = rt.POLICY_LABELS["vllm"]
+        fields = (
+            ("engines' hit rate", "hit_rate", "%", 100.0),
+            *SPEED_FIGURES,
+            ("busiest/mean work (run)", "busiest_over_mean", "", 1.0),
+        )
+        for name, rate in sizes.traces:
+            trace = rf.trace_label(name, rate)
+            cells = [e for e in entries if e["trace"] == trace]
+            section = f"10 routing fleet N={rf.FLEET_RANKS}"
+            bound = rt.mean([e["bound"] for e in cells]) * 100
+            fleet_mean = functools.partial(rf.mean_over, cells)
+
+            for policy in ("round-robin", "approximate", "exact"):
+                label = rt.POLICY_LABELS[policy]
+                done = sum(f.completed for e in cells for f in e["fleet"][policy])
+                sent = sum(f.requests for e in cells for f in e["fleet"][policy])
+                for figure, attr, unit, scale in fields:
+                    low, high = rf.ratio_range(cells, policy, attr)
+                    note = f"{len(cells) * sizes.repeats} runs, ratio {low:.2f}..{high:.2f}"
+                    if attr == "hit_rate":
+                        note += f", reuse bound {bound:.1f} %, {done}/{sent} requests"
+                    elif attr == "busiest_over_mean":
+                        worst = max(f.busiest_over_mean for e in cells for f in e["fleet"][policy])
+                        note += f", worst run {worst:.2f}"
+                    self.rows.append(
+                        Row(
+                            section,
+                            f"{trace}: {label}, {figure}",
+                            fleet_mean(policy, attr, scale),
+                            unit,
+                            fleet_mean("vllm", attr, scale),
+                            base_label,
+                            note=note,
+                        )
+                    )
+                for figure, attr, unit, scale in (fields[0], fields[1], fields[3]):
+                    model_figure = "hit rate" if attr == "hit_rate" else figure
+                    self.rows.append(
+                        Row(
+                            section,
+                            f"{trace}: {label}, model's {model_figure}",
+                            fleet_mean(policy, attr, scale, "model"),
+                            unit,
+                            fleet_mean("vllm", attr, scale, "model"),
+                            f"{base_label} (model)",
+                        )
+                    )
+            for figure, attr, sign in (
+                ("hit rate", "hit_rate", 1),
+                ("throughput", "throughput", 1),
+                ("TTFT p99 (lower first)", "ttft_p99_s", -1),
+            ):
+                orders = {
+                    key: rf.ranking(
+                        {p: fleet_mean(p, attr, 1.0, key) ** sign for p in rf.FLEET_POLICIES}
+                    )
+                    for key in ("fleet", "model")
+                }
+                same = orders["fleet"] == orders["model"]
+                self.rows.append(
+                    Row(
+                        section,
+                        f"{trace}: ranking by {figure}, fleet vs model",
+                        None,
+                        "",
+                        note=f"fleet {orders['fleet']}; model {orders['model']}: "
+                        f"{'same' if same else 'DIFFERENT'} (ties within "
+                        f"{rf.RANKING_TOLERANCE:.0%})",
+                    )
+                )
 
     def _routing_sweep(self, rt: Any, sizes: Any, base_label: str) -> None:
         """The prefill-share sweep: the same policies as the per-token cost ``b`` grows

@@ -5,6 +5,7 @@
     python examples/launch_cluster.py --engines 2 --wake-path frontend --json
     python examples/launch_cluster.py --timeline waves.png     # a picture of the run
     python examples/launch_cluster.py --routing prefix --sessions 16   # prefix-aware choice
+    python examples/launch_cluster.py --routing prefix --sessions 16 --prefix-cache 256 --kv-events
     python examples/launch_cluster.py --engine-protocol vllm   # through open_engine_client
 
 One command starts the coordinator (embedded in this trio front-end, or as the
@@ -96,6 +97,29 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="send multi-turn chat prompts over N sessions sharing a system prompt "
         "instead of a fixed 4-token prompt, 0 for the latter (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-cache",
+        type=int,
+        default=0,
+        metavar="BLOCKS",
+        help="give every engine an LRU prefix cache of BLOCKS 16-token blocks: engines "
+        "compute only uncached prompt tokens, each step grows with its tokens "
+        "(--step-per-token) and they report prefix-cache hits, shown in the summary "
+        "(default: 0, no cache, fixed steps)",
+    )
+    parser.add_argument(
+        "--step-per-token",
+        type=float,
+        default=2e-5,
+        help="with --prefix-cache: seconds each processed token adds to a step (the "
+        "lock-step model's assumed 50k tokens/s of prefill) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="with --prefix-cache: engines publish vLLM KV-cache events and the front-end "
+        "feeds them to the prefix routing (its exact feed)",
     )
     parser.add_argument(
         "--step-time",
@@ -225,6 +249,7 @@ def _summary(report: ClusterReport) -> str:
         f"wake path {report.wake_path}, routing {report.routing}, seed {report.seed}",
         f"  requests sent / completed: {report.requests} / {report.completed} "
         f"(planned {report.planned})",
+        *_prefix_lines(report),
         f"  waves: {report.waves}   pauses: {report.pauses}   "
         f"front-end wake notices: {report.notifications}",
         f"  wake latency (request to an idle cluster -> every engine running): "
@@ -244,6 +269,23 @@ def _summary(report: ClusterReport) -> str:
     lines += [f"  failure: {line}" for line in report.failures]
     lines.append(f"  duration: {report.duration:.1f} s   result: {'OK' if report.ok else 'FAILED'}")
     return "\n".join(lines)
+
+
+def _prefix_lines(report: ClusterReport) -> list[str]:
+    """The engines' own prefix-cache figures, when they have a cache."""
+    rate = report.prefix_hit_rate
+    if rate is None:
+        return []
+    per_engine = " ".join(
+        f"{hits / queries:.0%}" if queries else "-"
+        for hits, queries in zip(report.prefix_hits, report.prefix_queries, strict=True)
+    )
+    events = f", {report.kv_event_batches} KV-event batches" if report.kv_event_batches else ""
+    return [
+        f"  prefix-cache hit rate measured by the engines: {rate:.1%} "
+        f"({sum(report.prefix_hits)} of {sum(report.prefix_queries)} prompt tokens; "
+        f"per engine {per_engine}){events}"
+    ]
 
 
 async def _run(
@@ -292,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sessions=args.sessions,
             ),
             routing=args.routing,
+            prefix_cache_blocks=args.prefix_cache,
+            step_per_token=args.step_per_token if args.prefix_cache else 0.0,
+            kv_events=args.kv_events,
             step_time=args.step_time,
             max_running=args.max_running,
             sync_interval=args.sync_interval,
@@ -311,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("--wake-path", args.wake_path != "both"),
                 ("--restart-vanished", args.restart_vanished),
                 ("--timeline", args.timeline is not None),
+                ("--prefix-cache", args.prefix_cache > 0),
             )
             if used
         ]

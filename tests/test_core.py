@@ -46,11 +46,23 @@ def output(engine: int, **fields: object) -> list[bytes]:
     return [protocol.encode_engine_core_outputs(EngineCoreOutputs(engine_index=engine, **fields))]  # type: ignore[arg-type]
 
 
-def stats(engine: int, waiting: int, running: int, usage: float = 0.0, **more: int) -> list[bytes]:
+def stats(
+    engine: int,
+    waiting: int,
+    running: int,
+    usage: float = 0.0,
+    *,
+    step_counter: int = 0,
+    current_wave: int = 0,
+) -> list[bytes]:
     return output(
         engine,
         scheduler_stats=SchedulerStats(
-            num_waiting_reqs=waiting, num_running_reqs=running, kv_cache_usage=usage, **more
+            num_waiting_reqs=waiting,
+            num_running_reqs=running,
+            kv_cache_usage=usage,
+            step_counter=step_counter,
+            current_wave=current_wave,
         ),
     )
 

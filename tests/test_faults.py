@@ -219,7 +219,7 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                         publishes = view.publishes_received
                         async with _serve(tmp_path, 2):  # the restart
                             await view.wait_for(lambda v: v.publishes_received > publishes)
-                            assert view.disconnects == 1 and view.connected()
+                            assert view.disconnects() == 1 and view.connected()
                             while not all(e.counters.coordinator_reconnects == 1 for e in engines):  # noqa: ASYNC110
                                 await trio.sleep(0.02)
                             # The restarted coordinator starts at wave 0; the engines' reports

@@ -131,7 +131,6 @@ class Frontend:
         """Whether the connection to the coordinator's front socket is up now."""
         return self._monitor.connected
 
-    @property
     def disconnects(self) -> int:
         """How many times the connection to the coordinator dropped."""
         return self._monitor.disconnects

@@ -42,6 +42,7 @@ import msgpack
 __all__ = [
     "MAX_CONTROL_FRAME_BYTES",
     "MAX_DATA_FRAME_BYTES",
+    "NO_PREFIX_CACHE_STATS",
     "READY",
     "SCALE_ELASTIC_EP",
     "SUBSCRIBE",
@@ -53,6 +54,7 @@ __all__ = [
     "FrontPublish",
     "LegacyFirstRequest",
     "OutputKind",
+    "PrefixCacheStats",
     "ProtocolError",
     "RequestType",
     "ScaleElasticEP",
@@ -416,11 +418,46 @@ def decode_engine_broadcast(frames: Sequence[bytes]) -> Literal["READY"] | Start
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """vLLM 0.33.0's ``PrefixCacheStats`` (``vllm/v1/metrics/stats.py``): the prefix-cache
+    lookups since the engine's previous report (each report starts from zero, as vLLM's
+    ``make_prefix_cache_stats`` resets them), counted in tokens.
+
+    ``requests``: new requests looked up; ``queries``: their prompt tokens; ``hits``: the
+    tokens found cached. ``preempted_*``: the same for re-scheduled preempted requests.
+    ``reset``: the cache was reset before these. ``hits_by_source`` (connector tiers) is
+    always written empty and not read.
+    """
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+
+NO_PREFIX_CACHE_STATS: Final = PrefixCacheStats()
+"""What an engine that looked nothing up reports (vLLM's defaults)."""
+
+_PREFIX_COUNT_KEYS: Final = (
+    "requests",
+    "queries",
+    "hits",
+    "preempted_requests",
+    "preempted_queries",
+    "preempted_hits",
+)
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """The ``SchedulerStats`` fields a DP coordinator reads (§4.6).
+    """The ``SchedulerStats`` fields a DP coordinator reads (§4.6), and the prefix-cache
+    counters a front-end reads.
 
     The encoder writes vLLM's full 18-key map (other keys at their defaults), so the
-    bytes equal vLLM's; the decoder reads only these five keys.
+    bytes equal vLLM's; the decoder reads only these six keys.
     """
 
     num_running_reqs: int = 0
@@ -428,6 +465,7 @@ class SchedulerStats:
     step_counter: int = 0
     current_wave: int = 0
     kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = NO_PREFIX_CACHE_STATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,8 +500,20 @@ class EngineCoreOutputs:
     weight_version: str | None = None
 
 
+def _prefix_cache_map(prefix: PrefixCacheStats) -> dict[str, object]:
+    if not isinstance(prefix, PrefixCacheStats):
+        raise ProtocolError(f"prefix_cache_stats must be PrefixCacheStats, got {_tname(prefix)}")
+    if not isinstance(prefix.reset, bool):
+        raise ProtocolError(f"prefix_cache_stats.reset must be a bool, got {_tname(prefix.reset)}")
+    counts = {
+        k: _enc_uint(getattr(prefix, k), f"prefix_cache_stats.{k}") for k in _PREFIX_COUNT_KEYS
+    }
+    # vLLM's field order: BaseCacheStats's, then PrefixCacheStats's own.
+    return {"reset": prefix.reset, **counts, "hits_by_source": {}}
+
+
 def _stats_map(stats: SchedulerStats) -> dict[str, object]:
-    # vLLM's field order (vllm/v1/metrics/stats.py, 0.33.0); defaults for all but 5 keys.
+    # vLLM's field order (vllm/v1/metrics/stats.py, 0.33.0); defaults for all but 6 keys.
     return {
         "num_running_reqs": _enc_uint(stats.num_running_reqs, "num_running_reqs"),
         "num_waiting_reqs": _enc_uint(stats.num_waiting_reqs, "num_waiting_reqs"),
@@ -473,16 +523,7 @@ def _stats_map(stats: SchedulerStats) -> dict[str, object]:
         "current_wave": _enc_uint(stats.current_wave, "current_wave"),
         "kv_cache_usage": _enc_float(stats.kv_cache_usage, "kv_cache_usage", finite=True),
         "iteration_details": None,
-        "prefix_cache_stats": {
-            "reset": False,
-            "requests": 0,
-            "queries": 0,
-            "hits": 0,
-            "preempted_requests": 0,
-            "preempted_queries": 0,
-            "preempted_hits": 0,
-            "hits_by_source": {},
-        },
+        "prefix_cache_stats": _prefix_cache_map(stats.prefix_cache_stats),
         "connector_prefix_cache_stats": None,
         "kv_cache_eviction_events": [],
         "spec_decoding_stats": None,
@@ -596,7 +637,13 @@ def _new_outputs(
 
 
 def _new_stats(
-    a: int, b: int, c: int, d: int, e: float, _s: tuple[Any, ...] = _st_set
+    a: int,
+    b: int,
+    c: int,
+    d: int,
+    e: float,
+    f: PrefixCacheStats = NO_PREFIX_CACHE_STATS,
+    _s: tuple[Any, ...] = _st_set,
 ) -> SchedulerStats:
     o = _new(SchedulerStats)
     _s[0](o, a)
@@ -604,6 +651,7 @@ def _new_stats(
     _s[2](o, c)
     _s[3](o, d)
     _s[4](o, e)
+    _s[5](o, f)
     return o
 
 
@@ -637,7 +685,30 @@ _new_tuple: Final = tuple.__new__
 
 
 def _decode_stats(d: object) -> SchedulerStats:
-    return _new_stats(*_decode_stats_fields(d))
+    running, waiting, step, wave, kv = _decode_stats_fields(d)
+    assert type(d) is dict  # checked by _decode_stats_fields
+    prefix = d.get("prefix_cache_stats")
+    if prefix is None:
+        return _new_stats(running, waiting, step, wave, kv)
+    return _new_stats(running, waiting, step, wave, kv, _decode_prefix_cache_stats(prefix))
+
+
+def _decode_prefix_cache_stats(d: object) -> PrefixCacheStats:
+    """vLLM's ``PrefixCacheStats`` map (missing keys default, unknown ones ignored).
+
+    Read only when well formed (a map, ``reset`` a bool, the counts ints >= 0);
+    otherwise vLLM's defaults, and no error: a coordinator does not read the key and
+    accepts any value there (:mod:`._coordinator_decoder` agrees with this decoder on
+    every frame), so one engine's odd counters must not make the two disagree."""
+    if type(d) is not dict:
+        return NO_PREFIX_CACHE_STATS
+    reset = d.get("reset", False)
+    counts = [d.get(key, 0) for key in _PREFIX_COUNT_KEYS]
+    if type(reset) is not bool or not all(type(c) is int and c >= 0 for c in counts):
+        return NO_PREFIX_CACHE_STATS
+    if not reset and not any(counts):
+        return NO_PREFIX_CACHE_STATS
+    return PrefixCacheStats(reset, *counts)
 
 
 def _decode_stats_fields(d: object) -> tuple[int, int, int, int, float]:
@@ -698,8 +769,9 @@ def decode_engine_core_outputs(frame: bytes) -> EngineCoreOutputs:
     at their defaults and extra trailing elements are ignored. Types are checked:
     ``engine_index`` int >= 0; ``outputs`` array of EngineCoreOutput arrays (only
     request_id, new_token_ids and finish_reason are read); ``scheduler_stats`` map or nil
-    (only the five coordinator keys are read; missing keys default, unknown keys are
-    ignored); ``timestamp`` float (an int is accepted); ``utility_output`` array or nil
+    (only the five coordinator keys and ``prefix_cache_stats`` are read; missing keys
+    default, unknown keys are ignored, a malformed ``prefix_cache_stats`` reads as
+    vLLM's defaults); ``timestamp`` float (an int is accepted); ``utility_output`` array or nil
     (kept raw); ``finished_requests`` array of str or nil; ``wave_complete`` /
     ``start_wave`` int >= 0 or nil; ``weight_version`` str or nil. Anything else raises
     ProtocolError.

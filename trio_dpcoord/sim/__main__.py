@@ -60,6 +60,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8, help="tokens for requests without max")
     p.add_argument("--max-running", type=int, default=8, help="requests advanced per step")
     p.add_argument("--sync-interval", type=int, default=16, help="dp_sync_interval")
+    p.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=0,
+        help="an LRU prefix cache of N blocks, chunked prefill of the uncached prompt "
+        "tokens and steps that grow with their tokens (default 0: the fixed-step toy)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--token-budget", type=int, default=2048, help="tokens per step (max_num_batched_tokens)"
+    )
+    p.add_argument(
+        "--step-per-token", type=float, default=0.0, help="seconds each token adds to a step"
+    )
+    p.add_argument(
+        "--kv-events-address",
+        default=None,
+        help="bind a PUB socket here and publish vLLM KV-cache events (needs the prefix cache)",
+    )
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument(
         "--coordinator-timeout",
@@ -178,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             collective_timeout=args.collective_timeout,
             report_start_wave=not args.legacy_wake,
             coordinator_timeout=args.coordinator_timeout,
+            prefix_cache_blocks=args.prefix_cache_blocks,
+            block_size=args.block_size,
+            token_budget=args.token_budget,
+            step_per_token=args.step_per_token,
+            kv_events_address=args.kv_events_address,
             curve_server_key=None
             if args.curve_server_key is None
             else args.curve_server_key.encode(),

@@ -45,6 +45,7 @@ import trio
 from .. import (
     CoordinatorView,
     EngineChooser,
+    PrefixRouting,
     PrivateIpcDirectory,
     Routing,
     open_coordinator,
@@ -137,6 +138,22 @@ class ClusterConfig:
     """The front-end's engine choice: vLLM's score or ``"prefix"`` (see
     :class:`~trio_dpcoord.EngineChooser`); give the load ``sessions`` for prompts that
     share prefixes."""
+    prefix_cache_blocks: int = 0
+    """Each engine's prefix cache, in 16-token blocks; 0 (the default) runs the
+    fixed-step toy engines. With a cache, engines compute only uncached prompt tokens,
+    their steps grow with ``step_per_token`` and they report prefix-cache queries and
+    hits (:attr:`ClusterReport.prefix_hits`); see :class:`~trio_dpcoord.sim.EngineConfig`."""
+    token_budget: int = 2048
+    """Tokens per engine step (vLLM's ``max_num_batched_tokens``), with a prefix cache."""
+    step_per_token: float = 0.0
+    """Seconds each processed token adds to a step, with a prefix cache."""
+    kv_events: bool = False
+    """Engines publish vLLM KV-cache events, the front-end subscribes; with the prefix
+    routing, the chooser is then fed exactly (``feed="exact"``). Needs a prefix cache
+    and private ipc addresses (no ``host``)."""
+    prefix: PrefixRouting | None = None
+    """The prefix routing's settings; by default ``PrefixRouting`` sized to the engines'
+    caches (``capacity_blocks``), exact with ``kv_events``, approximate without."""
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -144,6 +161,23 @@ class ClusterConfig:
         if self.mode not in ("inproc", "standalone"):
             raise ValueError(f"mode must be inproc or standalone, got {self.mode!r}")
         EngineChooser.check_routing(self.routing)
+        if self.prefix_cache_blocks < 0 or self.token_budget < 1 or not self.step_per_token >= 0:
+            raise ValueError(
+                "need prefix_cache_blocks >= 0, token_budget >= 1, step_per_token >= 0"
+            )
+        if self.kv_events and (not self.prefix_cache_blocks or self.host is not None):
+            raise ValueError("kv_events needs prefix_cache_blocks > 0 and no host")
+
+    def prefix_routing(self) -> PrefixRouting | None:
+        """The front-end's prefix settings: :attr:`prefix`, or the default for the run."""
+        if self.prefix is not None or self.routing != "prefix":
+            return self.prefix
+        if not self.prefix_cache_blocks:
+            return PrefixRouting(feed="exact" if self.kv_events else "approximate")
+        return PrefixRouting(
+            capacity_blocks=self.prefix_cache_blocks,
+            feed="exact" if self.kv_events else "approximate",
+        )
 
 
 @dataclass(slots=True)
@@ -158,6 +192,14 @@ class ClusterReport:
     routing: str = "vllm"
     routing_counters: dict[str, int] | None = None
     """With the prefix routing: the router's counters (``RouterCounters``) at the end."""
+    prefix_queries: list[int] = field(default_factory=list)
+    """Per engine, the prompt tokens it looked up in its prefix cache, as its scheduler
+    stats reported (vLLM's ``prefix_cache_stats.queries``; engines with a cache)."""
+    prefix_hits: list[int] = field(default_factory=list)
+    """Per engine, the prompt tokens its prefix cache held (``prefix_cache_stats.hits``)."""
+    engine_tokens: list[int] = field(default_factory=list)
+    """Per engine, the output tokens it sent."""
+    kv_event_batches: int = 0
     requests: int = 0
     completed: int = 0
     waves: int = 0
@@ -197,6 +239,12 @@ class ClusterReport:
         )
 
     @property
+    def prefix_hit_rate(self) -> float | None:
+        """Hits over queries, summed over the engines' reports; None without queries."""
+        queries = sum(self.prefix_queries)
+        return sum(self.prefix_hits) / queries if queries else None
+
+    @property
     def ok(self) -> bool:
         """Every planned request sent, every sent request completed (a fault-injection hook
         may send more), no collective timed out, no error counted."""
@@ -227,6 +275,10 @@ class ClusterReport:
             "wake_path": self.wake_path,
             "routing": self.routing,
             "routing_counters": self.routing_counters,
+            "prefix_queries": list(self.prefix_queries),
+            "prefix_hits": list(self.prefix_hits),
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "kv_event_batches": self.kv_event_batches,
             "seed": self.seed,
             "requests": self.requests,
             "completed": self.completed,
@@ -363,6 +415,7 @@ async def run_cluster(
     log_line: Callable[[str], None] = _default_log_line,
     coordinator_factory: CoordinatorFactory | None = None,
     between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None = None,
+    drive: Callable[[SimFrontend], Awaitable[None]] | None = None,
 ) -> ClusterReport:
     """Run the whole cluster once and report; never leaves a child process behind.
 
@@ -373,6 +426,9 @@ async def run_cluster(
     ``between_bursts(frontend, progress)`` is awaited after every burst but the last,
     once its requests finished and the front-end saw every engine idle: tests inject
     faults there, deterministically outside a wave.
+    ``drive(frontend)`` replaces the load plan (a benchmark replaying a trace): it sends
+    requests and returns once they finished (``between_bursts`` is then not called;
+    set ``config.load.requests`` to the number it sends, for :attr:`ClusterReport.ok`).
     Failures of the cluster (an engine dying, a collective timeout, a stall, a start-up
     timeout) end the run early and are recorded in the report, not raised.
     """
@@ -390,7 +446,7 @@ async def run_cluster(
             async with AsyncExitStack() as stack:
                 await run.start(stack, coordinator_factory)
                 if await run.wait_ready():
-                    await run.apply_load(between_bursts)
+                    await run.apply_load(between_bursts, drive)
                 if progress is not None:
                     progress(run.progress())
                 run.collect()
@@ -442,6 +498,8 @@ class _ClusterRun:
                 config.engines,
                 wake_path=config.wake_path,
                 routing=config.routing,
+                prefix=config.prefix_routing(),
+                kv_events=config.kv_events,
                 request_address=tcp and f"{tcp}:0",
                 completion_address=tcp and f"{tcp}:0",
             )
@@ -501,10 +559,12 @@ class _ClusterRun:
         return True
 
     async def apply_load(
-        self, between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None
+        self,
+        between_bursts: Callable[[SimFrontend, Progress], Awaitable[None]] | None,
+        drive: Callable[[SimFrontend], Awaitable[None]] | None = None,
     ) -> None:
-        """The load plan, watched by the monitor; ``between_bursts`` once the engines are
-        idle after each burst."""
+        """The load plan (or ``drive``), watched by the monitor; ``between_bursts`` once
+        the engines are idle after each burst."""
         frontend, report = self.frontend, self.report
         assert frontend is not None
         hook: Callable[[], Awaitable[None]] | None = None
@@ -519,7 +579,10 @@ class _ClusterRun:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_monitor, frontend, self.config, report, self._progress, self.fail)
-            await generate_load(frontend, self.config.load, after_burst=hook)
+            if drive is None:
+                await generate_load(frontend, self.config.load, after_burst=hook)
+            else:
+                await drive(frontend)
             nursery.cancel_scope.cancel()
         if report.timeline is not None:
             # End the picture with the last wave, not with the teardown.
@@ -586,6 +649,10 @@ def _collect(
     report.pauses = frontend.pauses
     report.wake_latencies = list(frontend.wake_latencies)
     report.resubmitted = frontend.resubmitted
+    report.prefix_queries = list(frontend.prefix_queries)
+    report.prefix_hits = list(frontend.prefix_hits)
+    report.engine_tokens = list(frontend.engine_tokens)
+    report.kv_event_batches = frontend.kv_event_batches
     counters = frontend.chooser.router_counters
     if counters is not None:
         report.routing_counters = dataclasses.asdict(counters)

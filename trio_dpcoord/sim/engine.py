@@ -15,6 +15,11 @@ Sockets, as a vLLM ``DPEngineCoreProc`` has them:
 The busy loop follows §6.5 step by step; the scheduler is a toy: a waiting queue, at
 most ``max_running`` running requests, one token per running request per step, a request
 finishes (``finish_reason`` 1, length) after ``max_tokens`` tokens.
+With ``EngineConfig.prefix_cache_blocks`` the engine is the lock-step prefix model's rank
+(:mod:`.prefix`) instead: an LRU prefix cache, chunked prefill of the uncached prompt
+tokens under a token budget, steps that last ``step_time + step_per_token * tokens``,
+vLLM's ``prefix_cache_stats`` in the scheduler stats it attaches to its outputs, and,
+with ``kv_events_address``, vLLM's KV-cache events on a PUB socket (:mod:`.kv_events`).
 
 Deliberate deviations from vLLM's engines, each harmless to the coordinator protocol:
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -51,6 +57,9 @@ from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from . import messages
 from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError
+from .kv_events import EventBatchEncoder, kv_event_frames
+from .prefix import DEFAULT_BLOCK_SIZE, RankCache, RankModel
+from .traces import Request as _TraceRequest
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -133,6 +142,22 @@ class EngineConfig:
     curve_server_key: bytes | None = None
     """The coordinator's CURVE public key when it runs with CURVE (off by default):
     both coordinator sockets then connect as CURVE clients."""
+    prefix_cache_blocks: int = 0
+    """0 (the default): the toy scheduler, one token per running request per step, every
+    step ``step_time`` long. N > 0: the prefix-cache engine (see :class:`SimEngine`):
+    an LRU prefix cache of N blocks of ``block_size`` tokens, chunked prefill of the
+    uncached prompt tokens, steps of ``step_time + step_per_token * tokens``."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per KV-cache block (vLLM's ``--block-size``, 16)."""
+    token_budget: int = 2048
+    """Tokens one step may process (vLLM's ``max_num_batched_tokens``; 2048 is one of
+    its defaults): decodes first, then prefill chunks."""
+    step_per_token: float = 0.0
+    """Seconds each processed token adds to a step (the lock-step model's ``b``,
+    :data:`~trio_dpcoord.sim.prefix.STEP_PER_TOKEN_S`, is 2e-5); with the prefix cache only."""
+    kv_events_address: str | None = None
+    """Publish KV-cache events here (a ZeroMQ PUB socket this rank binds), as vLLM does
+    with ``--kv-events-config``; needs the prefix cache."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.engine_count:
@@ -143,6 +168,12 @@ class EngineConfig:
             raise ValueError("coordinator_timeout must be positive")
         if self.tokens_per_request < 1 or self.max_running < 1 or self.sync_interval < 1:
             raise ValueError("tokens_per_request, max_running and sync_interval must be >= 1")
+        if self.prefix_cache_blocks < 0 or self.block_size < 1 or self.token_budget < 1:
+            raise ValueError("need prefix_cache_blocks >= 0, block_size and token_budget >= 1")
+        if not self.step_per_token >= 0:
+            raise ValueError("step_per_token must be >= 0")
+        if self.kv_events_address is not None and not self.prefix_cache_blocks:
+            raise ValueError("kv_events_address needs a prefix cache (prefix_cache_blocks > 0)")
 
 
 @dataclass(slots=True)
@@ -150,6 +181,9 @@ class _Request:
     request_id: str
     remaining: int
     generated: int = 0
+    prompt: tuple[int, ...] = ()
+    prefill_left: int = 0
+    """Prompt tokens still to compute (the prefix-cache engine; 0 for the toy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +213,13 @@ class EngineCounters:
     stats_sent: int = 0
     coordinator_disconnects: int = 0
     coordinator_reconnects: int = 0
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_stats.queries``)."""
+    prefix_hits: int = 0
+    """Of those, tokens found cached (``prefix_cache_stats.hits``)."""
+    computed_tokens: int = 0
+    """Tokens processed by real steps (prefill chunks plus decodes; the prefix cache)."""
+    kv_event_batches: int = 0
 
 
 class SimEngine:
@@ -206,6 +247,20 @@ class SimEngine:
         self._coordinator: AsyncSocket | None = None
         self._frontend: AsyncSocket | None = None
         self._collective: CollectiveClient | None = None
+        self._prefix: RankModel | None = None
+        """The prefix-cache engine's cache and its query/hit tallies (None: the toy)."""
+        self._lookups = 0
+        self._reported = (0, 0, 0)
+        """(requests, queries, hits) as of the last report: vLLM reports deltas."""
+        self._kv_events: EventBatchEncoder | None = None
+        self._kv_publisher: AsyncSocket | None = None
+        self._kv_seq = 0
+        if config.prefix_cache_blocks:
+            cache = RankCache(config.prefix_cache_blocks)
+            if config.kv_events_address is not None:
+                cache.changes = []
+                self._kv_events = EventBatchEncoder(config.block_size)
+            self._prefix = RankModel(cache)
 
     @property
     def ready(self) -> bool:
@@ -292,13 +347,12 @@ class SimEngine:
             return
         self._last_counts = counts
         self.counters.stats_sent += 1
-        usage = min(1.0, len(self.running) / self.config.max_running) * 0.9
         stats = protocol.SchedulerStats(
             num_running_reqs=counts[0],
             num_waiting_reqs=counts[1],
             step_counter=self.step_counter,
             current_wave=self.current_wave,
-            kv_cache_usage=usage,
+            kv_cache_usage=self._kv_usage(),
         )
         await self._to_coordinator(
             protocol.EngineCoreOutputs(engine_index=self.rank, scheduler_stats=stats)
@@ -325,7 +379,9 @@ class SimEngine:
 
     async def _on_add(self, request: protocol.EngineCoreRequest) -> None:
         tokens = request.max_tokens or self.config.tokens_per_request
-        self.waiting.append(_Request(request.request_id, max(1, tokens)))
+        self.waiting.append(
+            _Request(request.request_id, max(1, tokens), prompt=request.prompt_token_ids)
+        )
         stamped = request.current_wave
         if stamped > self.current_wave:
             logger.debug(
@@ -410,7 +466,11 @@ class SimEngine:
         send nothing for a request their client aborted)."""
         await self._send_outputs([(r, _FINISH_ABORT) for r in dropped])
 
-    async def _send_outputs(self, items: list[tuple[_Request, int | None]]) -> None:
+    async def _send_outputs(
+        self,
+        items: list[tuple[_Request, int | None]],
+        stats: protocol.SchedulerStats | None = None,
+    ) -> None:
         outputs = tuple(
             protocol.EngineCoreOutput(
                 r.request_id, (r.generated,) if reason != _FINISH_ABORT else (), reason
@@ -423,6 +483,7 @@ class SimEngine:
                 protocol.EngineCoreOutputs(
                     engine_index=self.rank,
                     outputs=outputs,
+                    scheduler_stats=stats,
                     timestamp=trio.current_time(),
                     finished_requests=finished or None,
                     weight_version="default",
@@ -433,12 +494,21 @@ class SimEngine:
     # --- the busy loop (§6.5) ---------------------------------------------------------
 
     async def _real_step(self) -> None:
+        if self._prefix is not None:
+            await self._prefill_step(self._prefix)
+            return
         while self.waiting and len(self.running) < self.config.max_running:
             self.running.append(self.waiting.popleft())
         await trio.sleep(self.config.step_time)
+        items = self._sample(self.running)
+        self.running = [r for r in self.running if r.remaining > 0]
+        await self._send_outputs(items)
+
+    def _sample(self, requests: list[_Request]) -> list[tuple[_Request, int | None]]:
+        """One new token for each of ``requests``: the outputs to send, a request
+        finishing (length) when it has all its tokens."""
         items: list[tuple[_Request, int | None]] = []
-        still_running = []
-        for request in self.running:
+        for request in requests:
             request.generated += 1
             request.remaining -= 1
             if request.remaining <= 0:
@@ -446,9 +516,111 @@ class SimEngine:
                 self.counters.requests_finished += 1
             else:
                 items.append((request, None))
-                still_running.append(request)
-        self.running = still_running
-        await self._send_outputs(items)
+        return items
+
+    # --- the prefix-cache engine (EngineConfig.prefix_cache_blocks > 0) -----------------
+
+    async def _prefill_step(self, ledger: RankModel) -> None:
+        """One step as the lock-step prefix model takes it (:mod:`.prefix`), on this rank.
+
+        Up to ``token_budget`` tokens, in vLLM's scheduler's order: one per decoding
+        request, then the next chunk of the prompts being computed, then waiting requests
+        while budget is left, each looked up in the prefix cache as it is scheduled (as
+        vLLM does), its blocks cached, and only its uncached tokens computed; a request
+        whose prompt completes samples its first token in that step. The step lasts
+        ``step_time + step_per_token * tokens``; the collective that follows makes every
+        rank wait for the busiest one.
+        """
+        cfg = self.config
+        budget = cfg.token_budget
+        stepped = [r for r in self.running if r.prefill_left == 0][:budget]
+        budget -= len(stepped)
+        for request in self.running:
+            if budget == 0:
+                break
+            if request.prefill_left > 0:
+                budget -= self._prefill_chunk(request, budget, stepped)
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            request = self.waiting.popleft()
+            self._look_up(ledger, request)
+            self.running.append(request)
+            budget -= self._prefill_chunk(request, budget, stepped)
+        tokens = cfg.token_budget - budget
+        self.counters.computed_tokens += tokens
+        await trio.sleep(cfg.step_time + cfg.step_per_token * tokens)
+        items = self._sample(stepped)
+        self.running = [r for r in self.running if r.remaining > 0]
+        await self._send_outputs(items, self._step_stats(ledger))
+        await self._publish_kv_events(ledger.cache)
+
+    @staticmethod
+    def _prefill_chunk(request: _Request, budget: int, stepped: list[_Request]) -> int:
+        """Compute up to ``budget`` of the request's prompt tokens; returns how many. A
+        request whose prompt is done joins ``stepped`` (it samples a token)."""
+        chunk = min(request.prefill_left, budget)
+        request.prefill_left -= chunk
+        if request.prefill_left == 0:
+            stepped.append(request)
+        return chunk
+
+    def _kv_usage(self) -> float:
+        """The KV-cache usage an engine reports: the toy's running share of
+        ``max_running`` (times 0.9); with the prefix cache, the blocks its running
+        requests hold over the cache's size (at most 1), as vLLM counts it."""
+        if self._prefix is None:
+            return min(1.0, len(self.running) / self.config.max_running) * 0.9
+        size = self.config.block_size
+        held = sum(-(-(len(r.prompt) + r.generated) // size) for r in self.running)
+        return min(1.0, held / self._prefix.cache.capacity_blocks)
+
+    def _look_up(self, ledger: RankModel, request: _Request) -> None:
+        """Match the prompt's cached blocks, cache its blocks, set what is left to compute
+        (the model's own rule, :meth:`RankModel.admit`: whole blocks, the last prompt
+        token always computed, as vLLM). Only the ledger's cache and tallies serve here:
+        the job it queues is dropped, this engine schedules its own requests."""
+        if self._kv_events is not None:
+            self._kv_events.remember(request.prompt)
+        hits = ledger.hits
+        ledger.admit(
+            _TraceRequest(0.0, request.prompt, request.remaining, 0), self.config.block_size
+        )
+        ledger.queue.clear()
+        request.prefill_left = len(request.prompt) - (ledger.hits - hits)
+        self._lookups += 1
+
+    def _step_stats(self, ledger: RankModel) -> protocol.SchedulerStats:
+        """The scheduler stats vLLM attaches to a step's outputs: this rank's counts and
+        the prefix-cache lookups since the previous report."""
+        counts = (self._lookups, ledger.queries, ledger.hits)
+        requests, queries, hits = (
+            now - then for now, then in zip(counts, self._reported, strict=True)
+        )
+        self._reported = counts
+        self.counters.prefix_queries, self.counters.prefix_hits = ledger.queries, ledger.hits
+        return protocol.SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            step_counter=self.step_counter,
+            current_wave=self.current_wave,
+            kv_cache_usage=self._kv_usage(),
+            prefix_cache_stats=protocol.PrefixCacheStats(
+                requests=requests, queries=queries, hits=hits
+            ),
+        )
+
+    async def _publish_kv_events(self, cache: RankCache) -> None:
+        """This step's stores and evictions as one vLLM ``EventBatch`` on the KV PUB."""
+        changes, encoder, publisher = cache.changes, self._kv_events, self._kv_publisher
+        if not changes or encoder is None or publisher is None:
+            return
+        payload = encoder.encode(time.time(), self.rank, changes)
+        encoder.forget(key for stored, key in changes if not stored and key not in cache.blocks)
+        changes.clear()
+        if len(encoder) > 4 * cache.capacity_blocks:  # blocks of prompts too long to cache
+            encoder.retain(cache.blocks)
+        await publisher.send_multipart(kv_event_frames(self._kv_seq, payload))
+        self._kv_seq += 1
+        self.counters.kv_event_batches += 1
 
     async def _busy_loop(self) -> None:
         assert self._collective is not None
@@ -580,6 +752,13 @@ class SimEngine:
             router = await self._open_collective(stack, context)
             sub, monitor = await self._connect_coordinator(stack, context)
             dealer = await self._connect_frontend(stack, context)
+            if cfg.kv_events_address is not None:
+                self._kv_publisher = await stack.enter_async_context(
+                    # vLLM's KVEventsConfig.hwm default; a PUB drops beyond it.
+                    open_socket(
+                        context, zmq.PUB, bind=cfg.kv_events_address, options={zmq.SNDHWM: 100_000}
+                    )
+                )
             # Entered last, exited first: tasks stop before their sockets close.
             nursery = await stack.enter_async_context(trio.open_nursery())
             if router is not None:

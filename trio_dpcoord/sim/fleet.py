@@ -233,6 +233,12 @@ def engine_command(config: ClusterConfig, rank: int, addresses: Sequence[str]) -
     ]
     if config.wake_path == "frontend":
         command.append("--legacy-wake")
+    if config.prefix_cache_blocks:
+        command += [
+            f"--prefix-cache-blocks={config.prefix_cache_blocks}",
+            f"--token-budget={config.token_budget}",
+            f"--step-per-token={config.step_per_token}",
+        ]
     return command
 
 
@@ -261,6 +267,7 @@ async def open_engine_processes(
                 f"--request-address={frontend.request_address}",
                 f"--completion-address={frontend.completion_address}",
                 f"--collective-address={collective_address}",
+                *[f"--kv-events-address={a}" for a in frontend.kv_event_addresses[rank : rank + 1]],
             ],
         )
 

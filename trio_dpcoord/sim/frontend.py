@@ -42,11 +42,19 @@ from typing import Literal
 import trio
 import zmq
 
-from .. import CoordinatorView, EngineChooser, PrivateIpcDirectory, Routing, protocol
+from .. import (
+    CoordinatorView,
+    EngineChooser,
+    PrefixRouting,
+    PrivateIpcDirectory,
+    Routing,
+    protocol,
+)
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
+from .kv_events import decode_kv_event_frames
 from .timeline import Timeline
 
 __all__ = [
@@ -107,6 +115,8 @@ class SimFrontend:
         request_address: str,
         completion_address: str,
         routing: Routing = "vllm",
+        prefix: PrefixRouting | None = None,
+        kv_event_addresses: Sequence[str] = (),
     ) -> None:
         if wake_path not in WAKE_PATHS:
             raise ValueError(f"wake_path must be one of {WAKE_PATHS}, got {wake_path!r}")
@@ -115,7 +125,20 @@ class SimFrontend:
         self.wake_path: WakePath = wake_path
         self.request_address = request_address
         self.completion_address = completion_address
-        self.chooser = EngineChooser(engine_count, routing=routing)
+        self.chooser = EngineChooser(engine_count, routing=routing, prefix=prefix)
+        self.kv_event_addresses = tuple(kv_event_addresses)
+        """Per rank, where its engine publishes KV events (empty: no KV events)."""
+        self.kv_event_batches = 0
+        """KV-event batches received and fed to the engine chooser."""
+        self.prefix_requests = [0] * engine_count
+        """Per engine, the requests it looked up in its prefix cache, as its scheduler
+        stats report them (vLLM's ``prefix_cache_stats``, summed over its reports)."""
+        self.prefix_queries = [0] * engine_count
+        """Per engine, the prompt tokens it looked up (``queries``)."""
+        self.prefix_hits = [0] * engine_count
+        """Per engine, the prompt tokens it found cached (``hits``)."""
+        self.engine_tokens = [0] * engine_count
+        """Per engine, the output tokens it sent."""
         self._router = router
         self._observers = trio.lowlevel.ParkingLot()
         self._next_request = 0
@@ -180,7 +203,8 @@ class SimFrontend:
         self._observers.unpark_all()
 
     def _observe_front_wave(self, wave: int) -> None:
-        connection = getattr(self.view, "disconnects", 0)  # a remote coordinator's view
+        disconnects = getattr(self.view, "disconnects", None)  # a remote coordinator's view
+        connection = 0 if disconnects is None else disconnects()
         if wave < self.front_wave and connection != self._raised_in:
             self.wave_resets += 1
             logger.warning(
@@ -436,7 +460,15 @@ class SimFrontend:
         if status is not None:
             self._apply_status(status)
             return
-        self.tokens += sum(len(o.new_token_ids) for o in out.outputs)
+        stats = out.scheduler_stats
+        if stats is not None:
+            prefix = stats.prefix_cache_stats
+            self.prefix_requests[rank] += prefix.requests
+            self.prefix_queries[rank] += prefix.queries
+            self.prefix_hits[rank] += prefix.hits
+        tokens = sum(len(o.new_token_ids) for o in out.outputs)
+        self.tokens += tokens
+        self.engine_tokens[rank] += tokens
         if self._listeners:
             for output in out.outputs:
                 listener = self._listeners.get(output.request_id)
@@ -464,6 +496,26 @@ class SimFrontend:
             self.completed += 1
         if out.finished_requests:
             self._record_in_flight()
+
+    async def _kv_event_receiver(
+        self,
+        rank: int,
+        sub: AsyncSocket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Feed engine ``rank``'s KV-event batches to the chooser (the exact feed)."""
+        task_status.started()
+        while True:
+            frames = await sub.recv_multipart()
+            try:
+                seq, payload = decode_kv_event_frames(frames)
+            except ValueError as exc:
+                self.bad_messages += 1
+                logger.warning("front-end: bad KV-event message from engine %d: %s", rank, exc)
+                continue
+            self.kv_event_batches += 1
+            self.chooser.receive_kv_events(rank, seq, payload, now=trio.current_time())
 
     def _apply_status(self, status: messages.EngineStatus) -> None:
         rank = status.engine_index
@@ -508,10 +560,15 @@ async def open_sim_frontend(
     request_address: str | None = None,
     completion_address: str | None = None,
     routing: Routing = "vllm",
+    prefix: PrefixRouting | None = None,
+    kv_events: bool = False,
 ) -> AsyncIterator[SimFrontend]:
     """Bind the request ROUTER and completion PULL, start the receivers, yield the front-end.
 
-    ``routing`` is the engine chooser's policy (:class:`~trio_dpcoord.EngineChooser`).
+    ``routing`` and ``prefix`` are the engine chooser's policy and prefix settings
+    (:class:`~trio_dpcoord.EngineChooser`). ``kv_events``: subscribe to every engine's
+    KV events, at :attr:`SimFrontend.kv_event_addresses` (private ``ipc://`` paths the
+    engines bind, as vLLM's publisher binds ipc endpoints), and feed them to the chooser.
 
     Addresses default to ``ipc://`` paths in a private temporary directory, removed on
     exit. Engines connect to :attr:`SimFrontend.request_address` and
@@ -539,6 +596,15 @@ async def open_sim_frontend(
             )
             bound_requests = router.bind(request_address or private.address("requests"))
             bound_completions = pull.bind(completion_address or private.address("completions"))
+            kv_addresses = [
+                private.address(f"kv-events-{rank}") for rank in range(engine_count) if kv_events
+            ]
+            subs = []
+            for address in kv_addresses:
+                sub = await stack.enter_async_context(
+                    open_socket(context, zmq.SUB, connect=address, options={zmq.SUBSCRIBE: b""})
+                )
+                subs.append(sub)
             frontend = SimFrontend(
                 view,
                 engine_count,
@@ -547,10 +613,14 @@ async def open_sim_frontend(
                 request_address=bound_requests,
                 completion_address=bound_completions,
                 routing=routing,
+                prefix=prefix,
+                kv_event_addresses=kv_addresses,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(frontend._hello_receiver)
                 await nursery.start(frontend._completion_receiver, pull)
+                for rank, sub in enumerate(subs):
+                    await nursery.start(frontend._kv_event_receiver, rank, sub)
                 try:
                     yield frontend
                 finally:

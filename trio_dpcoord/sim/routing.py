@@ -13,7 +13,8 @@ Each policy is what one front-end would do, fed what it would see:
 - ``routing="prefix"``, exact feed: the same loads, and every step each rank's cache
   stores and evictions as vLLM ``EventBatch`` msgpack payloads (``BlockStored`` with
   the blocks' tokens and parent hash, ``BlockRemoved``), one batch per rank per step,
-  with a per-rank sequence number, through :meth:`EngineChooser.receive_kv_events`.
+  with a per-rank sequence number (:class:`~trio_dpcoord.sim.kv_events.EventBatchEncoder`,
+  as the simulated engines publish them), through :meth:`EngineChooser.receive_kv_events`.
   Events of requests admitted in a step arrive at the next step's report, as real
   events lag the engine's scheduler.
 
@@ -28,10 +29,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
-from trio_dpcoord import EngineChooser, PrefixRouting, Routing, block_keys
+from trio_dpcoord import EngineChooser, PrefixRouting, Routing
 from trio_dpcoord.protocol import EngineLoad
+from trio_dpcoord.sim.kv_events import EventBatchEncoder
 from trio_dpcoord.sim.prefix import DEFAULT_BLOCK_SIZE, FleetResult, RankModel, run_fleet
 from trio_dpcoord.sim.traces import Request
 
@@ -46,11 +46,6 @@ __all__ = [
     "model_loads",
     "run_policy",
 ]
-
-_HASH_MASK = (1 << 64) - 1
-"""Our block keys are unbounded ints; the stand-in for vLLM's block hash is their low
-64 bits (msgpack's widest int). The router indexes by its own hash of the tokens, so
-these only have to name blocks consistently."""
 
 
 def model_loads(fleet: list[RankModel], block_size: int) -> list[EngineLoad]:
@@ -132,8 +127,8 @@ class ChooserPolicy(Policy):
         self._loads: list[EngineLoad] = []
         self._finished_seen = [0] * ranks
         self._seq = [0] * ranks
-        self._blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        """Exact feed: block key -> (parent key, the block's tokens), for BlockStored."""
+        self._events = EventBatchEncoder(block_size)
+        """Exact feed: every prompt's blocks, for the caches' BlockStored events."""
 
     def report(self, now: float, fleet: list[RankModel]) -> None:
         chooser = self.chooser
@@ -145,67 +140,16 @@ class ChooserPolicy(Policy):
             for index, rank in enumerate(fleet):
                 changes = rank.cache.changes
                 if changes:
-                    payload = self._event_batch(now, index, changes)
+                    payload = self._events.encode(now, index, changes)
                     changes.clear()
                     chooser.receive_kv_events(index, self._seq[index], payload, now=now)
                     self._seq[index] += 1
         self._loads = model_loads(fleet, self.block_size)
 
-    def _event_batch(self, now: float, rank: int, changes: list[tuple[bool, int]]) -> bytes:
-        """vLLM's ``EventBatch`` ``[ts, events, data_parallel_rank]``: runs of chained
-        stored blocks as one ``BlockStored`` each, runs of evictions as ``BlockRemoved``."""
-        events: list[dict[str, Any]] = []
-        run: list[int] = []
-
-        def flush_stored() -> None:
-            if run:
-                parent = self._blocks[run[0]][0]
-                tokens: list[int] = []
-                for key in run:
-                    tokens.extend(self._blocks[key][1])
-                events.append(
-                    {
-                        "type": "BlockStored",
-                        "block_hashes": [key & _HASH_MASK for key in run],
-                        "parent_block_hash": None if parent is None else parent & _HASH_MASK,
-                        "token_ids": tokens,
-                        "block_size": self.block_size,
-                        "lora_id": None,
-                        "medium": "GPU",
-                    }
-                )
-                run.clear()
-
-        for stored, key in changes:
-            if stored:
-                if run and self._blocks[key][0] != run[-1]:
-                    flush_stored()
-                run.append(key)
-            else:
-                flush_stored()
-                if events and events[-1]["type"] == "BlockRemoved":
-                    events[-1]["block_hashes"].append(key & _HASH_MASK)
-                else:
-                    events.append(
-                        {
-                            "type": "BlockRemoved",
-                            "block_hashes": [key & _HASH_MASK],
-                            "medium": "GPU",
-                        }
-                    )
-        flush_stored()
-        payload: bytes = msgpack.packb([now, events, rank])
-        return payload
-
     def __call__(self, request: Request, fleet: list[RankModel]) -> int:
         tokens = request.token_ids
         if self.exact:
-            size = self.block_size
-            parent: int | None = None
-            for offset, key in enumerate(block_keys(tokens, size)):
-                if key not in self._blocks:
-                    self._blocks[key] = (parent, tokens[offset * size : (offset + 1) * size])
-                parent = key
+            self._events.remember(tokens)
         return self.chooser.choose(self._loads, tokens, now=request.arrival_s)
 
 
