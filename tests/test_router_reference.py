@@ -1,0 +1,309 @@
+"""The decision's fast paths against plain reference implementations of the same rules.
+
+The prefix index keeps its recency order in a plain dict and stores and evicts with
+C-level bulk calls; the walk counts a lone rank's run in its own index; vLLM's score is
+kept per engine instead of recomputed per choice. Each is checked here, on random
+operation sequences, against the straightforward one-item-at-a-time reading of its rule
+(an ``OrderedDict`` LRU, a per-rank prefix count, vLLM's rotated scan): same state,
+same answers, so the optimisations change no routing decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouter, PrefixRouting, engine_score
+
+# private import (documented exception): the index and the walk are compared with their
+# references state by state
+from trio_dpcoord._router import RankPrefixIndex, block_keys
+
+# --- the index: an OrderedDict LRU, one key at a time ------------------------------------
+
+
+class ReferenceIndex:
+    """One rank's index as the rule reads: every stored key moves to the most recent end
+    (deepest first), the least recent go first beyond ``capacity``, and a rank's bit is
+    in ``owners`` exactly while the key is held; with the exact feed's beliefs, the
+    reported blocks they push out wait aside and come back first in line."""
+
+    def __init__(self, capacity: int, max_age: float, bit: int, owners: dict[int, int]) -> None:
+        self.capacity, self.max_age, self.bit, self.owners = capacity, max_age, bit, owners
+        self.seen: OrderedDict[int, float] = OrderedDict()
+        self.provisional: dict[int, float] = {}
+        self.displaced: OrderedDict[int, float] = OrderedDict()
+
+    def _disown(self, key: int) -> None:
+        mask = self.owners.get(key, 0) & ~self.bit
+        if mask:
+            self.owners[key] = mask
+        else:
+            self.owners.pop(key, None)
+
+    def store(self, keys: Sequence[int], now: float) -> None:
+        for key in keys:
+            self.displaced.pop(key, None)
+        for key in reversed(keys):
+            if self.seen.pop(key, None) is None:
+                self.owners[key] = self.owners.get(key, 0) | self.bit
+            self.seen[key] = now
+        if len(self.seen) <= self.capacity:
+            return
+        while len(self.seen) > self.capacity:
+            key, last = self.seen.popitem(last=False)
+            self._disown(key)
+            if self.provisional.pop(key, None) is None and self.provisional:
+                self.displaced[key] = last
+        while len(self.displaced) > len(self.provisional):
+            self.displaced.popitem(last=False)
+
+    def remove(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            if self.seen.pop(key, None) is not None:
+                self.provisional.pop(key, None)
+                self._disown(key)
+            else:
+                self.displaced.pop(key, None)
+        while len(self.seen) < self.capacity and self.displaced:
+            key, last = self.displaced.popitem()
+            self.seen[key] = last
+            self.seen.move_to_end(key, last=False)
+            self.owners[key] = self.owners.get(key, 0) | self.bit
+
+    def clear(self) -> None:
+        for key in self.seen:
+            self._disown(key)
+        self.seen.clear()
+        self.provisional.clear()
+        self.displaced.clear()
+
+    def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
+        self.expire_provisional(now)
+        for key in keys:
+            if key in self.displaced:
+                continue
+            if key not in self.seen or key in self.provisional:
+                self.provisional.pop(key, None)
+                self.provisional[key] = until
+        self.store(keys, now)
+
+    def confirm(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            self.provisional.pop(key, None)
+
+    def expire_provisional(self, now: float) -> None:
+        due = []
+        for key, until in self.provisional.items():
+            if until > now:
+                break
+            due.append(key)
+        for key in due:
+            del self.provisional[key]
+        self.remove(due)
+
+    def expire(self, now: float) -> None:
+        while self.displaced and now - next(iter(self.displaced.values())) > self.max_age:
+            self.displaced.popitem(last=False)
+        while self.seen:
+            key, last = next(iter(self.seen.items()))
+            if now - last <= self.max_age:
+                break
+            del self.seen[key]
+            self.provisional.pop(key, None)
+            self._disown(key)
+
+    def matched_blocks(self, keys: Sequence[int], now: float) -> int:
+        self.expire(now)
+        matched = 0
+        for key in keys:
+            if key not in self.seen:
+                break
+            matched += 1
+        return matched
+
+
+RANKS = 3
+keys_st = st.lists(st.integers(0, 23), max_size=10)
+"""Keys from a small alphabet: prompts that share, extend, repeat and interleave."""
+
+
+class IndexAgainstReference(RuleBasedStateMachine):
+    """Three ranks' indexes sharing one owners map, beside their references."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: dict[int, int] = {}
+        self.ref_owners: dict[int, int] = {}
+        self.indexes = [
+            RankPrefixIndex(6, 5.0, bit=1 << r, owners=self.owners) for r in range(RANKS)
+        ]
+        self.refs = [ReferenceIndex(6, 5.0, 1 << r, self.ref_owners) for r in range(RANKS)]
+        self.now = 0.0
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st)
+    def store(self, rank: int, keys: list[int]) -> None:
+        self.indexes[rank].store(keys, self.now)
+        self.refs[rank].store(keys, self.now)
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st, age=st.floats(0, 8))
+    def store_provisionally(self, rank: int, keys: list[int], age: float) -> None:
+        self.indexes[rank].store_provisionally(keys, self.now, self.now + age)
+        self.refs[rank].store_provisionally(keys, self.now, self.now + age)
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st)
+    def confirm(self, rank: int, keys: list[int]) -> None:
+        self.indexes[rank].confirm(keys)
+        self.refs[rank].confirm(keys)
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st)
+    def remove(self, rank: int, keys: list[int]) -> None:
+        self.indexes[rank].remove(iter(keys))
+        self.refs[rank].remove(iter(keys))
+
+    @rule(rank=st.integers(0, RANKS - 1))
+    def clear(self, rank: int) -> None:
+        self.indexes[rank].clear()
+        self.refs[rank].clear()
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=keys_st, step=st.floats(0, 3))
+    def match(self, rank: int, keys: list[int], step: float) -> None:
+        self.now += step
+        ours = self.indexes[rank].matched_blocks(keys, self.now)
+        assert ours == self.refs[rank].matched_blocks(keys, self.now)
+        self.indexes[rank].expire_provisional(self.now)
+        self.refs[rank].expire_provisional(self.now)
+
+    @invariant()
+    def same_state(self) -> None:
+        assert self.owners == self.ref_owners
+        for index, ref in zip(self.indexes, self.refs, strict=True):
+            in_order = [(key, index._seen[key]) for key in index._oldest(len(index))]
+            assert in_order == list(ref.seen.items())  # the recency order included
+            assert index._seen == ref.seen
+            assert list(index._provisional.items()) == list(ref.provisional.items())
+            assert list(index._displaced.items()) == list(ref.displaced.items())
+
+
+TestIndexAgainstReference = IndexAgainstReference.TestCase
+
+
+# --- the walk: every rank's matched prefix, grouped by depth -----------------------------
+
+
+def reference_walk(router: PrefixRouter, keys: Sequence[int]) -> list[tuple[int, int]]:
+    """(depth, mask of the ranks matching exactly that many leading keys), depth > 0,
+    ascending: each rank's own prefix count, one rank at a time."""
+    masks: dict[int, int] = {}
+    for rank, index in enumerate(router.indexes):
+        depth = 0
+        for key in keys:
+            if key not in index:
+                break
+            depth += 1
+        if depth:
+            masks[depth] = masks.get(depth, 0) | 1 << rank
+    return sorted(masks.items())
+
+
+BLOCK = 2
+families = st.lists(st.integers(0, 3), min_size=1, max_size=8)
+
+
+@settings(max_examples=200)
+@given(
+    ranks=st.integers(1, 12),
+    learnt=st.lists(st.tuples(families, st.integers(0, 11)), max_size=16),
+    prompt=families,
+    capacity=st.integers(1, 8),
+)
+def test_the_walk_is_every_ranks_prefix(
+    ranks: int, learnt: list[tuple[list[int], int]], prompt: list[int], capacity: int
+) -> None:
+    routing = PrefixRouting(block_size=BLOCK, capacity_blocks=capacity, imbalance_abs=1e12)
+    router = PrefixRouter(ranks, routing)
+    for tokens, rank in learnt:
+        router.choose([t for t in tokens for _ in range(BLOCK)], [0.0] * ranks, 0.0, rank % ranks)
+    keys = block_keys([t for t in prompt for _ in range(BLOCK)], BLOCK)
+    assert router._walk(keys) == reference_walk(router, keys)
+
+
+# --- vLLM's score: the rotated scan, recomputed per choice -------------------------------
+
+
+class ReferenceVllmChooser:
+    """vLLM 0.33.0's ``get_core_engine_for_request`` as it reads: every engine's score
+    computed per choice, scanned in rotated order, the first strictly lowest wins."""
+
+    def __init__(self, count: int, client_index: int, client_count: int) -> None:
+        self.client_count = client_count
+        self.inflight = [0] * count
+        self.start = (count * client_index) // client_count
+        self.table: tuple[EngineLoad, ...] = ()
+        self.local: list[EngineLoad] = []
+
+    def choose(self, loads: Sequence[EngineLoad]) -> int:
+        count = len(loads)
+        if count != len(self.inflight):
+            extra = count - len(self.inflight)
+            if extra > 0:
+                self.inflight.extend([0] * extra)
+            else:
+                del self.inflight[count:]
+            self.start %= count
+        if tuple(loads) != self.table:
+            self.table = tuple(loads)
+            self.local = list(loads)
+        best, best_score = -1, math.inf
+        for offset in range(count):
+            index = (self.start + offset) % count
+            score = engine_score(self.local[index], self.inflight[index], self.client_count)
+            if score < best_score:
+                best, best_score = index, score
+        chosen = self.local[best]
+        self.local[best] = chosen._replace(waiting=chosen.waiting + self.client_count)
+        self.inflight[best] += 1
+        self.start = (self.start + 1) % count
+        return best
+
+    def finished(self, index: int) -> None:
+        if 0 <= index < len(self.inflight) and self.inflight[index] > 0:
+            self.inflight[index] -= 1
+
+
+usages = st.sampled_from([0.0, 0.3, 0.6, 1.0, math.inf, math.nan])
+load_st = st.builds(EngineLoad, st.integers(0, 3), st.integers(0, 3), usages)
+step_st = st.one_of(
+    st.tuples(st.just("choose"), st.integers(0, 2)),  # which table (0: the previous one)
+    st.tuples(st.just("finished"), st.integers(-1, 7)),
+)
+
+
+@settings(max_examples=300)
+@given(
+    tables=st.lists(st.lists(load_st, min_size=1, max_size=6), min_size=1, max_size=3),
+    clients=st.integers(1, 3).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n))),
+    steps=st.lists(step_st, max_size=40),
+)
+def test_the_vllm_choice_is_the_rotated_scan(
+    tables: list[list[EngineLoad]], clients: tuple[int, int], steps: list[tuple[str, int]]
+) -> None:
+    client_index, client_count = clients
+    count = len(tables[0])
+    ours = EngineChooser(count, client_index=client_index, client_count=client_count)
+    ref = ReferenceVllmChooser(count, client_index, client_count)
+    table = tables[0]
+    for op, arg in steps:
+        if op == "choose":
+            if arg:
+                table = list(tables[arg % len(tables)])  # a new report (maybe a resize)
+            assert ours.choose(table) == ref.choose(table)
+        else:
+            ours.finished(arg)
+            ref.finished(arg)
+        assert list(ours.inflight) == ref.inflight
