@@ -216,15 +216,15 @@ def measure_prefill_sweep(
 
 
 GUARD_SETTINGS: tuple[tuple[float, float], ...] = (
-    (math.inf, 2.0),
+    (math.inf, 3.0),
     (32768.0, 2.0),
-    (8192.0, 2.0),
+    (8192.0, 3.0),
+    (4096.0, 3.0),
     (4096.0, 2.0),
-    (4096.0, 1.5),
     (2048.0, 1.5),
 )
 """The guard sweep's (``imbalance_abs``, ``imbalance_rel``): never, SGLang's 32,768
-tokens, and tighter down to 2,048 tokens and 1.5x. The default is 4,096 and 2x."""
+tokens and 2x, and tighter down to 2,048 tokens and 1.5x. The default is 4,096 and 3x."""
 GUARD_SWEEP_TRACES = ("multi-turn", "shared docs")
 """With no reuse every policy is the least loaded one, whatever the guard."""
 

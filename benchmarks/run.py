@@ -1176,26 +1176,44 @@ class Runner:
             section = f"10 routing sweep N={rt.SWEEP_RANKS} b={per_token_us:g}us/token"
             share = rt.mean([f.prefill_share for f in entry["vllm"]]) * 100
             for policy in ("approximate", "exact"):
-                label = rt.POLICY_LABELS[policy]
-                for figure, attr, unit, scale in (
-                    ("hit rate", "hit_rate", "%", 100.0),
-                    ("throughput", "throughput", "tok/s", 1.0),
-                    ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
-                    ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
-                ):
-                    self.rows.append(
-                        Row(
-                            section,
-                            f"{entry['trace']}: {label}, {figure}",
-                            rt.mean([getattr(f, attr) * scale for f in entry[policy]]),
-                            unit,
-                            rt.mean([getattr(f, attr) * scale for f in entry["vllm"]]),
-                            base_label,
-                            "",
-                            None,
-                            note=f"prompt tokens {share:.0f}% of step time under vLLM's score",
-                        )
-                    )
+                self._figure_rows(
+                    rt,
+                    section,
+                    f"{entry['trace']}: {rt.POLICY_LABELS[policy]}",
+                    entry[policy],
+                    entry["vllm"],
+                    base_label,
+                    _SWEEP_FIGURES,
+                    f"prompt tokens {share:.0f}% of step time under vLLM's score",
+                )
+
+    def _figure_rows(
+        self,
+        rt: Any,
+        section: str,
+        label: str,
+        ours: list[Any],
+        base: list[Any],
+        base_label: str,
+        figures: tuple[tuple[str, str, str, float], ...],
+        note: str,
+    ) -> None:
+        """One row per figure: ours and the baseline's means over the seeds
+        (``figures``: name, ``PolicyFigures`` attribute, unit, scale)."""
+        for figure, attr, unit, scale in figures:
+            self.rows.append(
+                Row(
+                    section,
+                    f"{label}, {figure}",
+                    rt.mean([getattr(f, attr) * scale for f in ours]),
+                    unit,
+                    rt.mean([getattr(f, attr) * scale for f in base]),
+                    base_label,
+                    "",
+                    None,
+                    note=note,
+                )
+            )
 
     def _routing_guard_sweep(self, rt: Any, sizes: Any, base_label: str) -> None:
         """Ours (approximate) under each guard setting (benchmarks/_routing.py
@@ -1209,24 +1227,25 @@ class Runner:
             section = f"10 routing guard N={entry['ranks']}"
             setting = f"abs {entry['imbalance_abs']:g} rel {entry['imbalance_rel']:g}"
             fallbacks = rt.mean([float(f.guard_fallbacks) for f in entry["ours"]])
-            for figure, attr, unit, scale in (
-                ("throughput", "throughput", "tok/s", 1.0),
-                ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
-                ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
-            ):
-                self.rows.append(
-                    Row(
-                        section,
-                        f"{entry['trace']}: ours approximate, {setting}, {figure}",
-                        rt.mean([getattr(f, attr) * scale for f in entry["ours"]]),
-                        unit,
-                        rt.mean([getattr(f, attr) * scale for f in entry["vllm"]]),
-                        base_label,
-                        "",
-                        None,
-                        note=f"guard fallbacks {fallbacks:.0f}/run",
-                    )
-                )
+            self._figure_rows(
+                rt,
+                section,
+                f"{entry['trace']}: ours approximate, {setting}",
+                entry["ours"],
+                entry["vllm"],
+                base_label,
+                _SWEEP_FIGURES[1:],
+                f"guard fallbacks {fallbacks:.0f}/run",
+            )
+
+
+_SWEEP_FIGURES = (
+    ("hit rate", "hit_rate", "%", 100.0),
+    ("throughput", "throughput", "tok/s", 1.0),
+    ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+    ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+)
+"""The sweeps' figures (name, ``PolicyFigures`` attribute, unit, scale)."""
 
 
 def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
