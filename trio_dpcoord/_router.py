@@ -438,13 +438,15 @@ class PrefixRouting:
     work exceeds the idlest's by more than ``imbalance_abs`` *and* by a factor of more
     than ``imbalance_rel``, the loads are imbalanced beyond what affinity may cost and
     the guard sends the request to the least loaded rank (SGLang's cache-aware router
-    has the same two thresholds, in requests). The defaults, 4,096 tokens and 3x, come
-    from sweeps on the lock-step model and the process fleet (``benchmarks/README.md``,
-    the routing section): a guard that never fires (SGLang's 32,768) left most of 64
-    ranks idle behind the holders of a few shared documents (2.3x vLLM's throughput
-    instead of 4.8x); a tighter one (2x, 1.5x, or 3,072 tokens) broke up conversations
-    for nothing (multi-turn up to 15 % slower, and on the fleet, whose loads are a
-    step old, 5 points of hit rate). ``feed``: ``"approximate"`` takes every
+    has the same two thresholds, in requests). The defaults, 4,096 tokens and 3x, lose
+    least in the worst case of sweeps on the lock-step model and the process fleet
+    (``benchmarks/README.md``, the routing section); no setting is best everywhere. With
+    caches of two documents a rank, a guard that never fires (SGLang's 32,768) left most
+    of 64 ranks idle behind the holders of a few shared documents (2.3x vLLM's
+    throughput, against 4.8x); with caches twice as large the default costs a fifth
+    there instead (7.3x against 9.0x); a tighter guard (2x, 1.5x, or 3,072 tokens)
+    broke up conversations for nothing (multi-turn up to 15 % slower, and on the
+    fleet, whose load reports lag, 4 points of hit rate). ``feed``: ``"approximate"`` takes every
     routed prompt as cached on its rank; ``"exact"`` learns from the engines' KV
     events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`), and takes a routed
     prompt's new blocks as cached *provisionally*, for ``provisional_age`` seconds
