@@ -162,8 +162,11 @@ class EngineFleet:
             pid,
             len(ranks),
         )
+        # Every other rank of this group retires, those already dead too: a rank whose
+        # own collective timed out at the same moment must not restart the group again
+        # (two restarts at once start two rank 0s, and one dies on the taken address).
         pids = set(self.report.engine_pids)
-        others = [p for p in self.processes if p.returncode is None and p.pid in pids]
+        others = [p for p in self.processes if p.pid in pids and p.pid != pid]
         self._retiring.update(others)
         await reap(others, grace=0.0)
         for other in ranks:
