@@ -18,6 +18,7 @@ from trio_dpcoord import (
     PrefixRouting,
     Routing,
     block_keys,
+    decode_kv_event_frames,
     open_coordinator,
     protocol,
 )
@@ -25,7 +26,6 @@ from trio_dpcoord._router import BlockRemoved, BlockStored, decode_event_batch
 from trio_dpcoord.protocol import IDLE_LOAD, PrefixCacheStats, SchedulerStats
 from trio_dpcoord.sim import ClusterConfig, LoadPlan, SimEngine, open_sim_frontend, run_cluster
 from trio_dpcoord.sim.engine import run_sim_engine
-from trio_dpcoord.sim.kv_events import decode_kv_event_frames
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 BLOCK = 16

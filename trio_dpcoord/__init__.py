@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from ._router import RouteDecision as RouteDecision
     from ._router import RouterCounters as RouterCounters
     from ._router import block_keys as block_keys
+    from ._router import decode_kv_event_frames as decode_kv_event_frames
     from ._service import Coordinator as Coordinator
     from ._service import open_coordinator as open_coordinator
     from ._state import WaveSnapshot as WaveSnapshot
@@ -101,6 +102,7 @@ __all__ = [
     "WaveStartCause",
     "block_keys",
     "cancel_at_stdin_eof",
+    "decode_kv_event_frames",
     "engine_score",
     "open_connection_monitor",
     "open_coordinator",
@@ -150,6 +152,7 @@ _EXPORTS: dict[str, str] = {
     "WaveStart": "._state",
     "WaveStartCause": "._core",
     "block_keys": "._router",
+    "decode_kv_event_frames": "._router",
     "cancel_at_stdin_eof": "._tasks",
     "engine_score": "._balance",
     "open_connection_monitor": "._monitor",

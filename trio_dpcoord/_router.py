@@ -42,6 +42,7 @@ __all__ = [
     "RouterCounters",
     "block_keys",
     "decode_event_batch",
+    "decode_kv_event_frames",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -366,6 +367,17 @@ class EventBatch:
 
 def _hash_ok(value: object) -> bool:
     return isinstance(value, (int, bytes)) and not isinstance(value, bool)
+
+
+def decode_kv_event_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """``(seq, payload)`` of one message of vLLM's ``ZmqEventPublisher`` (``topic``,
+    ``seq`` as 8 bytes big-endian, the ``EventBatch``); :class:`KVEventError` if it is
+    not three frames with an 8-byte sequence number."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise KVEventError(
+            f"a KV-event message is (topic, 8-byte seq, payload); got {len(frames)} frames"
+        )
+    return int.from_bytes(frames[1], "big"), frames[2]
 
 
 def decode_event_batch(payload: bytes) -> EventBatch:

@@ -49,7 +49,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._router import PrefixRouter, PrefixRouting, block_keys
+from ._router import (
+    KVEventError,
+    PrefixRouter,
+    PrefixRouting,
+    block_keys,
+    decode_kv_event_frames,
+)
 
 __all__ = ["ROUTING_VARIABLE", "choose_engine", "install", "routing_setting", "routing_state"]
 
@@ -435,7 +441,9 @@ class _KVEventFollower:
 
     def _receive(self, engine_index: int, frames: list[bytes]) -> None:
         self._applied += 1
-        if len(frames) != 3 or len(frames[1]) != 8:
+        try:
+            seq, payload = decode_kv_event_frames(frames)
+        except KVEventError:
             self._state.router.counters.rejected_event_batches += 1
             logger.warning(
                 "KV events of engine %d: %d frames, not (topic, seq, batch); ignored",
@@ -444,9 +452,7 @@ class _KVEventFollower:
             )
         else:
             try:
-                self._state.receive_kv_events(
-                    engine_index, int.from_bytes(frames[1], "big"), frames[2]
-                )
+                self._state.receive_kv_events(engine_index, seq, payload)
             except Exception:  # a batch the router could not apply: not worth the task
                 self._state.router.counters.rejected_event_batches += 1
                 logger.exception("KV event batch of engine %d could not be applied", engine_index)

@@ -48,13 +48,13 @@ from .. import (
     PrefixRouting,
     PrivateIpcDirectory,
     Routing,
+    decode_kv_event_frames,
     protocol,
 )
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
-from .kv_events import decode_kv_event_frames
 from .timeline import Timeline
 
 __all__ = [

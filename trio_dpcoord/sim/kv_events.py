@@ -6,7 +6,8 @@ What a vLLM engine run with ``--kv-events-config`` publishes (0.33.0,
 ``[ts, events, data_parallel_rank]`` whose events are maps tagged by ``"type"``:
 ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``,
 ``lora_id``, ``medium``), ``BlockRemoved`` (``block_hashes``, ``medium``) and
-``AllBlocksCleared``. :func:`trio_dpcoord.decode_event_batch` reads them back.
+``AllBlocksCleared``. :func:`trio_dpcoord.decode_kv_event_frames` and the router's
+``decode_event_batch`` read them back.
 
 :class:`EventBatchEncoder` turns a :class:`~trio_dpcoord.sim.prefix.RankCache` change log
 into such payloads; the lock-step model's exact-feed policy (:mod:`.routing`) and the
@@ -26,7 +27,6 @@ from trio_dpcoord import block_keys
 __all__ = [
     "DEFAULT_TOPIC",
     "EventBatchEncoder",
-    "decode_kv_event_frames",
     "kv_event_frames",
 ]
 
@@ -44,14 +44,6 @@ these only have to name blocks consistently."""
 def kv_event_frames(seq: int, payload: bytes, topic: bytes = DEFAULT_TOPIC) -> list[bytes]:
     """The PUB message of one batch, as vLLM's ``ZmqEventPublisher`` sends it."""
     return [topic, seq.to_bytes(8, "big"), payload]
-
-
-def decode_kv_event_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
-    """``(seq, payload)`` of one PUB message; ``ValueError`` if it is not three frames
-    with an 8-byte sequence number."""
-    if len(frames) != 3 or len(frames[1]) != 8:
-        raise ValueError(f"a KV-event message is (topic, 8-byte seq, payload); got {len(frames)}")
-    return int.from_bytes(frames[1], "big"), frames[2]
 
 
 class EventBatchEncoder:
