@@ -41,8 +41,8 @@ from benchmarks._util import (
     with_death_signal,
 )
 from benchmarks._wake import WakeProbe
-from trio_dpcoord import CoordinatorCore, PrivateIpcDirectory, open_coordinator, protocol
-from trio_dpcoord.core import Publish
+from trio_dpcoord import PrivateIpcDirectory, open_coordinator, protocol
+from trio_dpcoord.core import CoordinatorCore, Publish
 from trio_dpcoord.testing import connect_engines, serve_command
 
 COORDINATOR_KINDS = ("inproc", "standalone")

@@ -65,10 +65,10 @@ from trio_dpcoord import (
     EngineClient,
     EngineClientError,
     SamplingParams,
-    cancel_at_stdin_eof,
     open_coordinator,
     open_engine_client,
 )
+from trio_dpcoord.cli import cancel_at_stdin_eof
 from trio_dpcoord.metrics import CoordinatorCollector
 from trio_dpcoord.sim import (
     ClusterConfig,

@@ -7,10 +7,11 @@ import logging
 
 import pytest
 
+from trio_dpcoord.core import CoordinatorCore
+
 # private import (documented exception): unit test of _backlog's backlog rule, which the
 # core uses internally
-from trio_dpcoord._backlog import BacklogNews, IngestBacklog
-from trio_dpcoord.core import CoordinatorCore
+from trio_dpcoord.core._backlog import BacklogNews, IngestBacklog
 
 
 def test_keeping_up_says_nothing_and_reads_zero() -> None:
@@ -53,7 +54,7 @@ def test_the_core_logs_the_backlog_and_shows_it_in_its_counters(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     core = CoordinatorCore(2)
-    caplog.set_level(logging.INFO, logger="trio_dpcoord._core")
+    caplog.set_level(logging.INFO, logger="trio_dpcoord.core._coordinator")
     for tick in range(20):
         core.engine_output_batch_read(drained=False, now=tick * 0.25)
     assert core.counters().engine_output_backlog == 4.75

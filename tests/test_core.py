@@ -681,7 +681,7 @@ def test_an_expected_shutdown_is_told_at_info_and_a_mass_rejoin_is_summed_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     core, _ = open_core(20)
-    caplog.set_level(logging.DEBUG, logger="trio_dpcoord._core")
+    caplog.set_level(logging.DEBUG, logger="trio_dpcoord.core._coordinator")
 
     def lines(level: int) -> list[str]:
         found = [r.getMessage() for r in caplog.records if r.levelno == level]

@@ -7,17 +7,21 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-# private import (documented exception): unit test of the engine client's sans-IO
-# state (handshake, request table, silence watch); the codecs are in trio_dpcoord.engine_protocol
-from trio_dpcoord._engine_protocol import (
-    ENGINE_CORE_DEAD,
-    EngineDead,
-    EngineHandshakeError,
+from trio_dpcoord.core._engine_client import (
     HandshakeState,
     RequestState,
     RequestTable,
-    SamplingParams,
     SilenceWatch,
+)
+
+# private import (documented exception): unit test of the engine client's sans-IO
+# state (handshake, request table, silence watch); the codecs are in trio_dpcoord.engine_protocol
+from trio_dpcoord.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineDead,
+    EngineHandshakeError,
+    ProtocolError,
+    SamplingParams,
     UtilityResult,
     decode_engine_frames,
     decode_utility_output,
@@ -27,7 +31,6 @@ from trio_dpcoord._engine_protocol import (
     engine_identity,
     rank_of_identity,
 )
-from trio_dpcoord.protocol import ProtocolError
 
 METADATA = {"addresses": {"inputs": ["tcp://127.0.0.1:1"]}, "parallel_config": {}}
 

@@ -19,11 +19,11 @@ from trio_dpcoord import (
     EngineLoad,
     Frontend,
     WaveSnapshot,
-    engine_score,
     open_coordinator,
     open_frontend,
     protocol,
 )
+from trio_dpcoord.routing import vllm_score
 from trio_dpcoord.testing import (
     EnginePeer,
     connect_engines,
@@ -111,7 +111,9 @@ async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_afte
             await engines[2].stats(0, 3, 0.0, wave=0, step=1)
             loads = (EngineLoad(4, 4, 0.0), EngineLoad(0, 1, 0.0), EngineLoad(0, 3, 0.0))
             await frontend.wait_for(lambda f: f.engine_loads() == loads)
-            assert [engine_score(load, 0, 1) for load in loads] == [8.0, 1.0, 3.0]
+            assert [
+                vllm_score(ld.waiting, ld.running, ld.kv_cache_usage, 0, 1) for ld in loads
+            ] == [8.0, 1.0, 3.0]
             assert frontend.choose_engine() == 1  # lowest score
             assert frontend.choose_engine() == 1  # (1+1 waiting) + 1 running = 2 < 3
             # engine 1 now scores 3 like engine 2; the scan start has moved past 1

@@ -19,7 +19,8 @@ import pytest
 import trio
 import zmq
 
-from trio_dpcoord import Coordinator, CoordinatorCore, Liveness, open_coordinator
+from trio_dpcoord import Coordinator, Liveness, open_coordinator
+from trio_dpcoord.core import CoordinatorCore
 
 GUARD = 60.0
 

@@ -35,7 +35,7 @@ def test_every_public_name_resolves_to_its_module_object() -> None:
             continue
         assert value.__module__.startswith("trio_dpcoord"), name
     # private import (documented exception): the lazy export is the private object itself
-    from trio_dpcoord._service import open_coordinator
+    from trio_dpcoord._shell.coordinator import open_coordinator
 
     assert trio_dpcoord.open_coordinator is open_coordinator
     assert set(trio_dpcoord.__all__) <= set(dir(trio_dpcoord))

@@ -10,11 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouter, PrefixRouting
+from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
 
 # private import (documented exception): unit test of the router's own pieces (the rank
 # index, KV-event decoding, block keys)
-from trio_dpcoord._router import KVEventError, RankPrefixIndex, block_keys, decode_event_batch
+from trio_dpcoord.protocol import KVEventError, decode_event_batch
+from trio_dpcoord.routing import PrefixRouter
+from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
 
 
 def stored_event(

@@ -18,11 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouter, PrefixRouting, engine_score
+from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
+from trio_dpcoord.routing import PrefixRouter, vllm_score
 
 # private import (documented exception): the index and the walk are compared with their
 # references state by state
-from trio_dpcoord._router import RankPrefixIndex, block_keys
+from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 
@@ -262,7 +263,14 @@ class ReferenceVllmChooser:
         best, best_score = -1, math.inf
         for offset in range(count):
             index = (self.start + offset) % count
-            score = engine_score(self.local[index], self.inflight[index], self.client_count)
+            local = self.local[index]
+            score = vllm_score(
+                local.waiting,
+                local.running,
+                local.kv_cache_usage,
+                self.inflight[index],
+                self.client_count,
+            )
             if score < best_score:
                 best, best_score = index, score
         chosen = self.local[best]

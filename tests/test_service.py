@@ -25,7 +25,7 @@ from trio_dpcoord import (
 
 # private import (documented exception): the publish-order test drives the service's own
 # pumps (the shell, not the core), so that its race is deterministic
-from trio_dpcoord._service import _Pumps
+from trio_dpcoord._shell.coordinator import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.testing import (
     connect_engines,

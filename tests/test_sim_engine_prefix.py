@@ -13,17 +13,17 @@ import trio
 import zmq
 
 from tests.test_sim import engine_config
-from trio_dpcoord import (
-    EngineChooser,
-    PrefixRouting,
-    Routing,
-    block_keys,
+from trio_dpcoord import EngineChooser, PrefixRouting, Routing, open_coordinator, protocol
+from trio_dpcoord.protocol import (
+    IDLE_LOAD,
+    BlockRemoved,
+    BlockStored,
+    PrefixCacheStats,
+    SchedulerStats,
+    decode_event_batch,
     decode_kv_event_frames,
-    open_coordinator,
-    protocol,
 )
-from trio_dpcoord._router import BlockRemoved, BlockStored, decode_event_batch
-from trio_dpcoord.protocol import IDLE_LOAD, PrefixCacheStats, SchedulerStats
+from trio_dpcoord.routing import block_keys
 from trio_dpcoord.sim import ClusterConfig, LoadPlan, SimEngine, open_sim_frontend, run_cluster
 from trio_dpcoord.sim.engine import run_sim_engine
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket

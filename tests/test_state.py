@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from trio_dpcoord.core import FirstRequest, WaveSnapshot, WaveStart, WaveState
+
 # private import (documented exception): unit test of _state's own pieces (the load
 # table, the publish schedule), which the core keeps behind its public reads
-from trio_dpcoord._state import LoadTable, PublishSchedule, StatsOutcome
-from trio_dpcoord.core import FirstRequest, WaveSnapshot, WaveStart, WaveState
+from trio_dpcoord.core._wave import LoadTable, PublishSchedule, StatsOutcome
 from trio_dpcoord.protocol import EngineLoad, StatsReport
 
 # --- the two cases of vLLM PR #46833, stated literally -----------------------------------

@@ -10,7 +10,8 @@ import pytest
 
 # private import (documented exception): unit tests of _vllm_routing's rules, which the
 # vLLM plugin applies inside vLLM's client
-from trio_dpcoord._vllm_routing import routing_setting, subscribe_endpoint, vllm_score
+from trio_dpcoord.routing import vllm_score
+from trio_dpcoord.vllm._routing import routing_setting, subscribe_endpoint
 
 
 @pytest.mark.parametrize(

@@ -1,36 +1,33 @@
 """trio_dpcoord: a trio-native data-parallel wave coordinator for vLLM-style DP engines.
 
-Embed it in a trio front-end with :func:`open_coordinator`, or run it standalone with
-``python -m trio_dpcoord serve`` and follow it from trio front-ends with
-:func:`open_frontend`. The wire codec lives in :mod:`trio_dpcoord.protocol`; the sans-IO
-core's whole vocabulary (its commands, effects and views, beside :class:`CoordinatorCore`)
-in :mod:`trio_dpcoord.core`. Front-ends choose engines with :class:`EngineChooser`:
-vLLM's score by default, or ``routing="prefix"`` (:class:`PrefixRouting`).
+What a trio application uses is here: the entry points (:func:`open_coordinator`,
+:func:`open_frontend`, :func:`open_engine_client`, :func:`open_connection_monitor`), the
+handles they give, their settings, values and errors. The layers below have their own
+fronts: the wire in :mod:`trio_dpcoord.protocol`, the sans-IO rooms (the coordinator's
+core, the wave state, a front-end's and the engine client's state) in
+:mod:`trio_dpcoord.core`, engine choice in :mod:`trio_dpcoord.routing`.
+
+=========================  ===============================================================
+package / module           owns
+=========================  ===============================================================
+``protocol``               bytes only: every message of vLLM's DP and engine-core protocols
+``core``                   sans-IO rules: waves, loads, publish timing, client state
+``routing``                sans-IO engine choice: vLLM's score, the prefix policy
+``trio_zmq``               the small trio shim over pyzmq
+``_shell``                 the trio tasks and handles around the sans-IO rooms (private)
+``vllm``, ``cli``,         integrations: vLLM's plugin, ``trio-dpcoord serve``,
+``metrics``, ``testing``   Prometheus metrics, test peers
+``sim``                    a simulated vLLM DP fleet built on the public names
+=========================  ===============================================================
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from ._balance import EngineChooser as EngineChooser
-    from ._balance import Routing as Routing
-    from ._balance import engine_score as engine_score
-    from ._core import CoordinatorCore as CoordinatorCore
-    from ._core import CoordinatorCounters as CoordinatorCounters
-    from ._core import HistogramSnapshot as HistogramSnapshot
-    from ._core import SubscriptionView as SubscriptionView
-    from ._core import WaveStartCause as WaveStartCause
-    from ._endpoints import Liveness as Liveness
-    from ._endpoints import PrivateIpcDirectory as PrivateIpcDirectory
-    from ._engine_client import Completion as Completion
-    from ._engine_client import EngineClient as EngineClient
-    from ._engine_client import EngineClientStatistics as EngineClientStatistics
-    from ._engine_client import RequestOutput as RequestOutput
-    from ._engine_client import RequestStream as RequestStream
-    from ._engine_client import open_engine_client as open_engine_client
-    from ._engine_protocol import SamplingParams as SamplingParams
     from ._errors import CoordinatorClosedError as CoordinatorClosedError
     from ._errors import CoordinatorError as CoordinatorError
     from ._errors import EngineClientClosedError as EngineClientClosedError
@@ -40,25 +37,34 @@ if TYPE_CHECKING:
     from ._errors import ReadyTimeoutError as ReadyTimeoutError
     from ._errors import RequestAbortedError as RequestAbortedError
     from ._errors import UtilityCallError as UtilityCallError
-    from ._frontend import Frontend as Frontend
-    from ._frontend import open_frontend as open_frontend
-    from ._frontend_state import FrontendState as FrontendState
-    from ._monitor import ConnectionMonitor as ConnectionMonitor
-    from ._monitor import open_connection_monitor as open_connection_monitor
-    from ._router import PrefixRouter as PrefixRouter
-    from ._router import PrefixRouting as PrefixRouting
-    from ._router import RouteDecision as RouteDecision
-    from ._router import RouterCounters as RouterCounters
-    from ._router import block_keys as block_keys
-    from ._router import decode_kv_event_frames as decode_kv_event_frames
-    from ._service import Coordinator as Coordinator
-    from ._service import open_coordinator as open_coordinator
-    from ._state import WaveSnapshot as WaveSnapshot
-    from ._state import WaveStart as WaveStart
-    from ._tasks import cancel_at_stdin_eof as cancel_at_stdin_eof
-    from ._view import CoordinatorView as CoordinatorView
+    from ._shell.coordinator import Coordinator as Coordinator
+    from ._shell.coordinator import open_coordinator as open_coordinator
+    from ._shell.endpoints import Liveness as Liveness
+    from ._shell.endpoints import PrivateIpcDirectory as PrivateIpcDirectory
+    from ._shell.engine_client import Completion as Completion
+    from ._shell.engine_client import EngineClient as EngineClient
+    from ._shell.engine_client import EngineClientStatistics as EngineClientStatistics
+    from ._shell.engine_client import RequestOutput as RequestOutput
+    from ._shell.engine_client import RequestStream as RequestStream
+    from ._shell.engine_client import open_engine_client as open_engine_client
+    from ._shell.frontend import Frontend as Frontend
+    from ._shell.frontend import open_frontend as open_frontend
+    from ._shell.monitor import ConnectionMonitor as ConnectionMonitor
+    from ._shell.monitor import open_connection_monitor as open_connection_monitor
+    from ._shell.view import CoordinatorView as CoordinatorView
+    from .core._coordinator import CoordinatorCounters as CoordinatorCounters
+    from .core._coordinator import HistogramSnapshot as HistogramSnapshot
+    from .core._coordinator import SubscriptionView as SubscriptionView
+    from .core._coordinator import WaveStartCause as WaveStartCause
+    from .core._wave import WaveSnapshot as WaveSnapshot
     from .protocol import EngineLoad as EngineLoad
     from .protocol import ProtocolError as ProtocolError
+    from .protocol import SamplingParams as SamplingParams
+    from .routing._chooser import EngineChooser as EngineChooser
+    from .routing._chooser import Routing as Routing
+    from .routing._prefix_router import PrefixRouting as PrefixRouting
+    from .routing._prefix_router import RouteDecision as RouteDecision
+    from .routing._prefix_router import RouterCounters as RouterCounters
 
 __version__ = "0.1.0"
 
@@ -67,7 +73,6 @@ __all__ = [
     "ConnectionMonitor",
     "Coordinator",
     "CoordinatorClosedError",
-    "CoordinatorCore",
     "CoordinatorCounters",
     "CoordinatorError",
     "CoordinatorView",
@@ -80,10 +85,8 @@ __all__ = [
     "EngineLoad",
     "EngineStartupError",
     "Frontend",
-    "FrontendState",
     "HistogramSnapshot",
     "Liveness",
-    "PrefixRouter",
     "PrefixRouting",
     "PrivateIpcDirectory",
     "ProtocolError",
@@ -98,67 +101,51 @@ __all__ = [
     "SubscriptionView",
     "UtilityCallError",
     "WaveSnapshot",
-    "WaveStart",
     "WaveStartCause",
-    "block_keys",
-    "cancel_at_stdin_eof",
-    "decode_kv_event_frames",
-    "engine_score",
     "open_connection_monitor",
     "open_coordinator",
     "open_engine_client",
     "open_frontend",
 ]
 
-# Names are imported on first use (PEP 562), so that importing a submodule on its own, as
-# vLLM does with the plugin in every one of its processes, costs only that submodule: not
-# trio, pyzmq and the whole service. ``from trio_dpcoord import X`` works as usual.
 _EXPORTS: dict[str, str] = {
-    "Completion": "._engine_client",
-    "ConnectionMonitor": "._monitor",
-    "Coordinator": "._service",
+    "Completion": "._shell.engine_client",
+    "ConnectionMonitor": "._shell.monitor",
+    "Coordinator": "._shell.coordinator",
     "CoordinatorClosedError": "._errors",
-    "CoordinatorCore": "._core",
-    "CoordinatorCounters": "._core",
+    "CoordinatorCounters": ".core._coordinator",
     "CoordinatorError": "._errors",
-    "CoordinatorView": "._view",
-    "EngineChooser": "._balance",
-    "EngineClient": "._engine_client",
+    "CoordinatorView": "._shell.view",
+    "EngineChooser": ".routing._chooser",
+    "EngineClient": "._shell.engine_client",
     "EngineClientClosedError": "._errors",
     "EngineClientError": "._errors",
-    "EngineClientStatistics": "._engine_client",
+    "EngineClientStatistics": "._shell.engine_client",
     "EngineDeadError": "._errors",
     "EngineLoad": ".protocol",
     "EngineStartupError": "._errors",
-    "Frontend": "._frontend",
-    "FrontendState": "._frontend_state",
-    "HistogramSnapshot": "._core",
-    "Liveness": "._endpoints",
-    "PrefixRouter": "._router",
-    "PrefixRouting": "._router",
-    "PrivateIpcDirectory": "._endpoints",
+    "Frontend": "._shell.frontend",
+    "HistogramSnapshot": ".core._coordinator",
+    "Liveness": "._shell.endpoints",
+    "PrefixRouting": ".routing._prefix_router",
+    "PrivateIpcDirectory": "._shell.endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
     "RequestAbortedError": "._errors",
-    "RequestOutput": "._engine_client",
-    "RequestStream": "._engine_client",
-    "RouteDecision": "._router",
-    "Routing": "._balance",
-    "RouterCounters": "._router",
-    "SamplingParams": "._engine_protocol",
-    "SubscriptionView": "._core",
+    "RequestOutput": "._shell.engine_client",
+    "RequestStream": "._shell.engine_client",
+    "RouteDecision": ".routing._prefix_router",
+    "RouterCounters": ".routing._prefix_router",
+    "Routing": ".routing._chooser",
+    "SamplingParams": ".protocol",
+    "SubscriptionView": ".core._coordinator",
     "UtilityCallError": "._errors",
-    "WaveSnapshot": "._state",
-    "WaveStart": "._state",
-    "WaveStartCause": "._core",
-    "block_keys": "._router",
-    "decode_kv_event_frames": "._router",
-    "cancel_at_stdin_eof": "._tasks",
-    "engine_score": "._balance",
-    "open_connection_monitor": "._monitor",
-    "open_coordinator": "._service",
-    "open_engine_client": "._engine_client",
-    "open_frontend": "._frontend",
+    "WaveSnapshot": ".core._wave",
+    "WaveStartCause": ".core._coordinator",
+    "open_connection_monitor": "._shell.monitor",
+    "open_coordinator": "._shell.coordinator",
+    "open_engine_client": "._shell.engine_client",
+    "open_frontend": "._shell.frontend",
 }
 
 _SUBMODULES = frozenset(
@@ -168,6 +155,7 @@ _SUBMODULES = frozenset(
         "engine_protocol",
         "metrics",
         "protocol",
+        "routing",
         "sim",
         "testing",
         "trio_zmq",
@@ -175,19 +163,17 @@ _SUBMODULES = frozenset(
     }
 )
 
+# Names this package exported before the layers had folders of their own: they still
+# work, with a DeprecationWarning naming their home.
+_MOVED: dict[str, str] = {
+    "CoordinatorCore": "trio_dpcoord.core",
+    "FrontendState": "trio_dpcoord.core",
+    "WaveStart": "trio_dpcoord.core",
+    "PrefixRouter": "trio_dpcoord.routing",
+    "block_keys": "trio_dpcoord.routing",
+    "decode_kv_event_frames": "trio_dpcoord.protocol",
+    "cancel_at_stdin_eof": "trio_dpcoord.cli",
+}
 
 if not TYPE_CHECKING:  # for type checkers, the imports above are the package
-
-    def __getattr__(name: str) -> Any:
-        module = _EXPORTS.get(name)
-        if module is not None:
-            value = getattr(importlib.import_module(module, __name__), name)
-        elif name in _SUBMODULES:
-            value = importlib.import_module(f".{name}", __name__)
-        else:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        globals()[name] = value
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted({*globals(), *__all__, *_SUBMODULES})
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=_SUBMODULES, moved=_MOVED)

@@ -21,13 +21,13 @@ from typing import NoReturn
 
 import trio
 
-from ._endpoints import DEFAULT_LIVENESS, Liveness
 from ._errors import CoordinatorError
-from ._pacing import ProgressPacer
-from ._service import Coordinator, open_coordinator
-from ._tasks import cancel_at_stdin_eof
+from ._shell.coordinator import Coordinator, open_coordinator
+from ._shell.endpoints import DEFAULT_LIVENESS, Liveness
+from ._shell.tasks import cancel_at_stdin_eof
+from .core._pacing import ProgressPacer
 
-__all__ = ["main"]
+__all__ = ["cancel_at_stdin_eof", "main"]
 
 logger = logging.getLogger(__name__)
 

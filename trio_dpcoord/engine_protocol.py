@@ -1,15 +1,10 @@
-"""The engine-core protocol's public vocabulary: what a front-end and a vLLM engine core
-say to each other (the handshake, ADD, ABORT, utility calls, outputs), as pure codecs.
-
-:class:`~trio_dpcoord.EngineClient` speaks it for you; a test, a simulated engine core
-(:mod:`trio_dpcoord.sim.engine_core`) or an embedder that talks to engines itself imports
-the codecs from here. The state behind the client (its handshake and request tables)
-stays private and may change shape freely.
-"""
+"""The engine-core protocol's codecs, kept at this path for code that imports them from
+here: they live in :mod:`trio_dpcoord.protocol` now (``protocol._engine_core``), beside
+every other message of the wire."""
 
 from __future__ import annotations
 
-from ._engine_protocol import (
+from .protocol import (
     ENGINE_CORE_DEAD,
     FINISH_REASONS,
     EngineDead,

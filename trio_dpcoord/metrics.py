@@ -36,11 +36,16 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ._core import CoordinatorCounters, HistogramSnapshot, SubscriptionView, WaveStartCause
-from ._endpoints import check_bind_address
 from ._errors import CoordinatorError
-from ._service import Coordinator
-from ._state import WaveSnapshot
+from ._shell.coordinator import Coordinator
+from ._shell.endpoints import check_bind_address
+from .core._coordinator import (
+    CoordinatorCounters,
+    HistogramSnapshot,
+    SubscriptionView,
+    WaveStartCause,
+)
+from .core._wave import WaveSnapshot
 from .protocol import EngineLoad
 
 __all__ = [

@@ -28,7 +28,7 @@ import trio
 import zmq
 
 from . import protocol
-from ._service import Coordinator, open_coordinator
+from ._shell.coordinator import Coordinator, open_coordinator
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 __all__ = [

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import trio
 
-from .. import cancel_at_stdin_eof
+from ..cli import cancel_at_stdin_eof
 from .collective import CollectiveTimeoutError
 from .engine import (
     EXIT_COLLECTIVE_TIMEOUT,

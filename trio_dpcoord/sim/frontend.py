@@ -48,10 +48,9 @@ from .. import (
     PrefixRouting,
     PrivateIpcDirectory,
     Routing,
-    decode_kv_event_frames,
     protocol,
 )
-from ..protocol import IDLE_LOAD, EngineLoad
+from ..protocol import IDLE_LOAD, EngineLoad, decode_kv_event_frames
 from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages

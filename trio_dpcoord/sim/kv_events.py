@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import msgpack
 
-from trio_dpcoord import block_keys
+from trio_dpcoord.routing import block_keys
 
 __all__ = [
     "DEFAULT_TOPIC",

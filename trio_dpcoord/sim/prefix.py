@@ -15,7 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trio_dpcoord import PrefixRouting, block_keys
+from trio_dpcoord import PrefixRouting
+from trio_dpcoord.routing import block_keys
 from trio_dpcoord.sim.traces import Request
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ import logging
 import random
 from dataclasses import dataclass
 
-from trio_dpcoord import PrefixRouting, block_keys
+from trio_dpcoord import PrefixRouting
+from trio_dpcoord.routing import block_keys
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ._state import WaveSnapshot
-from .protocol import EngineLoad
+from ..core._wave import WaveSnapshot
+from ..protocol import EngineLoad
 
 __all__ = ["CoordinatorView"]
 

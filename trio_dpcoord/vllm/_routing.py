@@ -4,7 +4,7 @@ vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request`` (the front-end's engine
 every API-server process of ``vllm serve --data-parallel-size N``) scores each engine by
 its queue alone. With this variable set, the ``vllm.general_plugins`` entry point
 (:func:`trio_dpcoord.vllm.register`) replaces that method with :func:`choose_engine`:
-trio_dpcoord's :class:`~trio_dpcoord._router.PrefixRouter`, which weighs the prompt tokens
+trio_dpcoord's :class:`~trio_dpcoord.routing.PrefixRouter`, which weighs the prompt tokens
 an engine already holds in its prefix cache against the busiest engine's work.
 
 What stays vLLM's, because vLLM has reasons we must not override (the original method
@@ -49,13 +49,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._router import (
-    KVEventError,
-    PrefixRouter,
-    PrefixRouting,
-    block_keys,
-    decode_kv_event_frames,
-)
+from ..protocol import KVEventError, decode_kv_event_frames
+from ..routing import PrefixRouter, PrefixRouting, block_keys, vllm_score
 
 __all__ = ["ROUTING_VARIABLE", "choose_engine", "install", "routing_setting", "routing_state"]
 
@@ -179,16 +174,6 @@ def choose_engine(
     client.reqs_in_flight[request.request_id] = engine
     client.engine_inflight[engine] += 1
     return engine
-
-
-def vllm_score(
-    waiting: float, running: float, kv_usage: float, in_flight: int, clients: int
-) -> float:
-    """vLLM 0.33.0's load score of one engine (``DPLBAsyncMPClient``), as it computes it."""
-    score = max(clients * in_flight, waiting + running)
-    if waiting:
-        score += waiting * 6.0 * max(0.0, kv_usage - 0.5)
-    return float(score)
 
 
 class RoutingState:

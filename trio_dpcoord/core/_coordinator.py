@@ -25,11 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, final
 
-from . import protocol
+from .. import protocol
+from ..protocol import EngineLoad
+from ..protocol._output_decoder import decode_coordinator_output
 from ._backlog import IngestBacklog
-from ._coordinator_decoder import decode_coordinator_output
 from ._pacing import BurstSummary
-from ._state import (
+from ._wave import (
     HEARTBEAT_INTERVAL,
     FirstRequest,
     LoadTable,
@@ -40,7 +41,6 @@ from ._state import (
     WaveState,
     check_engine_index,
 )
-from .protocol import EngineLoad
 
 __all__ = [
     "MAX_ENGINES",

@@ -1,5 +1,5 @@
 """Engine choice for front-ends: vLLM 0.33.0's ``DPLBAsyncMPClient`` score (§7.2), or the
-prefix-cache-aware policy of :mod:`._router` (``routing="prefix"``).
+prefix-cache-aware policy of :mod:`._prefix_router` (``routing="prefix"``).
 
 One chooser serves both modes: an embedded front-end feeds it the coordinator's live
 loads, a front-end of the standalone process feeds it the latest publish.
@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from math import isfinite
 from typing import Literal
 
-from ._router import PrefixRouter, PrefixRouting, RouterCounters, first_from
-from .protocol import IDLE_LOAD, EngineLoad
+from ..protocol import IDLE_LOAD, EngineLoad
+from ._prefix_router import PrefixRouter, PrefixRouting, RouterCounters, first_from
+from ._score import vllm_score
 
-__all__ = ["ROUTINGS", "EngineChooser", "Routing", "engine_score"]
+__all__ = ["ROUTINGS", "EngineChooser", "Routing"]
 
 Routing = Literal["vllm", "prefix"]
 """How a front-end chooses the engine: ``"vllm"``, vLLM 0.33.0's score (the default), or
@@ -24,15 +25,6 @@ ROUTINGS: tuple[Routing, ...] = ("vllm", "prefix")
 
 _UNIT_SMOOTHING = 1 / 64
 """Weight of each routed request in the running mean of uncached prompt tokens."""
-
-
-def engine_score(load: EngineLoad, inflight: int, client_count: int) -> float:
-    """vLLM's score: queue length or own in-flight share, plus a KV-pressure penalty."""
-    waiting = load.waiting
-    score = float(max(client_count * inflight, waiting + load.running))
-    if waiting > 0:
-        score += waiting * 6.0 * max(0.0, load.kv_cache_usage - 0.5)
-    return score
 
 
 def check_routing(routing: str) -> Routing:
@@ -56,7 +48,7 @@ class EngineChooser:
     so that a choice costs a C-level ``min`` and ``index`` over the scores, not a
     Python-level score per engine (at 256 engines, 100 us a choice).
 
-    ``routing="prefix"`` hands the choice to a :class:`~trio_dpcoord._router.PrefixRouter`
+    ``routing="prefix"`` hands the choice to a :class:`~trio_dpcoord.routing.PrefixRouter`
     (settings: ``prefix``, a :class:`PrefixRouting`). Each rank's queued work, in
     tokens, is its latest report's queue (vLLM's score: waiting + running, or
     ``client_count`` times this chooser's requests in flight there if more, plus the
@@ -157,7 +149,9 @@ class EngineChooser:
             self._table = table
             self._local = list(table)
             self._scores = [
-                engine_score(load, inflight, self.client_count)
+                vllm_score(
+                    load.waiting, load.running, load.kv_cache_usage, inflight, self.client_count
+                )
                 for load, inflight in zip(table, self._inflight, strict=True)
             ]
             self._finite = all(map(isfinite, self._scores))
@@ -189,7 +183,14 @@ class EngineChooser:
         return best_index  # -1 when no score is below infinity, as the scan gives
 
     def _rescore(self, index: int) -> None:
-        score = engine_score(self._local[index], self._inflight[index], self.client_count)
+        local = self._local[index]
+        score = vllm_score(
+            local.waiting,
+            local.running,
+            local.kv_cache_usage,
+            self._inflight[index],
+            self.client_count,
+        )
         self._scores[index] = score
         if not isfinite(score):
             self._finite = False
@@ -213,7 +214,7 @@ class EngineChooser:
             self._unit = max(1.0, self._mean_uncached)
         unit, clients = self._unit, self.client_count
         self._queued = [
-            unit * engine_score(load, inflight, clients)
+            unit * vllm_score(load.waiting, load.running, load.kv_cache_usage, inflight, clients)
             for load, inflight in zip(table, self._inflight, strict=True)
         ]
         self._pending = [0.0] * len(table)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import zmq
 
-from ._errors import CoordinatorError
-from .trio_zmq import AsyncSocket
+from .._errors import CoordinatorError
+from ..trio_zmq import AsyncSocket
 
 __all__ = [
     "DEFAULT_LIVENESS",

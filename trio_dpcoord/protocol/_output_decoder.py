@@ -4,8 +4,8 @@ A coordinator reads little of an ``EngineCoreOutputs`` frame (§4.5): the engine
 counts, KV usage, wave and step of ``scheduler_stats``, ``wave_complete`` and
 ``start_wave``. :func:`decode_coordinator_output` returns just that, as
 ``(kind, engine_index, value)``; it accepts and rejects exactly the frames that
-:func:`protocol.decode_engine_core_outputs` followed by :func:`protocol.classify_output`
-accept and reject, with the same :class:`~protocol.ProtocolError` messages (so bad input is
+:func:`~._outputs.decode_engine_core_outputs` followed by :func:`classify_output`
+accept and reject, with the same :class:`ProtocolError` messages (so bad input is
 logged and counted as before), and returns what they would say (tested on the fuzz corpus,
 the vLLM vectors and generated frames).
 
@@ -30,13 +30,15 @@ import math
 from collections.abc import Callable
 from typing import Annotated, Any, Final
 
-from . import protocol
-from .protocol import (
-    MAX_DATA_FRAME_BYTES,
+from ._codec import MAX_DATA_FRAME_BYTES, ProtocolError, unpack
+from ._outputs import (
+    EngineCoreOutputs,
     EngineLoad,
     OutputKind,
-    ProtocolError,
     StatsReport,
+    classify_output,
+    engine_core_outputs_from_object,
+    stats_report,
 )
 
 __all__ = [
@@ -63,7 +65,7 @@ def decode_with_msgpack(frame: bytes) -> Decoded:
     reply or finished requests) are checked field by field without building objects;
     anything else takes the full decoder, so both accept and reject the same frames.
     """
-    obj = protocol._unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES)
+    obj = unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES)
     if (
         type(obj) is list
         and len(obj) == 9
@@ -78,17 +80,17 @@ def decode_with_msgpack(frame: bytes) -> Decoded:
         stats, wc, sw = obj[2], obj[6], obj[7]
         if wc is None and sw is None:
             if stats is not None:
-                return _STATS, obj[0], protocol._stats_report(stats)
+                return _STATS, obj[0], stats_report(stats)
         elif stats is None and (wc is None or sw is None):
             wave = sw if wc is None else wc
             if type(wave) is int and wave >= 0:
                 return (_START_WAVE if wc is None else _WAVE_COMPLETE), obj[0], wave
-    return _classified(protocol._decode_engine_core_outputs(obj))
+    return _classified(engine_core_outputs_from_object(obj))
 
 
-def _classified(out: protocol.EngineCoreOutputs) -> Decoded:
+def _classified(out: EngineCoreOutputs) -> Decoded:
     """What the coordinator reads of a fully decoded message."""
-    kind = protocol.classify_output(out)
+    kind = classify_output(out)
     if kind is _STATS:
         st = out.scheduler_stats
         assert st is not None
@@ -194,7 +196,7 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
     decode_view = msgspec.msgpack.Decoder(view_type).decode
     decode_open_view = msgspec.msgpack.Decoder(open_view_type).decode
     isfinite = math.isfinite
-    stats_report = protocol._stats_report
+    report_of = stats_report  # a local name, looked up faster in the closure
     refused = msgspec.DecodeError  # ValidationError is one
 
     def decode_with_msgspec(frame: bytes) -> Decoded:
@@ -231,7 +233,7 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
             view = decode_open_view(frame)
             stats = view.scheduler_stats
             if stats is not None and view.wave_complete is None and view.start_wave is None:
-                return _STATS, view.engine_index, stats_report(stats)  # the full checks
+                return _STATS, view.engine_index, report_of(stats)  # the full checks
         except (refused, ProtocolError):
             pass
         return decode_with_msgpack(frame)

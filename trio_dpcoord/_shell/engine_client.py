@@ -9,12 +9,12 @@ the embedded coordinator's two engine sockets), waits for every READY, then send
 requests stamped with the coordinator's current wave to the engine the chooser picks,
 and streams each request's outputs to its own :class:`RequestStream`.
 
-The rules live in :mod:`._engine_protocol` (handshake state, request table, the wire);
-the tasks here only move bytes: one sender owns the request-input socket, one listener
-per rank reads that rank's output socket, one watcher per rank reads its connection
-events, so that an engine that dies or goes silent (ZMTP heartbeats drop the
-connection) fails exactly its own requests with :class:`EngineDeadError` naming the rank.
-"""
+The rules live in :mod:`trio_dpcoord.core` (handshake state, request table) and
+:mod:`trio_dpcoord.protocol` (the wire); the tasks here only move bytes: one sender owns
+the request-input socket, one listener per rank reads that rank's output socket, one
+watcher per rank reads its connection events, so that an engine that dies or goes silent
+(ZMTP heartbeats drop the connection) fails exactly its own requests with
+:class:`EngineDeadError` naming the rank."""
 
 from __future__ import annotations
 
@@ -35,17 +35,22 @@ import msgpack
 import trio
 import zmq
 
-from ._balance import EngineChooser, Routing
-from ._endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
-from ._engine_protocol import (
+from .._errors import (
+    EngineClientClosedError,
+    EngineClientError,
+    EngineDeadError,
+    EngineStartupError,
+    RequestAbortedError,
+    UtilityCallError,
+)
+from ..core._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
+from ..protocol import (
     FINISH_REASONS,
     EngineDead,
     EngineHandshakeError,
-    HandshakeState,
-    RequestState,
-    RequestTable,
+    EngineLoad,
+    ProtocolError,
     SamplingParams,
-    SilenceWatch,
     decode_engine_frames,
     decode_handshake,
     decode_ready_response,
@@ -55,19 +60,12 @@ from ._engine_protocol import (
     encode_utility,
     engine_identity,
 )
-from ._errors import (
-    EngineClientClosedError,
-    EngineClientError,
-    EngineDeadError,
-    EngineStartupError,
-    RequestAbortedError,
-    UtilityCallError,
-)
-from ._router import PrefixRouting
-from ._service import Coordinator, open_coordinator
-from ._tasks import RejectLog, open_task_nursery
-from .protocol import EngineLoad, ProtocolError
-from .trio_zmq import AsyncSocket, open_context, open_monitor, open_socket, parse_monitor_event
+from ..routing._chooser import EngineChooser, Routing
+from ..routing._prefix_router import PrefixRouting
+from ..trio_zmq import AsyncSocket, open_context, open_monitor, open_socket, parse_monitor_event
+from .coordinator import Coordinator, open_coordinator
+from .endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
+from .tasks import RejectLog, open_task_nursery
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

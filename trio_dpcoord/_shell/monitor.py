@@ -25,9 +25,9 @@ from typing import Final
 import trio
 import zmq
 
-from ._endpoints import DEFAULT_LIVENESS, Liveness
-from ._pacing import BurstSummary
-from .trio_zmq import AsyncSocket, accepted_peer_address, open_monitor, parse_monitor_event
+from ..core._pacing import BurstSummary
+from ..trio_zmq import AsyncSocket, accepted_peer_address, open_monitor, parse_monitor_event
+from .endpoints import DEFAULT_LIVENESS, Liveness
 
 __all__ = [
     "HEARTBEAT_OPTIONS",

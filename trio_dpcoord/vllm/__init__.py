@@ -1,7 +1,7 @@
 """Run trio_dpcoord in place of vLLM's own DP coordinator: ``TRIO_DPCOORD_VLLM=1``.
 
 (The same entry point also offers a prefix-aware engine choice for vLLM's API servers,
-``TRIO_DPCOORD_VLLM_ROUTING=prefix``: see :mod:`trio_dpcoord._vllm_routing`.)
+``TRIO_DPCOORD_VLLM_ROUTING=prefix``: see :mod:`trio_dpcoord.vllm._routing`.)
 
 vLLM (0.32, 0.33) builds its ``DPCoordinator`` inside ``launch_core_engines`` and offers no
 option to choose another. This module is a ``vllm.general_plugins`` entry point (see
@@ -152,12 +152,12 @@ def _register_routing() -> None:
     """Install the prefix-aware engine choice if ``TRIO_DPCOORD_VLLM_ROUTING=prefix``.
 
     It replaces ``DPLBAsyncMPClient.get_core_engine_for_request`` (see
-    :mod:`trio_dpcoord._vllm_routing`); the class is used only in API-server processes,
+    :mod:`trio_dpcoord.vllm._routing`); the class is used only in API-server processes,
     so engine cores and workers, which load plugins too, are unaffected. Any other
     non-empty value, or a vLLM other than 0.32.x / 0.33.x, logs a WARNING and changes
     nothing.
     """
-    from ._vllm_routing import PREFIX, ROUTING_VARIABLE, install, routing_setting
+    from ._routing import PREFIX, ROUTING_VARIABLE, install, routing_setting
 
     setting = routing_setting()
     if setting is None:
@@ -338,7 +338,7 @@ async def _serve(
 ) -> int:
     import trio
 
-    from . import CoordinatorError, open_coordinator
+    from .. import CoordinatorError, open_coordinator
 
     bound: list[str | None] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
-from .protocol import IDLE_LOAD, EngineLoad, StatsReport
+from ..protocol import IDLE_LOAD, EngineLoad, StatsReport
 
 __all__ = [
     "HEARTBEAT_INTERVAL",

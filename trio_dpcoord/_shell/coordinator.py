@@ -36,7 +36,8 @@ from typing import Final, TypeAlias, final
 import trio
 import zmq
 
-from ._core import (
+from .._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
+from ..core._coordinator import (
     Broadcast,
     CoordinatorCore,
     CoordinatorCounters,
@@ -45,13 +46,12 @@ from ._core import (
     Reject,
     SubscriptionView,
 )
-from ._endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, bind_socket
-from ._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
-from ._monitor import PeerMonitor, open_peer_monitor
-from ._state import WaveSnapshot
-from ._tasks import RejectLog, open_task_nursery
-from .protocol import EngineLoad
-from .trio_zmq import AsyncSocket, open_context, open_socket
+from ..core._wave import WaveSnapshot
+from ..protocol import EngineLoad
+from ..trio_zmq import AsyncSocket, open_context, open_socket
+from .endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, bind_socket
+from .monitor import PeerMonitor, open_peer_monitor
+from .tasks import RejectLog, open_task_nursery
 
 __all__ = ["Coordinator", "open_coordinator"]
 

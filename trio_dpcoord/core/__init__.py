@@ -43,12 +43,20 @@ first-request claim, the engine choice and its in-flight counts.
 
 :class:`WaveState` is the wave rule on its own (``(current_wave, engines_running)`` and
 vLLM PR #46833's stale-first-request rule), for oracles and model checkers that want to
-compare the whole core against it.
+compare the whole core against it; :class:`LoadTable` and :class:`PublishSchedule` are
+its load table and publish timing, :class:`IngestBacklog` and :class:`BurstSummary` /
+:class:`ProgressPacer` the ingest backlog's news and the pacing of repeated log lines.
+
+:class:`HandshakeState`, :class:`RequestTable` and :class:`SilenceWatch` are the engine
+client's sans-IO rooms (:class:`~trio_dpcoord.EngineClient` moves bytes around them):
+which ranks said HELLO and READY, which request is on which rank, which busy rank has
+been silent too long.
 """
 
 from __future__ import annotations
 
-from ._core import (
+from ._backlog import BacklogNews, IngestBacklog
+from ._coordinator import (
     MAX_ENGINES,
     MAX_WAVE,
     Broadcast,
@@ -63,24 +71,44 @@ from ._core import (
     SubscriptionView,
     WaveStartCause,
 )
-from ._frontend_state import FrontendState
-from ._state import HEARTBEAT_INTERVAL, FirstRequest, WaveSnapshot, WaveStart, WaveState
+from ._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
+from ._frontend import FrontendState
+from ._pacing import BurstSummary, ProgressPacer
+from ._wave import (
+    HEARTBEAT_INTERVAL,
+    FirstRequest,
+    LoadTable,
+    PublishSchedule,
+    WaveSnapshot,
+    WaveStart,
+    WaveState,
+)
 
 __all__ = [
     "HEARTBEAT_INTERVAL",
     "MAX_ENGINES",
     "MAX_WAVE",
+    "BacklogNews",
     "Broadcast",
+    "BurstSummary",
     "Command",
     "CoordinatorCore",
     "CoordinatorCounters",
     "Effect",
     "FirstRequest",
     "FrontendState",
+    "HandshakeState",
     "HistogramSnapshot",
+    "IngestBacklog",
+    "LoadTable",
+    "ProgressPacer",
     "Publish",
+    "PublishSchedule",
     "Reject",
+    "RequestState",
+    "RequestTable",
     "ScaleRequest",
+    "SilenceWatch",
     "SubscriptionView",
     "WaveSnapshot",
     "WaveStart",

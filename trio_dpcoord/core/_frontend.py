@@ -20,13 +20,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import final
 
-from . import protocol
-from ._balance import EngineChooser, Routing, check_routing
-from ._core import Reject
-from ._errors import CoordinatorError
-from ._router import PrefixRouting
-from ._state import WaveSnapshot, WaveState, check_engine_index
-from .protocol import IDLE_LOAD, EngineLoad
+from .. import protocol
+from .._errors import CoordinatorError
+from ..protocol import IDLE_LOAD, EngineLoad
+from ..routing._chooser import EngineChooser, Routing, check_routing
+from ..routing._prefix_router import PrefixRouting
+from ._coordinator import Reject
+from ._wave import WaveSnapshot, WaveState, check_engine_index
 
 __all__ = ["FrontendState"]
 

@@ -34,16 +34,16 @@ from typing import final
 import trio
 import zmq
 
-from . import protocol
-from ._balance import Routing
-from ._errors import CoordinatorClosedError, CoordinatorError
-from ._frontend_state import FrontendState
-from ._monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
-from ._router import PrefixRouting, RouterCounters
-from ._state import HEARTBEAT_INTERVAL, WaveSnapshot
-from ._tasks import RejectLog, open_task_nursery
-from .protocol import EngineLoad
-from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .. import protocol
+from .._errors import CoordinatorClosedError, CoordinatorError
+from ..core._frontend import FrontendState
+from ..core._wave import HEARTBEAT_INTERVAL, WaveSnapshot
+from ..protocol import EngineLoad
+from ..routing._chooser import Routing
+from ..routing._prefix_router import PrefixRouting, RouterCounters
+from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
+from .tasks import RejectLog, open_task_nursery
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

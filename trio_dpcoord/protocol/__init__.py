@@ -1,0 +1,167 @@
+"""The wire, and nothing else: bytes to objects and back for every message of vLLM's
+data-parallel protocols (vLLM 0.33.0; 0.32's differences in ``docs/protocol.md``).
+
+No trio, no zmq, no logging: pure functions and small frozen values. Every malformed
+input raises :class:`ProtocolError` (a ``ValueError``) with a message saying what was
+wrong; frames above a size cap are refused before decoding.
+
+================================  ============================================================
+module                            messages
+================================  ============================================================
+``_codec``                        :class:`ProtocolError`, size limits, frame constants, the
+                                  checked msgpack helpers the others are built on
+``_coordinator``                  engines' subscriptions, READY, ``START_DP_WAVE``, the
+                                  front publish, the front-ends' FIRST_REQ and SCALE notices
+``_outputs``                      ``EngineCoreOutputs`` and their scheduler stats, the loads
+                                  read from them, their classification
+``_output_decoder``               the coordinator's fast decoder of the same frames (msgspec
+                                  when the ``fast`` extra is installed)
+``_engine_core``                  the engine-core protocol: identities, handshake, ADD (one
+                                  encoder), ABORT, utility calls, engines' answers
+``_kv_events``                    vLLM's KV-cache event frames and ``EventBatch`` payloads
+================================  ============================================================
+"""
+
+from __future__ import annotations
+
+from ._codec import (
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_DATA_FRAME_BYTES,
+    READY,
+    SCALE_ELASTIC_EP,
+    SUBSCRIBE,
+    UNSUBSCRIBE,
+    ProtocolError,
+    RequestType,
+)
+from ._coordinator import (
+    FrontPublish,
+    LegacyFirstRequest,
+    ScaleElasticEP,
+    StartDPWave,
+    Subscription,
+    decode_engine_broadcast,
+    decode_front_message,
+    decode_front_publish,
+    decode_request_type,
+    decode_start_dp_wave,
+    decode_subscription,
+    encode_front_publish,
+    encode_front_publish_trusted,
+    encode_legacy_first_request,
+    encode_scale_elastic_ep,
+    encode_start_dp_wave,
+)
+from ._engine_core import (
+    ENGINE_CORE_DEAD,
+    FINISH_REASONS,
+    EngineCoreRequest,
+    EngineDead,
+    EngineHandshakeError,
+    SamplingParams,
+    UtilityResult,
+    decode_engine_frames,
+    decode_engine_request,
+    decode_handshake,
+    decode_ready_response,
+    decode_utility_output,
+    encode_abort,
+    encode_add,
+    encode_add_request,
+    encode_utility,
+    engine_identity,
+    rank_of_identity,
+    request_slots_after_sampling,
+)
+from ._kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    KVEventError,
+    decode_event_batch,
+    decode_kv_event_frames,
+)
+from ._output_decoder import decode_coordinator_output
+from ._outputs import (
+    IDLE_LOAD,
+    NO_PREFIX_CACHE_STATS,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineLoad,
+    OutputKind,
+    PrefixCacheStats,
+    SchedulerStats,
+    StatsReport,
+    classify_output,
+    decode_engine_core_outputs,
+    encode_engine_core_outputs,
+)
+
+__all__ = [
+    "ENGINE_CORE_DEAD",
+    "FINISH_REASONS",
+    "IDLE_LOAD",
+    "MAX_CONTROL_FRAME_BYTES",
+    "MAX_DATA_FRAME_BYTES",
+    "NO_PREFIX_CACHE_STATS",
+    "READY",
+    "SCALE_ELASTIC_EP",
+    "SUBSCRIBE",
+    "UNSUBSCRIBE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineDead",
+    "EngineHandshakeError",
+    "EngineLoad",
+    "EventBatch",
+    "FrontPublish",
+    "KVEvent",
+    "KVEventError",
+    "LegacyFirstRequest",
+    "OutputKind",
+    "PrefixCacheStats",
+    "ProtocolError",
+    "RequestType",
+    "SamplingParams",
+    "ScaleElasticEP",
+    "SchedulerStats",
+    "StartDPWave",
+    "StatsReport",
+    "Subscription",
+    "UtilityResult",
+    "classify_output",
+    "decode_coordinator_output",
+    "decode_engine_broadcast",
+    "decode_engine_core_outputs",
+    "decode_engine_frames",
+    "decode_engine_request",
+    "decode_event_batch",
+    "decode_front_message",
+    "decode_front_publish",
+    "decode_handshake",
+    "decode_kv_event_frames",
+    "decode_ready_response",
+    "decode_request_type",
+    "decode_start_dp_wave",
+    "decode_subscription",
+    "decode_utility_output",
+    "encode_abort",
+    "encode_add",
+    "encode_add_request",
+    "encode_engine_core_outputs",
+    "encode_front_publish",
+    "encode_front_publish_trusted",
+    "encode_legacy_first_request",
+    "encode_scale_elastic_ep",
+    "encode_start_dp_wave",
+    "encode_utility",
+    "engine_identity",
+    "rank_of_identity",
+    "request_slots_after_sampling",
+]

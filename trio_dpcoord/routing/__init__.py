@@ -1,0 +1,63 @@
+"""Engine choice, sans-IO: which rank a front-end sends a request to.
+
+:class:`EngineChooser` is what every front-end here uses (the engine client, the
+front-end of a standalone coordinator, the simulated front-end, the vLLM plugin's
+optional routing): vLLM 0.33.0's score by default (:func:`vllm_score`), or with
+``routing="prefix"`` the prefix policy (:class:`PrefixRouting` settings, the
+:class:`PrefixRouter` over a per-rank :class:`RankPrefixIndex` of :func:`block_keys`).
+Plain objects: inputs are loads, prompts' token ids, KV-event batches and clock
+readings; the output is a rank.
+
+Names are imported on first use, so ``trio_dpcoord.routing.vllm_score`` costs the
+standard library only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._chooser import ROUTINGS as ROUTINGS
+    from ._chooser import EngineChooser as EngineChooser
+    from ._chooser import Routing as Routing
+    from ._prefix_index import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+    from ._prefix_index import RankPrefixIndex as RankPrefixIndex
+    from ._prefix_index import block_keys as block_keys
+    from ._prefix_router import PrefixRouter as PrefixRouter
+    from ._prefix_router import PrefixRouting as PrefixRouting
+    from ._prefix_router import RouteDecision as RouteDecision
+    from ._prefix_router import RouterCounters as RouterCounters
+    from ._score import vllm_score as vllm_score
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "ROUTINGS",
+    "EngineChooser",
+    "PrefixRouter",
+    "PrefixRouting",
+    "RankPrefixIndex",
+    "RouteDecision",
+    "RouterCounters",
+    "Routing",
+    "block_keys",
+    "vllm_score",
+]
+
+_EXPORTS: dict[str, str] = {
+    "DEFAULT_BLOCK_SIZE": "._prefix_index",
+    "ROUTINGS": "._chooser",
+    "EngineChooser": "._chooser",
+    "PrefixRouter": "._prefix_router",
+    "PrefixRouting": "._prefix_router",
+    "RankPrefixIndex": "._prefix_index",
+    "RouteDecision": "._prefix_router",
+    "RouterCounters": "._prefix_router",
+    "Routing": "._chooser",
+    "block_keys": "._prefix_index",
+    "vllm_score": "._score",
+}
+
+if not TYPE_CHECKING:  # for type checkers, the imports above are the package
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

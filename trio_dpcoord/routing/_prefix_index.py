@@ -1,0 +1,318 @@
+"""The per-rank prefix index of the prefix policy, and the block keys it is keyed by.
+
+Plain objects, no I/O and no clock of their own: inputs are prompts' token ids, per-rank
+queued work, vLLM KV-cache event batches and clock readings; the output is a rank.
+:class:`~trio_dpcoord.EngineChooser` with ``routing="prefix"`` is how front-ends use it.
+
+The index keys every full block of ``block_size`` prompt tokens by our own hash chained on
+its parent block's key, so no hash seed has to be shared with vLLM. Memory per rank is
+bounded by ``capacity_blocks`` (least recently used go first, the deepest block of a
+prompt before its parents) and by ``max_age`` (a block not seen for that long is
+forgotten), so a lost event batch cannot leave blocks believed cached for ever; a gap or
+a step back in a rank's event sequence also forgets that rank's exact knowledge at once.
+
+One decision hashes the prompt's blocks once and walks a block -> ranks map from the
+first block, stopping at the first block no rank holds: its cost grows with the prompt
+and the matched depth, not with the number of ranks times the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from itertools import accumulate, chain, compress, islice, repeat, takewhile
+from operator import add, and_, is_, or_
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "ROOT_KEY", "Feed", "RankPrefixIndex", "block_keys"]
+
+DEFAULT_BLOCK_SIZE = 16
+"""vLLM's default KV-cache block size."""
+
+Feed = Literal["approximate", "exact"]
+
+ROOT_KEY = 0
+"""The chain's start: the key "before" a prompt's first block."""
+
+_POSITION_SALTS: list[int] = []
+"""Per block position, a fixed random 61-bit salt (one seeded stream, extended on
+demand): a block's contribution depends on where it sits, so reordered blocks differ."""
+_SALT_STREAM = random.Random(0x7472696F)
+
+
+def _salts(upto: int) -> list[int]:
+    if len(_POSITION_SALTS) < upto:
+        more = max(upto, 2 * len(_POSITION_SALTS), 4096) - len(_POSITION_SALTS)
+        _POSITION_SALTS.extend(_SALT_STREAM.getrandbits(61) for _ in range(more))
+    return _POSITION_SALTS
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY, depth: int = 0
+) -> list[int]:
+    """Chained keys of the full blocks of ``token_ids`` (a partial last block has none).
+
+    Key ``i`` is ``parent`` plus the sum, over blocks ``j <= i``, of the hash of block
+    ``j``'s tokens together with the salt of its position ``depth + j``: a running sum,
+    so that hashing and chaining a prompt take one C-level pass each (Python's hash of a
+    tuple of ints does not depend on the process's hash seed). ``parent``/``depth``
+    continue a chain (a vLLM ``BlockStored`` whose parent block is known). Distinct
+    prefixes collide about as often as random 64-bit values do; a collision only
+    misroutes one request.
+    """
+    blocks = len(token_ids) // block_size
+    if blocks == 0:
+        return []
+    salts: Iterable[int] = _salts(depth + blocks)
+    if depth:
+        salts = islice(salts, depth, None)
+    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it
+    # (zip stops at the tokens' end before it takes a salt).
+    hashes = map(hash, zip(*(iter(token_ids),) * block_size, salts, strict=False))
+    if not parent:
+        return list(accumulate(hashes, add))
+    keys = list(accumulate(hashes, add, initial=parent))
+    del keys[0]
+    return keys
+
+
+class RankPrefixIndex:
+    """The blocks believed cached on one rank: LRU over ``capacity_blocks``, ``max_age``.
+
+    ``owners``, shared by the ranks of one router, maps a block key to the bit mask of
+    the ranks holding it (this rank's bit is ``bit``); a lone index keeps its own.
+
+    The recency order is a plain dict's insertion order (a key is refreshed by taking it
+    out and putting it back), not an ``OrderedDict``'s linked list: a prompt's keys then
+    go in and out with C-level bulk calls (``map(seen.pop, ...)``, ``seen.update``), the
+    bulk of one decision's cost at 256-block prompts, and the index takes less memory.
+    A plain dict cannot put a key first: the displaced blocks that come back as the
+    least recently used (exact feed) are listed in ``_front``, which the order reads
+    before the dict's own.
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        max_age: float,
+        *,
+        bit: int = 1,
+        owners: dict[int, int] | None = None,
+    ) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        if max_age <= 0:
+            raise ValueError(f"max_age must be > 0, got {max_age}")
+        self.capacity_blocks = capacity_blocks
+        self.max_age = max_age
+        self._bit = bit
+        self._owners: dict[int, int] = {} if owners is None else owners
+        self._seen: dict[int, float] = {}
+        """Key -> last seen; least recently seen first, after the keys of ``_front``."""
+        self._front: OrderedDict[int, None] = OrderedDict()
+        """Keys of ``_seen`` that are less recently used than all its others, least
+        first, wherever the dict holds them (the displaced blocks that came back)."""
+        self._provisional: dict[int, float] = {}
+        """Keys held only on belief (the exact feed's routed prompts) -> when the belief
+        ends unless an event confirms it; oldest first. Always a subset of ``_seen``:
+        they count against ``capacity_blocks``, as the engine makes room for a prompt by
+        evicting (a belief beyond the capacity would send requests to blocks the engine
+        has already evicted)."""
+        self._displaced: OrderedDict[int, float] = OrderedDict()
+        """Blocks the engine's events reported, pushed out of the capacity by
+        provisional ones -> last seen, oldest first. Not believed (absent from
+        ``owners``), since the engine evicts to make room as well; but it evicts by its
+        own order, which its events tell: one it reports gone is dropped here, and the
+        others come back (at the least recently used end) as room returns. At most as
+        many as there are provisional blocks."""
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._seen
+
+    def knows(self, key: int) -> bool:
+        """Whether ``key`` is believed cached here or was reported and only displaced
+        (a ``BlockStored`` chained on it can still be followed)."""
+        return key in self._seen or key in self._displaced
+
+    def last_seen(self, key: int) -> float | None:
+        return self._seen.get(key)
+
+    def _oldest(self, count: int) -> list[int]:
+        """The ``count`` least recently used keys (fewer if there are not as many)."""
+        front = self._front
+        if not front:
+            return list(islice(self._seen, count))
+        oldest = list(islice(front, count))
+        if len(oldest) < count:
+            rest = (key for key in self._seen if key not in front)
+            oldest.extend(islice(rest, count - len(oldest)))
+        return oldest
+
+    def store(self, keys: Sequence[int], now: float) -> None:
+        """``keys`` (one prompt's chain, root first) are cached here as of ``now``.
+
+        Stored deepest first, so that the root ends most recent: eviction then takes a
+        prompt's last blocks before the blocks every longer prompt needs first. A key
+        that repeats in ``keys`` ends where its first occurrence puts it.
+        """
+        if self._displaced:
+            deque(map(self._displaced.pop, keys, repeat(None)), maxlen=0)
+        if self._front:
+            deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
+        seen = self._seen
+        size = len(seen)
+        # Take every key out (None: it was not here), put them back deepest first; the
+        # sizes tell how many were new and whether a key repeats, in O(1).
+        was = list(map(seen.pop, keys, repeat(None)))
+        taken_out = len(seen)
+        seen.update(zip(reversed(keys), repeat(now)))
+        new = len(seen) - size
+        repeats = len(seen) - taken_out != len(keys)
+        if repeats:
+            # update left a repeated key at its deepest occurrence: to its shallowest
+            for key in reversed(keys):
+                del seen[key]
+                seen[key] = now
+        if new:
+            # Usually the new keys are the prompt's last ones (after its cached prefix).
+            first_new = len(keys) - new
+            fresh: Sequence[int] = keys[first_new:]
+            if repeats or was[first_new:].count(None) != new:
+                fresh = list(compress(keys, map(is_, was, repeat(None))))
+            # Own the new keys: one setdefault each; if other ranks hold some too (their
+            # setdefault returned their mask), or this rank's bit into every mask.
+            owners, bit = self._owners, self._bit
+            masks = list(map(owners.setdefault, fresh, repeat(bit)))
+            if masks.count(bit) != len(masks):
+                owners.update(zip(fresh, map(or_, masks, repeat(bit)), strict=True))
+        self._evict_over_capacity()
+
+    def _evict_over_capacity(self) -> None:
+        excess = len(self._seen) - self.capacity_blocks
+        if excess <= 0:
+            return
+        victims = self._oldest(excess)
+        provisional, displaced = self._provisional, self._displaced
+        if provisional:
+            # A reported block pushed out by a belief is kept aside (see ``_displaced``).
+            seen = self._seen
+            for key in victims:
+                if provisional.pop(key, None) is None and provisional:
+                    displaced[key] = seen[key]
+        self._forget(victims)
+        while len(displaced) > len(provisional):
+            displaced.popitem(last=False)
+
+    def _restore_displaced(self) -> None:
+        """Room came back: believe the most recent displaced blocks again, as the least
+        recently used (they were, when they were pushed out)."""
+        seen, displaced, front = self._seen, self._displaced, self._front
+        room = self.capacity_blocks - len(seen)
+        restored = []
+        while room > 0 and displaced:
+            key, last = displaced.popitem()
+            seen[key] = last
+            front[key] = None
+            front.move_to_end(key, last=False)
+            restored.append(key)
+            room -= 1
+        if restored:
+            self._own(restored)
+
+    def _own(self, keys: list[int]) -> None:
+        owners, bit = self._owners, self._bit
+        owners.update(
+            zip(keys, map(or_, map(owners.get, keys, repeat(0)), repeat(bit)), strict=True)
+        )
+
+    def _forget(self, keys: list[int]) -> None:
+        """Drop ``keys`` (all held here, distinct) and this rank's bit from their owners."""
+        deque(map(self._seen.__delitem__, keys), maxlen=0)
+        if self._front:
+            deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
+        # Out of the owners map with one pop each; back with the other ranks' bits for
+        # those that other ranks hold too (a mask other than this rank's bit alone).
+        owners, bit = self._owners, self._bit
+        masks = list(map(owners.pop, keys, repeat(0)))
+        if masks.count(bit) != len(masks):
+            others = list(map(and_, masks, repeat(~bit)))
+            owners.update(zip(compress(keys, others), compress(others, others), strict=False))
+
+    def remove(self, keys: Iterable[int]) -> None:
+        """Forget ``keys`` (the engine evicted them, or a belief ended)."""
+        seen, provisional, displaced = self._seen, self._provisional, self._displaced
+        held = []
+        for key in dict.fromkeys(keys):
+            if key in seen:
+                held.append(key)
+                provisional.pop(key, None)
+            else:
+                displaced.pop(key, None)
+        if held:
+            self._forget(held)
+        if displaced:
+            self._restore_displaced()
+
+    def clear(self) -> None:
+        self._forget(list(self._seen))
+        self._provisional.clear()
+        self._displaced.clear()
+
+    def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
+        """:meth:`store` ``keys`` on belief: those not already known from events are
+        forgotten at ``until`` unless :meth:`confirm` comes first."""
+        self.expire_provisional(now)
+        provisional, displaced = self._provisional, self._displaced
+        for key in keys:
+            if key in displaced:
+                continue  # reported by the engine: :meth:`store` takes it back as such
+            if key not in self._seen or key in provisional:
+                provisional.pop(key, None)
+                provisional[key] = until  # re-inserted: the dict stays oldest first
+        self.store(keys, now)
+
+    def confirm(self, keys: Iterable[int]) -> None:
+        """``keys`` are known from events now, not on belief."""
+        for key in keys:
+            self._provisional.pop(key, None)
+
+    def expire_provisional(self, now: float) -> None:
+        """Forget the provisional blocks whose time is up and that no event confirmed."""
+        provisional = self._provisional
+        expired = []
+        for key, until in provisional.items():
+            if until > now:
+                break
+            expired.append(key)
+        for key in expired:
+            del provisional[key]
+        self.remove(expired)
+
+    def expire(self, now: float) -> None:
+        """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
+        displaced = self._displaced
+        while displaced and now - next(iter(displaced.values())) > self.max_age:
+            displaced.popitem(last=False)
+        seen, front, max_age = self._seen, self._front, self.max_age
+        if not seen or now - seen[next(iter(front or seen))] <= max_age:
+            return  # the least recently used is young enough: all are
+        order = chain(front, (key for key in seen if key not in front)) if front else seen
+        expired = list(takewhile(lambda key: not now - seen[key] <= max_age, order))
+        if expired:
+            provisional = self._provisional
+            if provisional:
+                for key in expired:
+                    provisional.pop(key, None)
+            self._forget(expired)
+
+    def matched_blocks(self, keys: Sequence[int], now: float) -> int:
+        """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
+        self.expire(now)
+        return len(list(takewhile(self._seen.__contains__, keys)))
