@@ -170,7 +170,7 @@ def _add_frames(
     """The one writer of an ADD's frames (both encoders end here): msgpack's array16
     header for 22 slots, the first three slots, the sampling parameters as packed, the
     18 slots after them."""
-    head = msgpack.packb([request_id, prompt_token_ids, None])  # mm_features: None
+    head = pack([request_id, prompt_token_ids, None], "EngineCoreRequest")  # mm_features: None
     payload = b"".join([b"\xdc\x00\x16", head[1:], packed_sampling, *map(msgpack.packb, tail)])
     return [ADD_FRAME, payload]
 
