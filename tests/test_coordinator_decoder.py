@@ -30,9 +30,9 @@ from tests.test_protocol import (
     msgpack_values,
     pack,
 )
-from trio_dpcoord.protocol import _output_decoder as decoder
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import ProtocolError
+from trio_dpcoord.protocol import _output_decoder as decoder
 
 Outcome = tuple[protocol.OutputKind, int, object] | tuple[str, str]
 
@@ -358,7 +358,8 @@ def test_the_service_uses_the_msgspec_path_when_installed_and_msgpack_otherwise(
     script = (
         "import sys; sys.modules['msgspec'] = None\n"
         "import json\n"
-        "from trio_dpcoord import protocol\nfrom trio_dpcoord.protocol import _output_decoder as d\n"
+        "from trio_dpcoord import protocol\n"
+        "from trio_dpcoord.protocol import _output_decoder as d\n"
         f"frame = bytes.fromhex({stats_frame(real_stats()).hex()!r})\n"
         "assert d.decode_coordinator_output is d.decode_with_msgpack\n"
         "try:\n"

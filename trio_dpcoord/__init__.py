@@ -41,21 +41,21 @@ if TYPE_CHECKING:
     from ._shell.coordinator import open_coordinator as open_coordinator
     from ._shell.endpoints import Liveness as Liveness
     from ._shell.endpoints import PrivateIpcDirectory as PrivateIpcDirectory
-    from ._shell.engine_client import Completion as Completion
     from ._shell.engine_client import EngineClient as EngineClient
-    from ._shell.engine_client import EngineClientStatistics as EngineClientStatistics
-    from ._shell.engine_client import RequestOutput as RequestOutput
-    from ._shell.engine_client import RequestStream as RequestStream
     from ._shell.engine_client import open_engine_client as open_engine_client
     from ._shell.frontend import Frontend as Frontend
     from ._shell.frontend import open_frontend as open_frontend
     from ._shell.monitor import ConnectionMonitor as ConnectionMonitor
     from ._shell.monitor import open_connection_monitor as open_connection_monitor
+    from ._shell.request_stream import Completion as Completion
+    from ._shell.request_stream import EngineClientStatistics as EngineClientStatistics
+    from ._shell.request_stream import RequestOutput as RequestOutput
+    from ._shell.request_stream import RequestStream as RequestStream
     from ._shell.view import CoordinatorView as CoordinatorView
-    from .core._coordinator import CoordinatorCounters as CoordinatorCounters
-    from .core._coordinator import HistogramSnapshot as HistogramSnapshot
-    from .core._coordinator import SubscriptionView as SubscriptionView
-    from .core._coordinator import WaveStartCause as WaveStartCause
+    from .core._counters import CoordinatorCounters as CoordinatorCounters
+    from .core._counters import HistogramSnapshot as HistogramSnapshot
+    from .core._counters import SubscriptionView as SubscriptionView
+    from .core._effects import WaveStartCause as WaveStartCause
     from .core._wave import WaveSnapshot as WaveSnapshot
     from .protocol import EngineLoad as EngineLoad
     from .protocol import ProtocolError as ProtocolError
@@ -109,39 +109,39 @@ __all__ = [
 ]
 
 _EXPORTS: dict[str, str] = {
-    "Completion": "._shell.engine_client",
+    "Completion": "._shell.request_stream",
     "ConnectionMonitor": "._shell.monitor",
     "Coordinator": "._shell.coordinator",
     "CoordinatorClosedError": "._errors",
-    "CoordinatorCounters": ".core._coordinator",
+    "CoordinatorCounters": ".core._counters",
     "CoordinatorError": "._errors",
     "CoordinatorView": "._shell.view",
     "EngineChooser": ".routing._chooser",
     "EngineClient": "._shell.engine_client",
     "EngineClientClosedError": "._errors",
     "EngineClientError": "._errors",
-    "EngineClientStatistics": "._shell.engine_client",
+    "EngineClientStatistics": "._shell.request_stream",
     "EngineDeadError": "._errors",
     "EngineLoad": ".protocol",
     "EngineStartupError": "._errors",
     "Frontend": "._shell.frontend",
-    "HistogramSnapshot": ".core._coordinator",
+    "HistogramSnapshot": ".core._counters",
     "Liveness": "._shell.endpoints",
     "PrefixRouting": ".routing._prefix_router",
     "PrivateIpcDirectory": "._shell.endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
     "RequestAbortedError": "._errors",
-    "RequestOutput": "._shell.engine_client",
-    "RequestStream": "._shell.engine_client",
+    "RequestOutput": "._shell.request_stream",
+    "RequestStream": "._shell.request_stream",
     "RouteDecision": ".routing._prefix_router",
     "RouterCounters": ".routing._prefix_router",
     "Routing": ".routing._chooser",
     "SamplingParams": ".protocol",
-    "SubscriptionView": ".core._coordinator",
+    "SubscriptionView": ".core._counters",
     "UtilityCallError": "._errors",
     "WaveSnapshot": ".core._wave",
-    "WaveStartCause": ".core._coordinator",
+    "WaveStartCause": ".core._effects",
     "open_connection_monitor": "._shell.monitor",
     "open_coordinator": "._shell.coordinator",
     "open_engine_client": "._shell.engine_client",

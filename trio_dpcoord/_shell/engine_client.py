@@ -25,13 +25,11 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, final
 
-import msgpack
 import trio
 import zmq
 
@@ -39,7 +37,6 @@ from .._errors import (
     EngineClientClosedError,
     EngineClientError,
     EngineDeadError,
-    EngineStartupError,
     RequestAbortedError,
     UtilityCallError,
 )
@@ -47,13 +44,10 @@ from ..core._engine_client import HandshakeState, RequestState, RequestTable, Si
 from ..protocol import (
     FINISH_REASONS,
     EngineDead,
-    EngineHandshakeError,
     EngineLoad,
     ProtocolError,
     SamplingParams,
     decode_engine_frames,
-    decode_handshake,
-    decode_ready_response,
     decode_utility_output,
     encode_abort,
     encode_add,
@@ -62,22 +56,28 @@ from ..protocol import (
 )
 from ..routing._chooser import EngineChooser, Routing
 from ..routing._prefix_router import PrefixRouting
-from ..trio_zmq import AsyncSocket, open_context, open_monitor, open_socket, parse_monitor_event
+from ..trio_zmq import AsyncSocket, open_context, open_socket, parse_monitor_event
 from .coordinator import Coordinator, open_coordinator
 from .endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
+from .engine_startup import (
+    ClientSockets,
+    bind_client_sockets,
+    handshake_metadata,
+    tcp_host,
+    wait_for_engines,
+)
+from .request_stream import (
+    Completion,
+    EngineClientStatistics,
+    RequestOutput,
+    RequestStream,
+)
 from .tasks import RejectLog, open_task_nursery
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = [
-    "EngineClient",
-    "EngineClientStatistics",
-    "RequestOutput",
-    "RequestStream",
-    "SamplingParams",
-    "open_engine_client",
-]
+__all__ = ["EngineClient", "open_engine_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,139 +85,6 @@ DEFAULT_STARTUP_TIMEOUT = 600.0
 """vLLM's own default (``VLLM_ENGINE_READY_TIMEOUT_S``): loading weights takes a while."""
 _UNAVAILABLE = EngineLoad(waiting=2**62, running=0, kv_cache_usage=1.0)
 """The load a dead rank is given so that the chooser never picks it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """One step's output of one request: its new token ids, and once it ends the
-    finish reason (vLLM's words: ``stop``, ``length``, ``abort``, ``error``,
-    ``repetition``) and stop reason (a stop token id or string, if one ended it)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A whole request's token ids and finish reason (:meth:`EngineClient.complete`)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    rank: int
-
-
-@final
-class RequestStream:
-    """One request's outputs, as an async iterator; enter it to send the request.
-
-    ``async with client.generate(prompt, params) as stream: async for out in stream:``.
-    The request goes to the engine when the block is entered; leaving the block before
-    the request finished (a ``break``, an error, a cancellation) aborts it on the engine.
-    Iteration ends after the output that carries the finish reason; it raises
-    :class:`EngineDeadError` if the engine goes, :class:`RequestAbortedError` if the
-    request was aborted under it (the caller fell ``buffer`` outputs behind, or the client
-    closed).
-    """
-
-    def __init__(
-        self,
-        client: EngineClient,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        rank: int | None,
-        priority: int,
-        buffer: int,
-    ) -> None:
-        self._client = client
-        self.request_id = request_id
-        self._prompt = list(prompt_token_ids)
-        self._params = params
-        self._pinned = rank
-        self._priority = priority
-        self.rank: int | None = None
-        """The DP rank the request went to (set once entered)."""
-        self._send, self._receive = trio.open_memory_channel[RequestOutput](buffer)
-        self._error: BaseException | None = None
-        self._entered = False
-        self.finish_reason: str | None = None
-
-    async def __aenter__(self) -> RequestStream:
-        if self._entered:
-            raise RuntimeError("a RequestStream can be entered once")
-        self._entered = True
-        self._client._add(self)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._client._release(self)
-        self._receive.close()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._entered:
-            raise RuntimeError("enter the stream (async with) before reading it")
-        try:
-            output = await self._receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            if self._error is not None:
-                raise self._error from None
-            raise StopAsyncIteration from None
-        if output.finish_reason is not None:
-            self.finish_reason = output.finish_reason
-        return output
-
-    # called by the client's tasks (never block)
-    def _deliver(self, output: RequestOutput) -> bool:
-        """Queue one output; False when the reader is ``buffer`` outputs behind."""
-        try:
-            self._send.send_nowait(output)
-        except trio.WouldBlock:
-            return False
-        except trio.BrokenResourceError:  # the reader left; the release aborts it
-            return True
-        if output.finished:
-            self._send.close()
-        return True
-
-    def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-        self._send.close()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineClientStatistics:
-    """What :meth:`EngineClient.statistics` reads: the client's live bookkeeping (all
-    zero once the work is done, which is how a test or a health check sees that nothing
-    leaked) and its running totals."""
-
-    requests_in_flight: int
-    """Requests sent and not finished, aborted or failed yet."""
-    streams_open: int
-    """Request streams the client still delivers outputs to."""
-    calls_pending: int
-    """Utility calls sent and not answered yet."""
-    dead_ranks: frozenset[int]
-    requests_sent: int
-    requests_aborted: int
-    rejected: dict[str, int]
-    """Inputs from the engines refused (bad frames, unknown call ids...), by reason;
-    each was logged at WARNING (rate-limited) and dropped."""
 
 
 class _CountedRejectLog(RejectLog):
@@ -659,15 +526,6 @@ class EngineClient:
         self._send.close()
 
 
-def _tcp_host(address: str) -> str:
-    if not address.startswith("tcp://"):
-        raise ValueError(f"the handshake address must be tcp://HOST:PORT, got {address!r}")
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"the handshake address must be tcp://HOST:PORT, got {address!r}")
-    return host
-
-
 @asynccontextmanager
 async def open_engine_client(
     engine_count: int,
@@ -715,23 +573,23 @@ async def open_engine_client(
     if engine_count < 1:
         raise ValueError("engine_count must be at least 1")
     chooser = EngineChooser(engine_count, routing=routing, prefix=prefix_routing)
-    host = _tcp_host(handshake_address)
+    host = tcp_host(handshake_address)
     check_bind_address(handshake_address, allow_remote=allow_remote)
     free = f"tcp://{host}:0"
     tcp_options = liveness.for_address(free).socket_options()
     async with AsyncExitStack() as stack:
         context = await stack.enter_async_context(open_context())
-        sockets = await _bind_client_sockets(stack, context, engine_count, free, tcp_options)
+        sockets = await bind_client_sockets(stack, context, engine_count, free, tcp_options)
         coordinator = await stack.enter_async_context(
             _embedded_coordinator(engine_count, free, allow_remote, liveness, wave_coordination)
         )
         state = HandshakeState(
-            range(engine_count), _handshake_metadata(sockets, coordinator, parallel_config)
+            range(engine_count), handshake_metadata(sockets, coordinator, parallel_config)
         )
         async with open_socket(
             context, zmq.ROUTER, bind=handshake_address, options=tcp_options
         ) as handshake:
-            await _wait_for_engines(state, handshake, sockets.input, client_index, startup_timeout)
+            await wait_for_engines(state, handshake, sockets.input, client_index, startup_timeout)
         send, receive = trio.open_memory_channel[tuple[bytes, list[bytes]]](math.inf)
         client = EngineClient(
             coordinator,
@@ -762,96 +620,10 @@ def _embedded_coordinator(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _ClientSockets:
-    """The request input (ROUTER) and, per rank, its output (PULL), the PULL's
-    disconnection monitor and the address the rank connects to."""
-
-    input: AsyncSocket
-    input_address: str
-    outputs: list[tuple[AsyncSocket, AsyncSocket, str]]
-
-
-async def _bind_client_sockets(
-    stack: AsyncExitStack,
-    context: zmq.Context[zmq.Socket[bytes]],
-    engine_count: int,
-    free: str,
-    tcp_options: Mapping[int, int | bytes],
-) -> _ClientSockets:
-    """Bind the input and one output per rank on free ports of ``free``'s host; each
-    monitor is open before any engine can connect, so that no disconnection goes unseen."""
-    input_socket = await stack.enter_async_context(
-        open_socket(context, zmq.ROUTER, options={zmq.SNDHWM: 0, **tcp_options})
-    )
-    input_address = input_socket.bind(free)
-    outputs: list[tuple[AsyncSocket, AsyncSocket, str]] = []
-    for _ in range(engine_count):
-        pull = await stack.enter_async_context(
-            open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, **tcp_options})
-        )
-        monitor = await stack.enter_async_context(
-            open_monitor(context, pull, zmq.EVENT_DISCONNECTED)
-        )
-        outputs.append((pull, monitor, pull.bind(free)))
-    return _ClientSockets(input_socket, input_address, outputs)
-
-
-def _handshake_metadata(
-    sockets: _ClientSockets,
-    coordinator: Coordinator,
-    parallel_config: Mapping[str, Any] | None,
-) -> Callable[[int], Mapping[str, Any]]:
-    """vLLM's ``EngineHandshakeMetadata`` for each rank: its sockets, no front-end stats
-    address (the coordinator is in this process), and ``parallel_config``."""
-
-    def metadata(rank: int) -> Mapping[str, Any]:
-        return {
-            "addresses": {
-                "inputs": [sockets.input_address],
-                "outputs": [sockets.outputs[rank][2]],
-                "coordinator_input": coordinator.back_publish_address,
-                "coordinator_output": coordinator.back_output_address,
-                "frontend_stats_publish_address": None,
-            },
-            "parallel_config": dict(parallel_config or {}),
-        }
-
-    return metadata
-
-
-async def _wait_for_engines(
-    state: HandshakeState,
-    handshake: AsyncSocket,
-    input_socket: AsyncSocket,
-    client_index: int,
-    startup_timeout: float,
-) -> None:
-    """The handshake of every rank, or :class:`EngineStartupError` naming the missing."""
-    logger.info(
-        "engine client: waiting for %d engine(s) on %s",
-        len(state.expected),
-        handshake.last_endpoint,
-    )
-    with trio.move_on_after(startup_timeout) as scope:
-        await _handshake(state, handshake, input_socket, client_index)
-    if scope.cancelled_caught:
-        missing = state.missing() or sorted(state.expected - state.ready_responses.keys())
-        raise EngineStartupError(
-            f"engines did not start within {startup_timeout:g} s: {state.describe_missing()}",
-            missing,
-        )
-    logger.info(
-        "engine client: %d engine(s) ready (vLLM %s)",
-        len(state.expected),
-        state.ready_responses[0].get("vllm_version", "?"),
-    )
-
-
 @asynccontextmanager
 async def _run_client(
     client: EngineClient,
-    sockets: _ClientSockets,
+    sockets: ClientSockets,
     receive: trio.MemoryReceiveChannel[tuple[bytes, list[bytes]]],
 ) -> AsyncIterator[None]:
     """The client's tasks: the input sender, the silence watch, and per rank its output
@@ -866,37 +638,6 @@ async def _run_client(
             await nursery.start(_output_listener, client, rank, pull)
             await nursery.start(_connection_watcher, client, rank, monitor)
         yield
-
-
-async def _handshake(
-    state: HandshakeState, handshake: AsyncSocket, input_socket: AsyncSocket, client_index: int
-) -> None:
-    """HELLO/READY on the handshake socket, then every ready response on the input."""
-    reject = RejectLog(logger)
-    while len(state.ready) < len(state.expected):
-        identity, *rest = await handshake.recv_multipart()
-        try:
-            if len(rest) != 1:
-                raise ProtocolError(f"handshake message of {len(rest) + 1} frames")
-            message = decode_handshake(rest[0])
-            answer = state.receive(identity, message)
-        except (EngineHandshakeError, ProtocolError) as exc:
-            if "parallel config hash" in str(exc):
-                raise EngineStartupError(str(exc)) from exc
-            reject("handshake", str(exc))
-            continue
-        rank = int.from_bytes(identity, "little")
-        logger.debug("engine rank %d: %s", rank, message.get("status"))
-        if answer is not None:
-            await handshake.send_multipart([identity, msgpack.packb(dict(answer))])
-    while not state.done:
-        identity, *rest = await input_socket.recv_multipart()
-        try:
-            if len(rest) != 1:
-                raise ProtocolError(f"ready response of {len(rest) + 1} frames")
-            state.receive_ready_response(identity, decode_ready_response(rest[0]))
-        except (EngineHandshakeError, ProtocolError) as exc:
-            reject("ready_response", str(exc))
 
 
 async def _input_sender(

@@ -56,19 +56,17 @@ been silent too long.
 from __future__ import annotations
 
 from ._backlog import BacklogNews, IngestBacklog
-from ._coordinator import (
+from ._coordinator import CoordinatorCore
+from ._counters import CoordinatorCounters, HistogramSnapshot, SubscriptionView
+from ._effects import (
     MAX_ENGINES,
     MAX_WAVE,
     Broadcast,
     Command,
-    CoordinatorCore,
-    CoordinatorCounters,
     Effect,
-    HistogramSnapshot,
     Publish,
     Reject,
     ScaleRequest,
-    SubscriptionView,
     WaveStartCause,
 )
 from ._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch

@@ -3,7 +3,7 @@
 :class:`CoordinatorCore` is to the coordinator what h11's ``Connection`` is to HTTP: it
 takes what arrived (raw frames from a socket, a command, a clock reading) and returns
 the *effects* that must follow, in order; it never awaits, never touches a socket and
-never reads a clock. The trio service (``_service.py``) only moves bytes: each pump
+never reads a clock. The trio service (``_shell/coordinator.py``) only moves bytes: each pump
 reads one socket, calls the core under the coordinator's lock and hands each effect to
 the one task that owns where it goes. The names that go in and come out, and who owns
 each effect, are documented in the public :mod:`trio_dpcoord.core`.
@@ -18,17 +18,32 @@ opens waits inside it and comes out behind READY, in the order it was decided.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final, final
 
 from .. import protocol
 from ..protocol import EngineLoad
 from ..protocol._output_decoder import decode_coordinator_output
 from ._backlog import IngestBacklog
+from ._counters import (
+    CoordinatorCounters,
+    HistogramSnapshot,
+    SubscriptionView,
+    Tally,
+)
+from ._effects import (
+    MAX_ENGINES,
+    MAX_WAVE,
+    Broadcast,
+    Command,
+    Effect,
+    Publish,
+    Reject,
+    ScaleRequest,
+    WaveStartCause,
+)
 from ._pacing import BurstSummary
 from ._wave import (
     HEARTBEAT_INTERVAL,
@@ -60,206 +75,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAX_WAVE: Final = (1 << 64) - 1
-"""Waves travel as msgpack uint64: a wave_complete for this one has no next wave to send."""
-MAX_ENGINES: Final = 1 << 16
-"""Engine ranks are 2-byte identities (§6.1): a larger SCALE_ELASTIC_EP cannot be real."""
-WAKE_LATENCY_BOUNDS: Final = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-)  # fmt: skip
-"""Upper bounds (seconds) of the wake decision-to-send latency histogram's buckets."""
-
-
-class WaveStartCause:
-    """Why a START_DP_WAVE went out: the keys of ``CoordinatorCounters.wave_starts_by_cause``."""
-
-    ENGINE_START_WAVE: Final = "engine_start_wave"
-    """An engine got a request while paused and reported ``start_wave`` (vLLM >= 0.33)."""
-    FIRST_REQUEST: Final = "first_request"
-    """The embedded handle's :meth:`~Coordinator.notify_first_request`."""
-    LEGACY_FIRST_REQUEST: Final = "legacy_first_request"
-    """A pre-0.33 front-end's FIRST_REQ on the front socket."""
-    LATE_SUBSCRIPTION: Final = "late_subscription"
-    """An engine (re)subscribed while a wave runs: it missed that wave's START_DP_WAVE."""
-
-
-@dataclass(frozen=True, slots=True)
-class ScaleRequest:
-    """Elastic EP: resize the load table to ``engine_count`` engines (§5.8)."""
-
-    engine_count: int
-
-
-Command = FirstRequest | ScaleRequest
-"""What :meth:`CoordinatorCore.receive_command` applies: the handle's claims, and the
-front-ends' FIRST_REQ and SCALE_ELASTIC_EP (applied by ``receive_front_frame``)."""
-
-
-# --- effects -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Broadcast:
-    """Send ``frames`` on the engine broadcast socket, then call ``broadcast_sent``.
-
-    ``wave_start`` is None for READY. ``decided_at`` is the clock reading of the decision,
-    so the send's latency can be measured; ``cause`` is a :class:`WaveStartCause` value.
-    """
-
-    frames: list[bytes]
-    wave_start: WaveStart | None
-    decided_at: float
-    cause: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Publish:
-    """Send ``payload`` (an encoded front publish) on the front socket."""
-
-    payload: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Reject:
-    """An input was rejected (already counted under ``reason``); log ``detail``."""
-
-    reason: str
-    detail: str
-
-
-Effect = Broadcast | Publish | Reject
-"""What the core returns: every effect goes out on a socket or to the log."""
-
 _NOTHING: Final[tuple[Effect, ...]] = ()
-
-
-# --- what the core reports -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HistogramSnapshot:
-    """A latency histogram: ``counts[i]`` samples fell at or below ``bounds[i]`` seconds
-    (and above the previous bound); the last count is above every bound (+Inf)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum: float
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorCounters:
-    """What the coordinator received, decided, sent and rejected, since it started."""
-
-    engine_messages: int
-    """Messages received on the engine-output socket (accepted or not)."""
-    stats_applied: int
-    """Valid load reports taken in (each engine's newest in a batch reaches the table)."""
-    stats_coalesced: int
-    """Of those, reports superseded in the same batch by a newer one of their engine, so
-    never written to the load table (the state is the same as if they had been)."""
-    engine_output_backlog: float
-    """Seconds the engine-output socket's queue had not been empty when the listener last
-    read a batch: 0 while the coordinator keeps up, growing while it falls behind."""
-    waves_completed: int
-    """Accepted ``wave_complete`` reports (each moved the wave on)."""
-    wave_starts: int
-    """START_DP_WAVE broadcasts sent."""
-    wave_starts_by_cause: dict[str, int]
-    """START_DP_WAVE broadcasts sent, by :class:`WaveStartCause`."""
-    ready_broadcasts: int
-    front_publishes: int
-    commands: int
-    """Commands applied: first-request notices and elastic-EP resizes."""
-    unconfirmed_expiries: int
-    """First-request starts no engine confirmed in time, so paused again."""
-    rejected: dict[str, int]
-    """Rejected inputs by reason, e.g. ``{"undecodable_engine_output": 2}``."""
-    wake_latency: HistogramSnapshot
-    """Seconds from a START_DP_WAVE decision until it was handed to ZeroMQ."""
-    connections_lost: dict[str, int]
-    """Peer connections lost, by socket (``back_publish``, ``back_output``,
-    ``front``): closed by the peer, or silent past the heartbeat timeout."""
-
-    @property
-    def errors(self) -> int:
-        """Total rejected inputs."""
-        return sum(self.rejected.values())
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriptionView:
-    """The engines' subscriptions to the broadcast socket, as the XPUB reported them.
-
-    Subscription frames carry no engine identity, so this counts them: ``current`` is
-    how many engines are subscribed now; an engine that dies or restarts shows as an
-    unsubscription (the socket is verbose about both) and, when it is back, a late
-    subscription answered with READY.
-    """
-
-    current: int
-    subscribed: int
-    unsubscribed: int
-    late_subscriptions: int
-    gate_open: bool
-    front_ends: int
-    """Front-ends subscribed to the front socket (standalone mode)."""
-    connections: int
-    """Peer connections open on the engine broadcast socket now."""
-    connections_lost: int
-    """Connections the engine broadcast socket lost: a peer that dies or stays silent
-    past the heartbeat timeout shows here, and as an unsubscription."""
-    last_connection_lost_at: float | None
-    """The clock reading (``now``) of the latest such loss."""
-
-
-class _LatencyHistogram:
-    __slots__ = ("_counts", "_sum")
-
-    def __init__(self) -> None:
-        self._counts = [0] * (len(WAKE_LATENCY_BOUNDS) + 1)
-        self._sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self._counts[bisect.bisect_left(WAKE_LATENCY_BOUNDS, seconds)] += 1
-        self._sum += seconds
-
-    def snapshot(self) -> HistogramSnapshot:
-        return HistogramSnapshot(
-            WAKE_LATENCY_BOUNDS, tuple(self._counts), self._sum, sum(self._counts)
-        )
-
-
-@final
-class _Tally:
-    """The core's running counts (what :meth:`CoordinatorCore.counters` copies out)."""
-
-    __slots__ = (
-        "commands",
-        "engine_messages",
-        "front_publishes",
-        "ready_broadcasts",
-        "rejected",
-        "stats_applied",
-        "stats_coalesced",
-        "unconfirmed_expiries",
-        "wake_latency",
-        "wave_starts",
-        "waves_completed",
-    )
-
-    def __init__(self) -> None:
-        self.engine_messages = 0
-        self.stats_applied = 0
-        self.stats_coalesced = 0
-        self.waves_completed = 0
-        self.wave_starts: Counter[str] = Counter()
-        self.ready_broadcasts = 0
-        self.front_publishes = 0
-        self.commands = 0
-        self.unconfirmed_expiries = 0
-        self.rejected: Counter[str] = Counter()
-        self.wake_latency = _LatencyHistogram()
 
 
 _STATS: Final = protocol.OutputKind.STATS
@@ -370,7 +186,7 @@ class CoordinatorCore:
         self._last_connection_lost_at: dict[str, float] = {}
         self._stats_held: list[tuple[int, protocol.StatsReport]] = []
         self._backlog = IngestBacklog()
-        self._tally = _Tally()
+        self._tally = Tally()
         self._coalesced_at_last_read = 0
         self._backlog_at_last_read = 0.0
 

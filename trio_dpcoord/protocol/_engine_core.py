@@ -238,6 +238,13 @@ def decode_ready_response(payload: bytes) -> object:
         raise ProtocolError(f"unreadable ready response: {exc}") from exc
 
 
+def encode_handshake_metadata(metadata: Mapping[str, Any]) -> bytes:
+    """The front-end's answer to an engine's HELLO: vLLM's ``EngineHandshakeMetadata``
+    (the addresses the engine must use, ``parallel_config``), as one msgpack map."""
+    packed: bytes = msgpack.packb(dict(metadata))
+    return packed
+
+
 def decode_handshake(payload: bytes) -> Mapping[str, Any]:
     """An engine's HELLO or READY map from the handshake socket."""
     message = decode_ready_response(payload)
