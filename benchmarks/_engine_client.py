@@ -223,7 +223,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         passes = []
         for _ in range(plan["passes"]):
             by_rank[:] = [0] * plan["engines"]
-            waves_before = client.coordinator.counters().waves_completed
+            waves_before = client.coordinator.statistics().waves_completed
             cpu_before = time.process_time()
             began = time.monotonic()
             ttfts, total = await load(plan["prompts"])
@@ -238,7 +238,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "cpu_s": cpu_s,
                     "coordinator_cpu_s": None,  # inside the client's process, in cpu_s
                     "requests_by_rank": list(by_rank),
-                    "waves": client.coordinator.counters().waves_completed - waves_before,
+                    "waves": client.coordinator.statistics().waves_completed - waves_before,
                 }
             )
     return {"client": "trio_dpcoord open_engine_client", "startup_s": startup_s, "passes": passes}

@@ -129,7 +129,8 @@ def run_one(
     than the feed and the sizes; ``model``: ``run_fleet``'s cost parameters)."""
     policy = make_policy(policy_name, ranks, capacity_blocks, prefix=prefix)
     result = run_policy(trace, ranks, policy, capacity_blocks, **model)
-    counters = getattr(getattr(policy, "chooser", None), "router_counters", None)
+    chooser = getattr(policy, "chooser", None)
+    counters = chooser.statistics().router if chooser is not None else None
     return PolicyFigures(
         hit_rate=result.hit_rate,
         throughput=result.throughput_tokens_per_s,
@@ -290,7 +291,7 @@ def measure_decision(ranks: int, calls: int, capacity_blocks: int, seed: int = 0
     routing = PrefixRouting(capacity_blocks=capacity_blocks)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    ours = EngineChooser(ranks, routing="prefix", prefix=routing)
+    ours = EngineChooser(ranks, routing="prefix", prefix_routing=routing)
     now = 0.0
     fill = 0
     router = ours.router

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import msgpack
@@ -521,17 +522,17 @@ def test_vllm_routing_ignores_prompts_and_stays_the_default() -> None:
         for n in range(4):
             assert plain.choose(table) == given_tokens.choose(table, [n] * 64, now=1.0)
     given_tokens.observe(0, [1] * 64)  # no-op
-    assert plain.inflight == given_tokens.inflight
-    assert given_tokens.router_counters is None
+    assert plain.statistics().inflight == given_tokens.statistics().inflight
+    assert given_tokens.statistics().router is None
     assert not given_tokens.receive_kv_events(0, 0, batch())
     with pytest.raises(ValueError, match="routing must be one of"):
         EngineChooser(2, routing="nope")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="prefix settings need"):
-        EngineChooser(2, prefix=PrefixRouting())
+    with pytest.raises(ValueError, match="prefix_routing settings need"):
+        EngineChooser(2, prefix_routing=PrefixRouting())
 
 
 def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
-    chooser = EngineChooser(4, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    chooser = EngineChooser(4, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     history = family_prompt(2, 1, 10)  # 40 tokens
     first = chooser.choose(idle(4), history, now=0.0)
     # The next report: the first request waits on its rank.
@@ -549,10 +550,26 @@ def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
     assert chooser.choose(loads, [*session, *range(4)], now=2.0) == pinned
     # Without token ids: the load part alone, the least loaded rank.
     assert chooser.choose(loads, now=2.0) not in (first, other, pinned)
-    counters = chooser.router_counters
+    counters = chooser.statistics().router
     assert counters is not None and counters.decisions == 6
     assert 0 < counters.cached_tokens < counters.prompt_tokens
-    assert chooser.inflight[first] == 2 and sum(chooser.inflight) == 6  # 5 chosen, 1 pinned
+    assert chooser.statistics().inflight[first] == 2
+    assert sum(chooser.statistics().inflight) == 6  # 5 chosen, 1 pinned
+
+
+def test_statistics_is_a_frozen_copy_that_later_choices_leave_alone() -> None:
+    chooser = EngineChooser(2, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
+    assert chooser.engine_count == 2 and chooser.routing == "prefix"
+    rank = chooser.choose(idle(2), family_prompt(0, 0, 4), now=0.0)
+    before = chooser.statistics()
+    chooser.choose(idle(2), family_prompt(1, 0, 4), now=1.0)
+    chooser.finished(rank)
+    assert before.inflight[rank] == 1 and sum(before.inflight) == 1
+    assert before.router is not None and before.router.decisions == 1
+    after = chooser.statistics()
+    assert after.router is not None and after.router.decisions == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.inflight = ()  # type: ignore[misc]
 
 
 def test_only_a_counted_pinned_request_is_released_by_finished() -> None:
@@ -562,31 +579,31 @@ def test_only_a_counted_pinned_request_is_released_by_finished() -> None:
     vllm = EngineChooser(2)
     chosen = vllm.choose(idle(2))
     assert vllm.observe(chosen, [1, 2, 3]) is False
-    assert vllm.inflight[chosen] == 1
-    prefix = EngineChooser(2, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    assert vllm.statistics().inflight[chosen] == 1
+    prefix = EngineChooser(2, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     chosen = prefix.choose(idle(2), family_prompt(0, 0, 4), now=0.0)
     assert prefix.observe(chosen, family_prompt(1, 0, 4), now=0.0) is True
-    assert prefix.inflight[chosen] == 2
+    assert prefix.statistics().inflight[chosen] == 2
     prefix.finished(chosen)
     prefix.finished(chosen)
-    assert prefix.inflight[chosen] == 0
+    assert prefix.statistics().inflight[chosen] == 0
 
 
 def test_the_wired_chooser_counts_its_own_work_until_the_next_report() -> None:
-    chooser = EngineChooser(2, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    chooser = EngineChooser(2, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     # No report ever arrives: the work this chooser sent spreads the next requests.
     ranks = [chooser.choose(idle(2), family_prompt(n, 0, 8), now=0.0) for n in range(4)]
     assert sorted(ranks) == [0, 0, 1, 1]
     for rank in ranks:
         chooser.finished(rank)
-    assert chooser.inflight == (0, 0)
+    assert chooser.statistics().inflight == (0, 0)
     # Finished, they weigh nothing: a repeat of the first goes back to its rank.
     assert chooser.choose(idle(2), family_prompt(0, 0, 8), now=0.0) == ranks[0]
 
 
 def test_the_wired_chooser_feeds_exact_events_and_follows_a_resize() -> None:
     routing = PrefixRouting(block_size=BLOCK, feed="exact")
-    chooser = EngineChooser(2, routing="prefix", prefix=routing)
+    chooser = EngineChooser(2, routing="prefix", prefix_routing=routing)
     tokens = [5, 6, 7, 8, 9, 10, 11, 12]
     assert chooser.receive_kv_events(1, 0, batch(stored_event([1, 2], None, tokens, BLOCK)))
     assert not chooser.receive_kv_events(1, 1, b"\xc1")

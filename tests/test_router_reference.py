@@ -314,4 +314,4 @@ def test_the_vllm_choice_is_the_rotated_scan(
         else:
             ours.finished(arg)
             ref.finished(arg)
-        assert list(ours.inflight) == ref.inflight
+        assert list(ours.statistics().inflight) == ref.inflight

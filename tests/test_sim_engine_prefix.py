@@ -218,7 +218,7 @@ async def test_kv_events_route_a_sessions_next_turn_to_the_rank_that_holds_it(
     assert any(isinstance(e, BlockRemoved) for b in decoded for e in b.events)
 
     chooser = EngineChooser(
-        2, routing="prefix", prefix=PrefixRouting(feed="exact", capacity_blocks=6)
+        2, routing="prefix", prefix_routing=PrefixRouting(feed="exact", capacity_blocks=6)
     )
     for seq, payload in batches:
         assert chooser.receive_kv_events(1, seq, payload, now=1.0)

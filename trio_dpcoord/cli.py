@@ -361,7 +361,7 @@ async def _serve(args: argparse.Namespace) -> int:
                         logger.info("%s received: stopping", signal.Signals(signum).name)
                         break
                     nursery.cancel_scope.cancel()
-                counters = coordinator.counters()
+                counters = coordinator.statistics()
         except CoordinatorError as exc:
             print(f"trio-dpcoord: error: {exc}", file=sys.stderr, flush=True)
             return 1 if started else 2

@@ -15,8 +15,8 @@ task of the service: no thread, loopback unless ``--allow-remote``. A trio app w
 an HTTP server of its own can do the same with :func:`serve_metrics`.
 
 The collector reads the handle's cheap, thread-safe views (``snapshot()``,
-``engine_loads()``, ``subscriptions()``, ``counters()``) at every scrape; it keeps no state
-of its own, so a scrape always shows the coordinator as it is.
+``engine_loads()``, ``subscriptions()``, ``statistics()``) at every scrape; it keeps no
+state of its own, so a scrape always shows the coordinator as it is.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class CoordinatorCollector(Collector):
     def _families(self) -> Iterator[Metric]:
         """Every family, from one reading of each of the handle's views."""
         coordinator = self._coordinator
-        counters = coordinator.counters()
+        counters = coordinator.statistics()
         view = coordinator.subscriptions()
         yield from self._state_gauges(coordinator.snapshot(), counters, view)
         yield from self._event_counters(counters, view)

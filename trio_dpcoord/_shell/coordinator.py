@@ -2,7 +2,7 @@
 
 One nursery runs::
 
-    handle.notify_first_request (claim and apply, in the caller's task) ────────────┐
+    handle.route / notify_first_request (claim and apply, in the caller's task) ────┐
     front XPUB ─► command receiver (front-ends' subscriptions, FIRST_REQ, SCALE) ────┤
     engine PUSH ─► PULL ─► engine-output listener (batch receive) ──────────────────┤
     back XPUB subscriptions ─► subscription watcher ────────────────────────────────┤
@@ -48,10 +48,13 @@ from ..core._coordinator import (
 )
 from ..core._wave import WaveSnapshot
 from ..protocol import EngineLoad
+from ..routing._chooser import EngineChooser, Routing
+from ..routing._prefix_router import PrefixRouting
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from .endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, bind_socket
 from .monitor import PeerMonitor, open_peer_monitor
 from .tasks import RejectLog, open_task_nursery
+from .view import Route
 
 __all__ = ["Coordinator", "open_coordinator"]
 
@@ -315,17 +318,20 @@ class _Pumps:
                     self.core.connection_lost(peers.key, now)
             self.changed()
 
-    def notify_first_request(self, engine_index: int) -> None:
-        """The handle's claim, applied in the caller's task (see the handle)."""
+    def notify_first_request(self, engine_index: int) -> int:
+        """The handle's claim, applied in the caller's task (see the handle); returns the
+        wave to stamp on the request, read in the same critical section."""
         with self.lock:
             if self.closed:
                 raise CoordinatorClosedError("the coordinator has stopped")
+            wave = self.core.snapshot().current_wave
             claim = self.core.claim_first_request(engine_index)
             if claim is not None:
                 self.dispatch(self.core.receive_command(claim, trio.current_time()))
                 self.reschedule()
         if claim is not None:
             self.changed()
+        return wave
 
     def close(self) -> None:
         # The channel stays open: a task that already holds received frames when the
@@ -341,20 +347,24 @@ class Coordinator:
 
     Built complete by :func:`open_coordinator` once every socket is bound. Every method is
     synchronous and cheap, safe from any trio task; :meth:`snapshot`,
-    :meth:`engine_loads`, :meth:`subscriptions` and :meth:`counters` may also be called
-    from other threads.
+    :meth:`engine_loads`, :meth:`subscriptions`, :meth:`statistics` and
+    :attr:`engine_count` may also be called from other threads (:meth:`route`,
+    :meth:`observe` and :meth:`finished` only from trio tasks). Properties are fixed
+    settings; methods read what changes (the README's rule).
     """
 
     def __init__(
         self,
         pumps: _Pumps,
         addresses: dict[str, str | None],
-        *,
+        chooser: EngineChooser,
         curve_public_key: bytes | None,
+        *,
         ready_timeout: float | None,
     ) -> None:
         """``addresses``: the bound address of each socket, by its key in the counters."""
         self._pumps = pumps
+        self._chooser = chooser
         self._core = pumps.core
         self._lock = pumps.lock
         self._back_publish_address = addresses["back_publish"] or ""
@@ -399,10 +409,17 @@ class Coordinator:
     def wake_confirm_timeout(self) -> float:
         return self._core.wake_confirm_timeout
 
+    @property
     def engine_count(self) -> int:
-        """How many engines the load table holds (changes with SCALE_ELASTIC_EP)."""
+        """How many engines the load table holds (changes only with SCALE_ELASTIC_EP)."""
         with self._lock:
             return self._core.engine_count()
+
+    @property
+    def chooser(self) -> EngineChooser:
+        """The engine chooser :meth:`route` asks (its policy, :meth:`~EngineChooser.statistics`
+        and, with ``routing="prefix"``, ``receive_kv_events`` for the exact feed)."""
+        return self._chooser
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
@@ -427,6 +444,29 @@ class Coordinator:
         """
         self._pumps.notify_first_request(engine_index)
 
+    def route(self, prompt_token_ids: Sequence[int] | None = None) -> Route:
+        """Route one new request: the rank :attr:`chooser` picks from the live loads
+        (``prompt_token_ids`` serve ``routing="prefix"``), the wave to stamp on it, and
+        the wake of paused engines (:meth:`notify_first_request`), in one call, in that
+        order and with no checkpoint between. The request counts in flight on that rank
+        until :meth:`finished`. :class:`CoordinatorClosedError` once stopped."""
+        if self._pumps.closed:
+            raise CoordinatorClosedError("the coordinator has stopped")
+        loads = self.engine_loads()
+        rank = self._chooser.choose(loads, prompt_token_ids, now=trio.current_time())
+        return Route(rank, self._pumps.notify_first_request(rank))
+
+    def observe(self, engine_index: int, prompt_token_ids: Sequence[int]) -> bool:
+        """A request went to ``engine_index`` without :meth:`route` (pinned; its wave and
+        wake: :meth:`snapshot`, :meth:`notify_first_request`): the prefix policy learns it
+        (no-op with vLLM's). True if it now counts in flight (then :meth:`finished`)."""
+        return self._chooser.observe(engine_index, prompt_token_ids, now=trio.current_time())
+
+    def finished(self, engine_index: int) -> None:
+        """A request :meth:`route` sent to ``engine_index`` (or :meth:`observe` counted
+        there) finished (vLLM's ``finished_requests``): its in-flight count is released."""
+        self._chooser.finished(engine_index)
+
     def subscriptions(self) -> SubscriptionView:
         """The engines' subscriptions as seen on the broadcast socket."""
         with self._lock:
@@ -448,8 +488,8 @@ class Coordinator:
             for monitor in self._pumps.monitors:
                 monitor.shutdown_expected = True
 
-    def counters(self) -> CoordinatorCounters:
-        """A copy of the counters of received, decided, sent and rejected messages."""
+    def statistics(self) -> CoordinatorCounters:
+        """What was received, decided, sent and rejected since the start: a frozen copy."""
         with self._lock:
             return self._core.counters()
 
@@ -608,6 +648,8 @@ async def open_coordinator(
     wake_confirm_timeout: float = 30.0,
     curve_secret_key: bytes | None = None,
     liveness: Liveness = DEFAULT_LIVENESS,
+    routing: Routing = "vllm",
+    prefix_routing: PrefixRouting | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
@@ -629,8 +671,10 @@ async def open_coordinator(
     peers that know :attr:`Coordinator.curve_public_key` connect. ``liveness``: ZMTP
     heartbeats and TCP keepalive, so a silent peer (a partition, a dead node) is dropped
     within about ``liveness.notice_within`` seconds, counted in ``connections_lost``,
-    logged, and given READY again when it comes back and subscribes.
+    logged, and given READY again when it comes back and subscribes. ``routing`` and
+    ``prefix_routing``: the policy of :meth:`Coordinator.route` (see :class:`EngineChooser`).
     """
+    chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix_routing)
     core = CoordinatorCore(
         engine_count,
         wave_coordination=wave_coordination,
@@ -645,7 +689,7 @@ async def open_coordinator(
         pumps, requested, curve_options, liveness, allow_remote
     ) as bound:
         handle = Coordinator(
-            pumps, bound.addresses, curve_public_key=curve_public_key, ready_timeout=ready_timeout
+            pumps, bound.addresses, chooser, curve_public_key, ready_timeout=ready_timeout
         )
         async with _running_pumps(pumps, bound):
             yield handle

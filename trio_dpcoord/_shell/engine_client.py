@@ -110,7 +110,9 @@ class _PendingCall:
 
 @final
 class EngineClient:
-    """The handle :func:`open_engine_client` yields once every engine is ready."""
+    """The handle :func:`open_engine_client` yields once every engine is ready.
+
+    Properties are fixed settings; methods read what changes (the README's rule)."""
 
     def __init__(
         self,
@@ -122,12 +124,10 @@ class EngineClient:
         silence_timeout: float | None = None,
         chooser: EngineChooser | None = None,
     ) -> None:
-        self.coordinator = coordinator
-        """The embedded wave coordinator (its snapshot, loads and counters)."""
-        self.engine_count = engine_count
-        self.ready_responses: Mapping[int, Mapping[str, Any]] = ready_responses
-        """Each rank's ``EngineCoreReadyResponse`` (``max_model_len``, ``vllm_version``...)."""
-        self.client_index = client_index
+        self._coordinator = coordinator
+        self._engine_count = engine_count
+        self._ready_responses = ready_responses
+        self._client_index = client_index
         self._send = send_channel
         self._table = RequestTable()
         self._streams: dict[str, RequestStream] = {}
@@ -138,20 +138,33 @@ class EngineClient:
         self._chooser = chooser if chooser is not None else EngineChooser(engine_count)
         self._closed = False
         self._request_ids = (f"trio-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
-        self.reject = _CountedRejectLog(logger)
+        self._reject = _CountedRejectLog(logger)
         self._silence = SilenceWatch(silence_timeout) if silence_timeout is not None else None
         self._work_sent = trio.Event()
-        self.requests_sent = 0
-        self.requests_aborted = 0
+        self._requests_sent = 0
+        self._requests_aborted = 0
         self._shutdown_expected = False
         self._paused_by_us = False
         """Between a pause call of ours and its resume: no first-request notice then."""
 
     # --- public API -----------------------------------------------------------------
     @property
-    def dead_ranks(self) -> frozenset[int]:
-        """Ranks taken as dead; nothing is sent to them any more."""
-        return frozenset(self._table.dead)
+    def coordinator(self) -> Coordinator:
+        """The embedded wave coordinator (its snapshot, loads and statistics)."""
+        return self._coordinator
+
+    @property
+    def engine_count(self) -> int:
+        return self._engine_count
+
+    @property
+    def client_index(self) -> int:
+        return self._client_index
+
+    @property
+    def ready_responses(self) -> Mapping[int, Mapping[str, Any]]:
+        """Each rank's ``EngineCoreReadyResponse`` (``max_model_len``, ``vllm_version``...)."""
+        return self._ready_responses
 
     def expect_shutdown(self) -> None:
         """The engines are being stopped on purpose (call it just before stopping them):
@@ -159,27 +172,24 @@ class EngineClient:
         the embedded coordinator is told the same, so a normal shutdown does not read
         like an outage."""
         self._shutdown_expected = True
-        self.coordinator.expect_shutdown()
+        self._coordinator.expect_shutdown()
 
     def in_flight(self, rank: int | None = None) -> list[str]:
         """Request ids in flight (on ``rank`` only, if given)."""
         return self._table.in_flight(rank)
 
-    def pending_calls(self) -> int:
-        """Utility calls sent and not answered yet."""
-        return len(self._calls)
-
     def statistics(self) -> EngineClientStatistics:
-        """The client's bookkeeping now (as trio's ``statistics()`` methods: a cheap,
-        synchronous read)."""
+        """The client's bookkeeping now, a frozen copy (as trio's ``statistics()``
+        methods: a cheap, synchronous read): requests and calls in flight, the ranks
+        taken as dead, running totals."""
         return EngineClientStatistics(
             requests_in_flight=len(self._table.in_flight()),
             streams_open=len(self._streams),
             calls_pending=len(self._calls),
-            dead_ranks=self.dead_ranks,
-            requests_sent=self.requests_sent,
-            requests_aborted=self.requests_aborted,
-            rejected=dict(self.reject.counts),
+            dead_ranks=frozenset(self._table.dead),
+            requests_sent=self._requests_sent,
+            requests_aborted=self._requests_aborted,
+            rejected=dict(self._reject.counts),
         )
 
     def generate(
@@ -198,8 +208,8 @@ class EngineClient:
         otherwise the chooser picks the engine from the coordinator's live loads.
         ``buffer``: how many outputs may wait unread before the request is aborted.
         """
-        if rank is not None and not 0 <= rank < self.engine_count:
-            raise ValueError(f"rank must be in [0, {self.engine_count}), got {rank}")
+        if rank is not None and not 0 <= rank < self._engine_count:
+            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
         if buffer < 1:
             raise ValueError("buffer must be at least 1")
         return RequestStream(
@@ -237,7 +247,7 @@ class EngineClient:
             return
         stream = self._streams.get(request_id)
         self._finish(request_id, rank)
-        self.requests_aborted += 1
+        self._requests_aborted += 1
         self._queue(rank, encode_abort([request_id]))
         if stream is not None and not stream._deliver(RequestOutput(request_id, (), "abort")):
             stream._fail(RequestAbortedError(f"request {request_id} aborted"))
@@ -249,15 +259,15 @@ class EngineClient:
         :class:`EngineDeadError` if the engine goes first. Results are decoded msgpack
         (vLLM sends typed results only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
         self._check_usable()
-        if not 0 <= rank < self.engine_count:
-            raise ValueError(f"rank must be in [0, {self.engine_count}), got {rank}")
+        if not 0 <= rank < self._engine_count:
+            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
         if rank in self._table.dead:
             raise EngineDeadError(rank, "taken as dead earlier")
         call_id = self._table.new_call(rank)
         call = _PendingCall(rank, method, trio.Event())
         self._calls[call_id] = call
         try:
-            self._queue(rank, encode_utility(self.client_index, call_id, method, args))
+            self._queue(rank, encode_utility(self._client_index, call_id, method, args))
             await call.done.wait()
         finally:
             if self._calls.pop(call_id, None) is not None:
@@ -268,7 +278,7 @@ class EngineClient:
 
     async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
         """The same utility call on every live rank, results in rank order."""
-        live = [r for r in range(self.engine_count) if r not in self._table.dead]
+        live = [r for r in range(self._engine_count) if r not in self._table.dead]
         results: dict[int, Any] = {}
 
         async def one(rank: int) -> None:
@@ -340,14 +350,14 @@ class EngineClient:
 
     def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         dead = self._table.dead
-        if len(dead) >= self.engine_count:
+        if len(dead) >= self._engine_count:
             raise EngineDeadError(min(dead), "every engine is gone")
-        loads = list(self.coordinator.engine_loads())
-        loads += [EngineLoad(0, 0, 0.0)] * (self.engine_count - len(loads))
+        loads = list(self._coordinator.engine_loads())
+        loads += [EngineLoad(0, 0, 0.0)] * (self._engine_count - len(loads))
         for rank in dead:
             loads[rank] = _UNAVAILABLE
         return self._chooser.choose(
-            loads[: self.engine_count], prompt_token_ids, now=trio.current_time()
+            loads[: self._engine_count], prompt_token_ids, now=trio.current_time()
         )
 
     def _add(self, stream: RequestStream) -> None:
@@ -363,7 +373,7 @@ class EngineClient:
         self._table.add(stream.request_id, rank)
         stream.rank = rank
         self._streams[stream.request_id] = stream
-        snapshot = self.coordinator.snapshot()
+        snapshot = self._coordinator.snapshot()
         self._queue(
             rank,
             encode_add(
@@ -372,15 +382,15 @@ class EngineClient:
                 stream._params,
                 arrival_time=time.time(),
                 current_wave=snapshot.current_wave,
-                client_index=self.client_index,
+                client_index=self._client_index,
                 data_parallel_rank=stream._pinned,
                 priority=stream._priority,
             ),
         )
-        self.requests_sent += 1
+        self._requests_sent += 1
         if not snapshot.engines_running and not self._paused_by_us:
             # as DPAsyncMPClient: the request first, then the first-request notice
-            self.coordinator.notify_first_request(rank)
+            self._coordinator.notify_first_request(rank)
 
     def _release(self, stream: RequestStream) -> None:
         """The caller left the stream: abort the request if it is still live."""
@@ -390,7 +400,7 @@ class EngineClient:
         self._table.finish(stream.request_id, RequestState.ABORTED)
         self._streams.pop(stream.request_id, None)
         self._chooser_finished(stream.request_id, rank)
-        self.requests_aborted += 1
+        self._requests_aborted += 1
         if not self._closed:
             with suppress(EngineClientClosedError):
                 self._queue(rank, encode_abort([stream.request_id]))
@@ -403,7 +413,7 @@ class EngineClient:
         try:
             message = decode_engine_frames(frames)
         except ProtocolError as exc:
-            self.reject("engine_output", f"rank {rank}: {exc}")
+            self._reject("engine_output", f"rank {rank}: {exc}")
             return
         if isinstance(message, EngineDead):
             self._rank_dead(rank, "it sent ENGINE_CORE_DEAD")
@@ -434,7 +444,7 @@ class EngineClient:
             self._table.finish(request_id, RequestState.ABORTED)
             self._streams.pop(request_id, None)
             self._chooser_finished(request_id, rank)
-            self.requests_aborted += 1
+            self._requests_aborted += 1
         if aborted:
             self._queue(rank, encode_abort(aborted))
         if message.utility_output is not None:
@@ -456,11 +466,11 @@ class EngineClient:
         try:
             answer = decode_utility_output(raw)
         except ProtocolError as exc:
-            self.reject("utility_output", f"rank {rank}: {exc}")
+            self._reject("utility_output", f"rank {rank}: {exc}")
             return
         call = self._calls.pop(answer.call_id, None)
         if call is None:
-            self.reject("utility_output", f"rank {rank}: no call {answer.call_id} pending")
+            self._reject("utility_output", f"rank {rank}: no call {answer.call_id} pending")
             return
         self._table.complete_call(answer.call_id)
         if answer.failure is not None:
@@ -572,7 +582,7 @@ async def open_engine_client(
     """
     if engine_count < 1:
         raise ValueError("engine_count must be at least 1")
-    chooser = EngineChooser(engine_count, routing=routing, prefix=prefix_routing)
+    chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix_routing)
     host = tcp_host(handshake_address)
     check_bind_address(handshake_address, allow_remote=allow_remote)
     free = f"tcp://{host}:0"
@@ -681,7 +691,7 @@ async def _connection_watcher(
         try:
             event = parse_monitor_event(await monitor.recv_multipart())
         except ValueError as exc:
-            client.reject("monitor", str(exc))
+            client._reject("monitor", str(exc))
             continue
         if event.event == zmq.EVENT_DISCONNECTED:
             client._rank_dead(rank, "its output connection was lost")

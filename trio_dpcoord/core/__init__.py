@@ -70,7 +70,7 @@ from ._effects import (
     WaveStartCause,
 )
 from ._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
-from ._frontend import FrontendState
+from ._frontend import FrontendState, FrontendStatistics
 from ._pacing import BurstSummary, ProgressPacer
 from ._wave import (
     HEARTBEAT_INTERVAL,
@@ -95,6 +95,7 @@ __all__ = [
     "Effect",
     "FirstRequest",
     "FrontendState",
+    "FrontendStatistics",
     "HandshakeState",
     "HistogramSnapshot",
     "IngestBacklog",

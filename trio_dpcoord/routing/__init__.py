@@ -20,6 +20,7 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._chooser import ROUTINGS as ROUTINGS
+    from ._chooser import ChooserStatistics as ChooserStatistics
     from ._chooser import EngineChooser as EngineChooser
     from ._chooser import Routing as Routing
     from ._prefix_index import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ROUTINGS",
+    "ChooserStatistics",
     "EngineChooser",
     "PrefixRouter",
     "PrefixRouting",
@@ -48,6 +50,7 @@ __all__ = [
 _EXPORTS: dict[str, str] = {
     "DEFAULT_BLOCK_SIZE": "._prefix_index",
     "ROUTINGS": "._chooser",
+    "ChooserStatistics": "._chooser",
     "EngineChooser": "._chooser",
     "PrefixRouter": "._prefix_router",
     "PrefixRouting": "._prefix_router",

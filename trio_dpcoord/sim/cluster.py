@@ -91,7 +91,7 @@ class EmbeddedCoordinator(CoordinatorView, Protocol):
 
     async def wait_ready(self) -> None: ...
 
-    def counters(self) -> _Counters: ...
+    def statistics(self) -> _Counters: ...
 
     def expect_shutdown(self) -> None: ...
 
@@ -653,8 +653,8 @@ def _collect(
     report.prefix_hits = list(frontend.prefix_hits)
     report.engine_tokens = list(frontend.engine_tokens)
     report.kv_event_batches = frontend.kv_event_batches
-    counters = frontend.chooser.router_counters
+    counters = frontend.chooser.statistics().router
     if counters is not None:
         report.routing_counters = dataclasses.asdict(counters)
     if coordinator is not None:
-        report.coordinator_errors = coordinator.counters().errors
+        report.coordinator_errors = coordinator.statistics().errors

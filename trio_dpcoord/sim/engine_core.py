@@ -374,8 +374,8 @@ async def run_engine_core_cluster(
                 await _client_load(client, config, report)
                 with trio.move_on_after(1.0):  # count the last wave too
                     await client.coordinator.wait_for(lambda c: not c.snapshot().engines_running)
-                report.coordinator_errors = client.coordinator.counters().errors
-                report.waves = client.coordinator.counters().waves_completed
+                report.coordinator_errors = client.coordinator.statistics().errors
+                report.waves = client.coordinator.statistics().waves_completed
     except Exception as exc:  # an engine-client error, or a request's (in a group)
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("engine-core cluster run failed")

@@ -45,6 +45,7 @@ import zmq
 from .. import (
     CoordinatorView,
     EngineChooser,
+    Frontend,
     PrefixRouting,
     PrivateIpcDirectory,
     Routing,
@@ -124,7 +125,7 @@ class SimFrontend:
         self.wake_path: WakePath = wake_path
         self.request_address = request_address
         self.completion_address = completion_address
-        self.chooser = EngineChooser(engine_count, routing=routing, prefix=prefix)
+        self.chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix)
         self.kv_event_addresses = tuple(kv_event_addresses)
         """Per rank, where its engine publishes KV events (empty: no KV events)."""
         self.kv_event_batches = 0
@@ -202,8 +203,8 @@ class SimFrontend:
         self._observers.unpark_all()
 
     def _observe_front_wave(self, wave: int) -> None:
-        disconnects = getattr(self.view, "disconnects", None)  # a remote coordinator's view
-        connection = 0 if disconnects is None else disconnects()
+        view = self.view  # a remote coordinator's view counts its connection drops
+        connection = view.statistics().disconnects if isinstance(view, Frontend) else 0
         if wave < self.front_wave and connection != self._raised_in:
             self.wave_resets += 1
             logger.warning(
