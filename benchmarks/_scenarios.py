@@ -473,8 +473,6 @@ def decode_costs(calls: int) -> dict[str, float]:
     """ns per decode of a stats-only ``EngineCoreOutputs`` (vLLM's full 18-key stats map,
     496 bytes) by the coordinator's two decoder paths, against a bare ``msgpack.unpackb``
     of the same frame (which checks nothing and builds every object)."""
-    from trio_dpcoord import _coordinator_decoder as decoder
-
     frame = protocol.encode_engine_core_outputs(
         protocol.EngineCoreOutputs(
             engine_index=2,
@@ -483,11 +481,15 @@ def decode_costs(calls: int) -> dict[str, float]:
         )
     )
     result = {
-        "msgpack_path_ns": _per_call_ns(decoder.decode_with_msgpack, frame, calls),
+        "msgpack_path_ns": _per_call_ns(
+            protocol.decode_coordinator_output_with_msgpack, frame, calls
+        ),
         "unpackb_ns": _per_call_ns(msgpack.unpackb, frame, calls),
     }
-    if decoder.DECODER == "msgspec":
-        result["msgspec_path_ns"] = _per_call_ns(decoder.decode_with_msgspec, frame, calls)
+    if protocol.COORDINATOR_OUTPUT_DECODER == "msgspec":
+        result["msgspec_path_ns"] = _per_call_ns(
+            protocol.decode_coordinator_output_with_msgspec, frame, calls
+        )
     return result
 
 

@@ -98,7 +98,7 @@ async def test_a_vanished_engine_shows_in_the_engine_view_and_gets_ready_again(
     """The engine's sockets close (as when its process dies): the coordinator logs the
     unsubscription and counts it; the engine restarted on the same rank subscribes
     late and gets READY."""
-    caplog.set_level(logging.WARNING, logger="trio_dpcoord._shell.coordinator")
+    caplog.set_level(logging.WARNING, logger="trio_dpcoord")
     with trio.fail_after(30):
         async with open_coordinator(2, ready_timeout=10) as coord:
             async with open_sim_frontend(coord, 2) as fe:

@@ -21,8 +21,9 @@ the service's interleavings, which also covers an embedder that drives the core 
 and applies its claims later, as the core's contract allows.
 
 The checker reads the core's private decision state (``_observe``) to memoise states, and
-swaps its wave rule for the mutants: a documented exception to "tests use public names
-only", since no public read should expose what only a state-space search needs.
+swaps its wave rule for the mutants, through test hooks of :mod:`trio_dpcoord.testing`
+(``core_internals``, ``replace_wave_rule``, ``force_wave_state``): no public read of the
+core should expose what only a state-space search needs.
 
 Checked in every reachable state: the coordinator's wave never decreases; it never
 broadcasts a wave it already broadcast while that wave runs; engines stepping together
@@ -58,6 +59,7 @@ from trio_dpcoord.core import (
     WaveStartCause,
     WaveState,
 )
+from trio_dpcoord.testing import core_internals, force_wave_state, replace_wave_rule
 
 # --------------------------------------------------------------------------- the model
 
@@ -146,8 +148,8 @@ class World:
 def initial_world(config: Config) -> World:
     core = CoordinatorCore(config.engines, publish_to_front_ends=_viewing_front_end(config))
     # The mutants below are wave rules with a known bug: the checker must catch each one.
-    # Only this test swaps the core's rule object, so the core takes no hook for it.
-    core._wave = config.wave_state()
+    # Only this test swaps the core's rule object: the hook is a test hook, not the core's.
+    replace_wave_rule(core, config.wave_state())
     n = config.engines
     return World(
         coordinator=_observe(core),
@@ -169,14 +171,15 @@ def initial_world(config: Config) -> World:
 def _observe(core: CoordinatorCore) -> tuple[object, ...]:
     """Everything in the core that decides what it does next (its counters excepted)."""
     snap = core.snapshot()
+    inside = core_internals(core)
     return (
         snap.current_wave,
         snap.engines_running,
-        core._wave.first_request_pending,
-        core._wave.unconfirmed_wave,
+        inside.first_request_pending,
+        inside.unconfirmed_wave,
         core.gate_open(),
-        repr(core._deferred),
-        repr(core._deferred_commands),
+        repr(inside.deferred),
+        repr(inside.deferred_commands),
     )
 
 
@@ -525,7 +528,7 @@ def quiescent_violation(world: World) -> str | None:
     waves = {e.wave for e in world.engines}
     snap = world.core.snapshot()
     wave, running_flag = snap.current_wave, snap.engines_running
-    if waves != {wave} or running_flag or world.core._wave.first_request_pending:
+    if waves != {wave} or running_flag or core_internals(world.core).first_request_pending:
         return (
             f"coordinator settles at wave {wave} {'running' if running_flag else 'paused'} "
             f"while the engines sleep at wave(s) {sorted(waves)}"
@@ -537,7 +540,7 @@ def render(world: World) -> str:
     snap = world.core.snapshot()
     parts = [
         f"coordinator wave {snap.current_wave} {'running' if snap.engines_running else 'paused'}"
-        + (" (claim pending)" if world.core._wave.first_request_pending else "")
+        + (" (claim pending)" if core_internals(world.core).first_request_pending else "")
         + ("" if world.core.gate_open() else " (gate closed)")
     ]
     for i, e in enumerate(world.engines):
@@ -672,7 +675,7 @@ class PreFixWaveState(WaveState):
     ) -> WaveStart | None:
         if super().start_wave_for_first_request(request_wave, target_engine_index) is None:
             return None
-        self._snapshot = WaveSnapshot(request_wave, True)  # the rewind under test
+        force_wave_state(self, snapshot=WaveSnapshot(request_wave, True))  # the rewind under test
         return WaveStart(request_wave, target_engine_index)
 
 
@@ -701,7 +704,7 @@ class KeepClaimAfterEngineStartWaveState(WaveState):
     def engine_start_wave(self, wave: int, engine_index: int) -> WaveStart | None:
         pending = self.first_request_pending
         start = super().engine_start_wave(wave, engine_index)
-        self._first_request_pending = pending
+        force_wave_state(self, first_request_pending=pending)
         return start
 
 

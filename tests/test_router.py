@@ -12,12 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
-
-# private import (documented exception): unit test of the router's own pieces (the rank
-# index, KV-event decoding, block keys)
 from trio_dpcoord.protocol import KVEventError, decode_event_batch
-from trio_dpcoord.routing import PrefixRouter
-from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
+from trio_dpcoord.routing import PrefixRouter, RankPrefixIndex, block_keys
 
 
 def stored_event(
@@ -201,9 +197,9 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def bounded(self) -> None:
         assert len(self.index) <= 8
-        for key in self.index._seen:
+        for key, last in self.index.blocks().items():
             assert self.now - self.last_seen[key] <= 5.0
-            assert self.index._seen[key] == self.last_seen[key]
+            assert last == self.last_seen[key]
 
 
 TestIndexMachine = IndexMachine.TestCase
@@ -436,11 +432,12 @@ class RouterMachine(RuleBasedStateMachine):
         router = self.router
         assert all(len(index) <= self.CAPACITY for index in router.indexes)
         assert router.stored_blocks <= self.RANKS * self.CAPACITY
-        for key, mask in router._owners.items():
+        owners = router.block_owners()
+        for key, mask in owners.items():
             holders = {r for r, index in enumerate(router.indexes) if key in index}
             assert mask and holders == {r for r in range(self.RANKS) if mask >> r & 1}
         for index in router.indexes:
-            assert all(key in router._owners for key in index._seen)
+            assert all(key in owners for key in index.blocks())
 
 
 TestRouterMachine = RouterMachine.TestCase
@@ -460,11 +457,14 @@ class ExactRouterMachine(RouterMachine):
 
     @invariant()
     def beliefs_and_displaced_blocks_apart(self) -> None:
+        owners = self.router.block_owners()
         for rank, index in enumerate(self.router.indexes):
-            assert set(index._provisional) <= set(index._seen)
-            assert len(index._displaced) <= len(index._provisional)
-            assert not set(index._displaced) & set(index._seen)
-            assert all(not self.router._owners.get(key, 0) >> rank & 1 for key in index._displaced)
+            seen, provisional = index.blocks(), index.provisional_blocks()
+            displaced = index.displaced_blocks()
+            assert set(provisional) <= set(seen)
+            assert len(displaced) <= len(provisional)
+            assert not set(displaced) & set(seen)
+            assert all(not owners.get(key, 0) >> rank & 1 for key in displaced)
 
 
 TestExactRouterMachine = ExactRouterMachine.TestCase
@@ -499,7 +499,7 @@ def test_exact_feed_beliefs_push_out_reported_blocks_until_the_events_tell_which
     assert router.receive_kv_events(0, 1, batch(*events), 2.0)
     assert router.cached_tokens(0, new, 2.0) == 8
     assert router.cached_tokens(0, old, 2.0) == 8
-    assert len(router.indexes[0]._displaced) == 0  # nothing left aside
+    assert len(router.indexes[0].displaced_blocks()) == 0  # nothing left aside
 
     router = full_rank_takes_the_new_prompt()
     router.route([7] * 4, [0, 0], 7.0, pinned_rank=1)  # a later decision: the belief is due

@@ -19,11 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
-from trio_dpcoord.routing import PrefixRouter, vllm_score
-
-# private import (documented exception): the index and the walk are compared with their
-# references state by state
-from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
+from trio_dpcoord.routing import PrefixRouter, RankPrefixIndex, block_keys, vllm_score
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 
@@ -184,11 +180,10 @@ class IndexAgainstReference(RuleBasedStateMachine):
     def same_state(self) -> None:
         assert self.owners == self.ref_owners
         for index, ref in zip(self.indexes, self.refs, strict=True):
-            in_order = [(key, index._seen[key]) for key in index._oldest(len(index))]
-            assert in_order == list(ref.seen.items())  # the recency order included
-            assert index._seen == ref.seen
-            assert list(index._provisional.items()) == list(ref.provisional.items())
-            assert list(index._displaced.items()) == list(ref.displaced.items())
+            # the recency order included
+            assert list(index.blocks().items()) == list(ref.seen.items())
+            assert list(index.provisional_blocks().items()) == list(ref.provisional.items())
+            assert list(index.displaced_blocks().items()) == list(ref.displaced.items())
 
 
 TestIndexAgainstReference = IndexAgainstReference.TestCase
@@ -231,7 +226,7 @@ def test_the_walk_is_every_ranks_prefix(
     for tokens, rank in learnt:
         router.choose([t for t in tokens for _ in range(BLOCK)], [0.0] * ranks, 0.0, rank % ranks)
     keys = block_keys([t for t in prompt for _ in range(BLOCK)], BLOCK)
-    assert router._walk(keys) == reference_walk(router, keys)
+    assert router.prefix_groups(keys) == reference_walk(router, keys)
 
 
 # --- vLLM's score: the rotated scan, recomputed per choice -------------------------------

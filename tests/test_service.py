@@ -24,13 +24,11 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
-
-# private import (documented exception): the publish-order test drives the service's own
-# pumps (the shell, not the core), so that its race is deterministic
-from trio_dpcoord._shell.coordinator import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.testing import (
+    CoordinatorPumps,
     connect_engines,
+    coordinator_pumps,
     expect_broadcast,
     open_coordinator_with_engines,
     rank_identity,
@@ -434,7 +432,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
         async with open_coordinator_with_engines(1) as (coordinator, _engines):
             # break an invariant of our own: an empty frame list for the broadcaster
-            coordinator._pumps.outgoing.send_nowait([Broadcast([], None, 0.0)])
+            coordinator_pumps(coordinator).outgoing.send_nowait([Broadcast([], None, 0.0)])
             await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
@@ -523,7 +521,7 @@ async def test_a_due_timed_publish_waits_for_the_publishes_decided_before_it(
     sender is not waiting, with the timed publish already due (the clock is frozen).
     """
     core = CoordinatorCore(2, publish_to_front_ends=True)
-    pumps = _Pumps(core)
+    pumps = CoordinatorPumps(core)
     now = trio.current_time()
     with pumps.lock:
         for _ in range(2):

@@ -11,6 +11,14 @@ READY received); :func:`expect_broadcast` checks what every engine receives next
 yields its endpoints; blocking callers build the same command with :func:`serve_command`
 and read its first line with :func:`parse_endpoints`. :func:`open_child` does the same
 for any program (the examples).
+
+Test hooks, for what only a test needs inside the package's rooms (none is for real
+code): :func:`core_internals` reads a :class:`~trio_dpcoord.core.CoordinatorCore`'s
+private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` let a
+model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
+:func:`coordinator_pumps` are the coordinator's shell driven by hand, and
+``vllm_routing_setting``, ``vllm_subscribe_endpoint`` and ``vllm_routing_state`` are
+the rules and the per-client state of the vLLM plugin's prefix routing.
 """
 
 from __future__ import annotations
@@ -22,27 +30,41 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 import zmq
 
 from . import protocol
 from ._shell.coordinator import Coordinator, open_coordinator
+from ._shell.coordinator import _Pumps as CoordinatorPumps
+from .core import Command, CoordinatorCore, Effect, WaveSnapshot, WaveState
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .vllm._routing import routing_setting as vllm_routing_setting
+from .vllm._routing import routing_state as vllm_routing_state
+from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
 
 __all__ = [
+    "CoordinatorPumps",
+    "CoreInternals",
     "EnginePeer",
     "ServeProcess",
     "connect_engines",
+    "coordinator_pumps",
+    "core_internals",
     "expect_broadcast",
+    "force_wave_state",
     "open_child",
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
     "rank_identity",
     "read_lines",
+    "replace_wave_rule",
     "serve_command",
+    "vllm_routing_setting",
+    "vllm_routing_state",
+    "vllm_subscribe_endpoint",
 ]
 
 _ENDPOINT_KEYS = ("front", "back_pub", "back_out")
@@ -380,3 +402,71 @@ async def open_serve(
         with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
             serve.endpoints = parse_endpoints(await serve.line(0))
         yield serve
+
+
+# --------------------------------------------------------------------------- test hooks
+# What only a test needs to see or change inside the package's rooms. They reach past
+# the rooms' public reads on purpose, here and nowhere else, so that tests need no private
+# module or attribute; real code has no use for them.
+
+
+class CoreInternals(NamedTuple):
+    """What a :class:`~trio_dpcoord.core.CoordinatorCore` decides with beyond its public
+    reads (see :func:`core_internals`): what a model checker memoises states by, and what
+    two cores fed the same inputs two ways must agree on."""
+
+    first_request_pending: bool
+    """A wake-up was claimed and its :class:`~trio_dpcoord.core.FirstRequest` not applied."""
+    unconfirmed_wave: int | None
+    """The wave a first request started that no engine has reported on yet."""
+    deferred: tuple[Effect, ...]
+    """Effects decided before the start-up gate opened: they come out behind READY."""
+    deferred_commands: tuple[Command, ...]
+    """Commands received before the gate opened: applied behind READY."""
+    pending_snapshot: tuple[protocol.EngineLoad, ...] | None
+    """The load table's lock-step snapshot, waiting for the next timed publish."""
+    stats_changed: bool
+    """Whether the load table has news for the next timed publish."""
+
+
+def core_internals(core: CoordinatorCore) -> CoreInternals:
+    """A copy of ``core``'s private decision state (:class:`CoreInternals`); read-only."""
+    wave, loads = core._wave, core._loads
+    return CoreInternals(
+        wave.first_request_pending,
+        wave.unconfirmed_wave,
+        tuple(core._deferred),
+        tuple(core._deferred_commands),
+        loads.pending_snapshot,
+        loads.stats_changed,
+    )
+
+
+def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
+    """Make ``rule`` ``core``'s wave rule, in place of the :class:`~trio_dpcoord.core.
+    WaveState` it made itself: for a model checker's mutants (a subclass with a known bug
+    the checker must catch). Call it before the core's first input."""
+    core._wave = rule
+
+
+def force_wave_state(
+    rule: WaveState,
+    *,
+    snapshot: WaveSnapshot | None = None,
+    first_request_pending: bool | None = None,
+) -> None:
+    """Overwrite ``rule``'s snapshot and/or pending claim (what is not None), as a broken
+    rule would: the bug of a model checker's mutant. Nothing checks the rule's invariants
+    (the wave may go back)."""
+    if snapshot is not None:
+        rule._snapshot = snapshot
+    if first_request_pending is not None:
+        rule._first_request_pending = first_request_pending
+
+
+def coordinator_pumps(coordinator: Coordinator) -> CoordinatorPumps:
+    """The :class:`CoordinatorPumps` behind a running coordinator's handle: the core, its
+    lock, and the channel to the broadcaster (``outgoing``), for a test that breaks an
+    invariant of the shell on purpose. A test that wants the pumps without sockets makes
+    its own, ``CoordinatorPumps(core)``, and starts the tasks it needs."""
+    return coordinator._pumps

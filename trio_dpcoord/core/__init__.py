@@ -44,7 +44,8 @@ first-request claim, the engine choice and its in-flight counts.
 :class:`WaveState` is the wave rule on its own (``(current_wave, engines_running)`` and
 vLLM PR #46833's stale-first-request rule), for oracles and model checkers that want to
 compare the whole core against it; :class:`LoadTable` and :class:`PublishSchedule` are
-its load table and publish timing, :class:`IngestBacklog` and :class:`BurstSummary` /
+its load table (a :class:`StatsOutcome` says what it did with each report) and publish
+timing, :class:`IngestBacklog` and :class:`BurstSummary` /
 :class:`ProgressPacer` the ingest backlog's news and the pacing of repeated log lines.
 
 :class:`HandshakeState`, :class:`RequestTable` and :class:`SilenceWatch` are the engine
@@ -77,6 +78,7 @@ from ._wave import (
     FirstRequest,
     LoadTable,
     PublishSchedule,
+    StatsOutcome,
     WaveSnapshot,
     WaveStart,
     WaveState,
@@ -108,6 +110,7 @@ __all__ = [
     "RequestTable",
     "ScaleRequest",
     "SilenceWatch",
+    "StatsOutcome",
     "SubscriptionView",
     "WaveSnapshot",
     "WaveStart",

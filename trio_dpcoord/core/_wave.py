@@ -390,6 +390,19 @@ class LoadTable:
         self.stats_changed = False
         return tuple(self._loads)
 
+    @property
+    def cursors(self) -> tuple[tuple[int, int], ...]:
+        """Each engine's newest ``(wave, step)`` reported, in rank order (``(-1, -1)``
+        before its first report, and always outside lock-step): what a report is checked
+        against to be out of order (R10). Read-only, a copy."""
+        return tuple(self._cursors)
+
+    @property
+    def step_cursor(self) -> tuple[int, int]:
+        """The newest ``(wave, step)`` any engine reported (``(-1, -1)`` before the first
+        and outside lock-step): a report past it takes the lock-step snapshot."""
+        return self._step_cursor
+
 
 class PublishSchedule:
     """When the next timed front publish is due, given a clock reading passed in.

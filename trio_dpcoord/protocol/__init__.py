@@ -20,6 +20,14 @@ module                            messages
                                   encoder), ABORT, utility calls, engines' answers
 ``_kv_events``                    vLLM's KV-cache event frames and ``EventBatch`` payloads
 ================================  ============================================================
+
+:func:`decode_coordinator_output` takes one of two paths, chosen once per process
+(:data:`COORDINATOR_OUTPUT_DECODER` says which): msgspec's typed decode when the ``fast``
+extra is installed, msgpack-python otherwise. Both are public as
+:func:`decode_coordinator_output_with_msgspec` and
+:func:`decode_coordinator_output_with_msgpack`, so that tests and benchmarks can hold them
+to one contract (the same :data:`CoordinatorOutput` or the same :class:`ProtocolError` as
+:func:`decode_engine_core_outputs` then :func:`classify_output`) and measure each.
 """
 
 from __future__ import annotations
@@ -84,7 +92,11 @@ from ._kv_events import (
     decode_event_batch,
     decode_kv_event_frames,
 )
+from ._output_decoder import DECODER as COORDINATOR_OUTPUT_DECODER
+from ._output_decoder import Decoded as CoordinatorOutput
 from ._output_decoder import decode_coordinator_output
+from ._output_decoder import decode_with_msgpack as decode_coordinator_output_with_msgpack
+from ._output_decoder import decode_with_msgspec as decode_coordinator_output_with_msgspec
 from ._outputs import (
     IDLE_LOAD,
     NO_PREFIX_CACHE_STATS,
@@ -101,6 +113,7 @@ from ._outputs import (
 )
 
 __all__ = [
+    "COORDINATOR_OUTPUT_DECODER",
     "ENGINE_CORE_DEAD",
     "FINISH_REASONS",
     "IDLE_LOAD",
@@ -114,6 +127,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "CoordinatorOutput",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
@@ -138,6 +152,8 @@ __all__ = [
     "UtilityResult",
     "classify_output",
     "decode_coordinator_output",
+    "decode_coordinator_output_with_msgpack",
+    "decode_coordinator_output_with_msgspec",
     "decode_engine_broadcast",
     "decode_engine_core_outputs",
     "decode_engine_frames",

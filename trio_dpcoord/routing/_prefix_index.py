@@ -316,3 +316,22 @@ class RankPrefixIndex:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
         return len(list(takewhile(self._seen.__contains__, keys)))
+
+    # --- read-only views (tests, diagnostics): copies, never the index's own state ---------
+
+    def blocks(self) -> dict[int, float]:
+        """Every block believed cached here -> when it was last seen, least recently used
+        first (the order eviction takes them in). A copy."""
+        seen = self._seen
+        return {key: seen[key] for key in self._oldest(len(seen))}
+
+    def provisional_blocks(self) -> dict[int, float]:
+        """The blocks of :meth:`blocks` held on belief only (the exact feed's routed
+        prompts) -> when the belief ends unless an event confirms it, oldest first. A copy."""
+        return dict(self._provisional)
+
+    def displaced_blocks(self) -> dict[int, float]:
+        """Blocks the engine reported, pushed out of the capacity by provisional ones and
+        not believed cached -> when last seen, oldest first; they come back as room
+        returns. A copy."""
+        return dict(self._displaced)

@@ -421,3 +421,17 @@ class PrefixRouter:
                 h: known for h, known in state.vllm_to_ours.items() if index.knows(known[0])
             }
         return True
+
+    # --- read-only views (tests, diagnostics): copies, never the router's own state --------
+
+    def block_owners(self) -> dict[int, int]:
+        """Block key -> bit mask of the ranks believed to hold it (bit ``r``: rank ``r``),
+        every rank's index together. A copy."""
+        return dict(self._owners)
+
+    def prefix_groups(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """Which ranks hold how much of ``keys`` (a prompt's :func:`block_keys`): one
+        ``(leading blocks held, bit mask of the ranks holding exactly that many)`` per
+        depth, deepest last, ranks holding none omitted. What one decision weighs; it
+        changes nothing (not even the indexes' recency or ages)."""
+        return self._walk(keys)
