@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, final
+from typing import Protocol, final
 
 import trio
 
@@ -15,10 +15,17 @@ from ..protocol import (
     SamplingParams,
 )
 
-if TYPE_CHECKING:
-    from .engine_client import EngineClient
-
 __all__ = ["Completion", "EngineClientStatistics", "RequestOutput", "RequestStream"]
+
+
+class StreamOwner(Protocol):
+    """What a stream needs of the client that made it: to send its request when the
+    block is entered and to take it back (abort or forget it) when the block is left. A
+    protocol, so that this module does not import the client that imports it."""
+
+    def _add(self, stream: RequestStream) -> None: ...
+
+    def _release(self, stream: RequestStream) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +69,7 @@ class RequestStream:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: StreamOwner,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
