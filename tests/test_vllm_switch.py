@@ -292,7 +292,7 @@ async def test_switched_on_vllm_launches_our_coordinator_and_shuts_it_down(
     assert "Traceback" not in runner.stderr
     # in vLLM's format, naming our file from the package down (vLLM has a vllm.py too)
     serving = [line for line in runner.stderr.splitlines() if "DP coordinator serving" in line]
-    assert len(serving) == 1 and "[trio_dpcoord/vllm.py:" in serving[0], serving
+    assert len(serving) == 1 and "[trio_dpcoord/vllm/" in serving[0], serving
     # libzmq leaves a closed ipc socket's file behind; ours removes its own
     assert not Path(launched["front"].removeprefix("ipc://")).exists()
 

@@ -84,8 +84,8 @@ class _ThroughVllmLogging(logging.Handler):
     it configures logging: until then our records go to stderr in a plain layout.
 
     vLLM's format shows a record's bare file name (``[%(fileinfo)s:%(lineno)d]``), and
-    vLLM has a ``vllm.py`` of its own (``vllm/config/vllm.py``), so the records handed on
-    name their file from the package down instead: ``[trio_dpcoord/vllm.py:N]``.
+    vLLM has files of the same bare names (``__init__.py``, ``vllm.py``), so the records handed on
+    name their file from the package down instead: ``[trio_dpcoord/vllm/__init__.py:N]``.
     """
 
     def __init__(self) -> None:
