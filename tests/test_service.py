@@ -27,11 +27,11 @@ from trio_dpcoord import (
 # pumps (the shell, not the core), so that its race is deterministic
 from trio_dpcoord._shell.coordinator import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
     connect_engines,
     expect_broadcast,
     open_coordinator_with_engines,
-    rank_identity,
 )
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -427,7 +427,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
                 context,
                 zmq.XSUB,
                 connect=coordinator.back_publish_address,
-                options={zmq.IDENTITY: rank_identity(0)},
+                options={zmq.IDENTITY: engine_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]
