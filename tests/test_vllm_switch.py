@@ -34,7 +34,8 @@ from tests.vllm_reference import (
     vllm_env,
 )
 from trio_dpcoord import Frontend, open_frontend, protocol
-from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity, read_lines
+from trio_dpcoord.protocol import engine_identity
+from trio_dpcoord.testing import EnginePeer, connect_engines, read_lines
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 from trio_dpcoord.vllm import ENABLE_VARIABLE, verified_vllm_version
 
@@ -196,7 +197,7 @@ async def headless_engines(port: int, count: int) -> AsyncIterator[list[Headless
                     context,
                     zmq.DEALER,
                     connect=f"tcp://127.0.0.1:{port}",
-                    options={zmq.IDENTITY: rank_identity(rank)},
+                    options={zmq.IDENTITY: engine_identity(rank)},
                 )
             )
             engines.append(HeadlessEngine(rank, dealer))
