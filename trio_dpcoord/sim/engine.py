@@ -128,6 +128,12 @@ class SimEngine:
             self._prefix = RankModel(cache)
 
     @property
+    def prefix_cache(self) -> RankCache | None:
+        """The simulated prefix cache (its blocks and capacity), or None for the toy engine
+        without one. Read-only by contract: the engine alone changes it."""
+        return None if self._prefix is None else self._prefix.cache
+
+    @property
     def ready(self) -> bool:
         """Whether READY arrived from the coordinator."""
         return self._ready.is_set()
