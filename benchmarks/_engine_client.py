@@ -221,6 +221,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
 
         await load(plan["warmup_prompts"])
         passes = []
+        profiler = _start_profile(plan)
         for _ in range(plan["passes"]):
             by_rank[:] = [0] * plan["engines"]
             waves_before = client.coordinator.statistics().waves_completed
@@ -241,7 +242,26 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "waves": client.coordinator.statistics().waves_completed - waves_before,
                 }
             )
+        _stop_profile(profiler, plan)
     return {"client": "trio_dpcoord open_engine_client", "startup_s": startup_s, "passes": passes}
+
+
+def _start_profile(plan: dict[str, Any]) -> Any:
+    """A running cProfile profiler when the plan asks for one (``cprofile``: the path
+    of its stats), else None."""
+    if not plan.get("cprofile"):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _stop_profile(profiler: Any, plan: dict[str, Any]) -> None:
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(plan["cprofile"])
 
 
 def main(argv: list[str]) -> None:

@@ -65,6 +65,12 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         data_parallel_rpc_port=plan["port"],
     )
     vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    stand_in_hash = plan.get("parallel_config_hash")
+    if stand_in_hash is not None:
+        # Stand-in engines (the client-ceiling benchmark's simulated engine cores) send a
+        # hash of their own settings: the front-end's check of every rank's hash against
+        # its own guards against ranks launched differently, not the request path.
+        type(vllm_config.parallel_config).compute_hash = lambda self: stand_in_hash
     started = time.monotonic()
     client = EngineCoreClient.make_async_mp_client(
         vllm_config, Executor.get_class(vllm_config), log_stats=False
@@ -144,6 +150,12 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     dispatcher = asyncio.create_task(dispatch())
     try:
         await load(plan["warmup_prompts"])
+        profiler = None
+        if plan.get("cprofile"):
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         for _ in range(plan["passes"]):
             finished_by_rank[:] = [0] * plan["engines"]
             cpu_before = time.process_time()
@@ -166,6 +178,9 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "requests_by_rank": list(finished_by_rank),
                 }
             )
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(plan["cprofile"])
     finally:
         dispatcher.cancel()
         client.shutdown()

@@ -111,8 +111,10 @@ class SimEngineCore(SimEngine):
                 options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS},
             ) as handshake,
         ):
+            # as vLLM's headless engines say it (``local = not headless``): vLLM's own
+            # front-end refuses a HELLO whose ``local`` it does not expect
             await handshake.send(
-                msgpack.packb({"status": "HELLO", "local": True, "headless": True})
+                msgpack.packb({"status": "HELLO", "local": False, "headless": True})
             )
             answer = await handshake.recv()
             self.config = _configured(self.config, answer)
@@ -122,18 +124,34 @@ class SimEngineCore(SimEngine):
 
     async def _greet_frontend(self, dealer: AsyncSocket) -> None:
         assert self._handshake is not None
+        cfg = self.config
+        # every field vLLM 0.32's EngineCoreReadyResponse requires (its front-end
+        # decodes the map into that struct and refuses a field missing)
         ready_response = {
             "max_model_len": 1 << 16,
             "num_gpu_blocks": 1 << 12,
-            "data_parallel_rank": self.rank,
+            "block_size": 16,
+            "dp_stats_address": None,
+            "dtype": "float32",
             "vllm_version": SIM_VLLM_VERSION,
+            "world_size": 1,
+            "data_parallel_size": cfg.engine_count,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            "data_parallel_rank": self.rank,
+            "max_num_seqs": cfg.max_running,
+            "max_num_batched_tokens": cfg.token_budget,
+            "instance_id": f"sim-{self.rank}",
+            "supports_lora": False,
+            "max_loras": 0,
         }
         await dealer.send(msgpack.packb(ready_response))
         await self._handshake.send(
             msgpack.packb(
                 {
                     "status": "READY",
-                    "local": True,
+                    "local": False,
                     "headless": True,
                     "num_gpu_blocks": ready_response["num_gpu_blocks"],
                     "dp_stats_address": None,
