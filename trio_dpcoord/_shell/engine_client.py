@@ -231,11 +231,13 @@ class EngineClient:
         *,
         rank: int | None = None,
     ) -> Completion:
-        """Send one request and wait for all of it."""
+        """Send one request and wait for all of it (its token ids are gathered as they
+        come, without waking the caller before the end)."""
+        stream = self.generate(prompt_token_ids, params, rank=rank)
         tokens: list[int] = []
-        async with self.generate(prompt_token_ids, params, rank=rank) as stream:
-            async for output in stream:
-                tokens.extend(output.new_token_ids)
+        stream._collected = tokens
+        async with stream:
+            await stream._until_ended()
         assert stream.finish_reason is not None and stream.rank is not None
         return Completion(stream.request_id, tuple(tokens), stream.finish_reason, stream.rank)
 
@@ -363,15 +365,16 @@ class EngineClient:
 
     def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         dead = self._table.dead
-        if len(dead) >= self._engine_count:
-            raise EngineDeadError(min(dead), "every engine is gone")
-        loads = list(self._coordinator.engine_loads())
-        loads += [EngineLoad(0, 0, 0.0)] * (self._engine_count - len(loads))
-        for rank in dead:
-            loads[rank] = _UNAVAILABLE
-        return self._chooser.choose(
-            loads[: self._engine_count], prompt_token_ids, now=trio.current_time()
-        )
+        loads: Sequence[EngineLoad] = self._coordinator.engine_loads()
+        if dead or len(loads) != self._engine_count:
+            if len(dead) >= self._engine_count:
+                raise EngineDeadError(min(dead), "every engine is gone")
+            padded = list(loads)
+            padded += [EngineLoad(0, 0, 0.0)] * (self._engine_count - len(padded))
+            for rank in dead:
+                padded[rank] = _UNAVAILABLE
+            loads = padded[: self._engine_count]
+        return self._chooser.choose(loads, prompt_token_ids, now=trio.current_time())
 
     def _add(self, stream: RequestStream) -> None:
         self._check_usable()

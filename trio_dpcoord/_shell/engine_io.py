@@ -4,14 +4,14 @@ the output listener and the connection watcher (:func:`run_client_tasks`).
 The client (:mod:`.engine_client`) decides; these only move bytes. The request path is
 the per-request cost of the whole client, so it takes no hop it does not need: a request
 goes onto the input socket from the caller's task when nothing waits before it, and an
-engine's outputs are read in batches and handed to the client as they come, one call
-per message.
+engine's outputs are read in batches and handed to the client as they come, one
+call per message.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Protocol
@@ -34,44 +34,58 @@ class Outbox:
     :meth:`put`, in order.
 
     A message is sent at once, from the task that puts it, when nothing is queued before
-    it and zmq takes it without waiting (the socket never blocks a send: no high-water
-    mark, and trio runs one task at a time, so a synchronous send is never interleaved
-    with another); otherwise it is queued for :meth:`run`, the one task that waits on the
+    it and zmq takes it without waiting (the socket has no high-water mark, so it takes
+    it, and trio runs one task at a time: a synchronous send is never interleaved with
+    another). Otherwise it is queued for :meth:`run`, the one task that waits on the
     socket, which sends the queue in order as the socket allows. Either way a message
-    leaves after every message put before it. :meth:`close` refuses further puts
-    (``trio.ClosedResourceError``).
+    leaves after every message put before it. (Queuing every message for the sending
+    task, to send each scheduling round's in a burst, cost more per request in the
+    client-ceiling benchmark than the task switch it saves: benchmarks/README.md.)
+    :meth:`close` refuses further puts (``trio.ClosedResourceError``).
     """
 
     def __init__(self, socket: AsyncSocket) -> None:
         self._socket = socket
-        self._send, self._receive = trio.open_memory_channel[list[bytes]](math.inf)
-        self._queued = 0
+        self._queue: deque[list[bytes]] = deque()
+        self._sender: trio.lowlevel.Task | None = None
+        """The sending task while it waits for work."""
         self._closed = False
-        self.sent_at_once = 0
-        """Messages sent from the putting task (the rest went through the queue)."""
 
     def put(self, identity: bytes, frames: list[bytes]) -> None:
-        """Send ``frames`` to the engine ``identity`` names; never blocks."""
+        """Send ``frames`` to the engine ``identity`` names, or queue them; never blocks."""
         if self._closed:
             raise trio.ClosedResourceError("the outbox is closed")
         message = [identity, *frames]
-        if not self._queued and self._socket.send_nowait(message):
-            self.sent_at_once += 1
+        if not self._queue and self._socket.send_nowait(message):
             return
-        self._queued += 1
-        self._send.send_nowait(message)
+        self._queue.append(message)
+        sender = self._sender
+        if sender is not None:
+            self._sender = None
+            trio.lowlevel.reschedule(sender)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Send what :meth:`put` queued, in order, waiting for the socket as it must."""
         task_status.started()
-        async with self._receive:
-            async for message in self._receive:
-                await self._socket.send_multipart(message)
-                self._queued -= 1
+        queue = self._queue
+        socket = self._socket
+        while True:
+            if not queue:
+                self._sender = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+                continue
+            while queue:
+                message = queue[0]
+                if not socket.send_nowait(message):
+                    await socket.send_multipart(message)  # waits for the socket
+                queue.popleft()
+
+    def _stop_waiting(self, raise_cancel: object) -> trio.lowlevel.Abort:
+        self._sender = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def close(self) -> None:
         self._closed = True
-        self._send.close()
 
 
 class _Client(Protocol):

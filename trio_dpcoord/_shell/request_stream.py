@@ -122,6 +122,9 @@ class RequestStream:
         self._left = False
         self._error: BaseException | None = None
         self._entered = False
+        self._collected: list[int] | None = None
+        """:meth:`EngineClient.complete`'s token ids: kept here as they come, no output
+        objects, no wake-up before the end."""
         self.finish_reason: str | None = None
 
     async def __aenter__(self) -> RequestStream:
@@ -147,8 +150,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._entered:
             raise RuntimeError("enter the stream (async with) before reading it")
-        await trio.lowlevel.checkpoint_if_cancelled()
         buffer = self._buffer
+        if buffer and not self._left:
+            await trio.lowlevel.checkpoint_if_cancelled()  # waiting below is one too
         while not buffer or self._left:
             if self._ended or self._left:
                 if self._error is not None:
@@ -162,6 +166,17 @@ class RequestStream:
             self.finish_reason = output.finish_reason
         return output
 
+    async def _until_ended(self) -> None:
+        """:meth:`EngineClient.complete`'s wait: until the last output came (its tokens in
+        ``_collected``), or the failure, raised."""
+        if self._ended:
+            await trio.lowlevel.checkpoint()
+        while not self._ended:
+            self._reader = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+        if self._error is not None:
+            raise self._error
+
     def _stop_waiting(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self._reader = None
         return trio.lowlevel.Abort.SUCCEEDED
@@ -170,6 +185,18 @@ class RequestStream:
     def _push(self, new_token_ids: tuple[int, ...], finish_reason: str | None) -> bool:
         """One step's output; False when the reader is ``buffer`` outputs behind."""
         if self._left or self._ended:  # the reader left: the release aborts it
+            return True
+        collected = self._collected
+        if collected is not None:
+            collected += new_token_ids
+            if finish_reason is None:
+                return True
+            self.finish_reason = finish_reason
+            self._ended = True
+            reader = self._reader
+            if reader is not None:
+                self._reader = None
+                trio.lowlevel.reschedule(reader)
             return True
         buffer = self._buffer
         if len(buffer) - self._handed >= self._capacity:
