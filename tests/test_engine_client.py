@@ -234,6 +234,21 @@ async def test_a_silent_engine_is_taken_as_dead() -> None:
 
 
 @pytest.mark.trio
+async def test_an_engine_idle_longer_than_the_silence_timeout_is_not_taken_as_dead() -> None:
+    """Silence counts only while work waits: a rank idle for longer than the timeout
+    gets its clock restarted by its next request (and by a utility call)."""
+    with trio.fail_after(TIMEOUT):
+        async with _fleet(2, silence_timeout=1.0) as (client, _):
+            assert (await client.complete([1], SamplingParams(max_tokens=2), rank=0)).rank == 0
+            await trio.sleep(1.5)  # idle: nothing in flight, nothing heard
+            again = await client.complete([1], SamplingParams(max_tokens=2), rank=0)
+            assert again.finish_reason == "length"
+            await trio.sleep(1.5)
+            assert await client.call_utility("echo", 7, rank=0) == [7]
+            assert client.statistics().dead_ranks == frozenset()
+
+
+@pytest.mark.trio
 async def test_startup_timeout_names_the_missing_ranks() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     with trio.fail_after(TIMEOUT):

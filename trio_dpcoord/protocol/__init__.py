@@ -16,6 +16,8 @@ module                            messages
                                   read from them, their classification
 ``_output_decoder``               the coordinator's fast decoder of the same frames (msgspec
                                   when the ``fast`` extra is installed)
+``_client_decoder``               the engine client's fast decoder of the same frames: the
+                                  request outputs and utility answers (msgspec likewise)
 ``_engine_core``                  the engine-core protocol: identities, handshake, ADD (one
                                   encoder), ABORT, utility calls, engines' answers
 ``_kv_events``                    vLLM's KV-cache event frames and ``EventBatch`` payloads
@@ -28,10 +30,19 @@ extra is installed, msgpack-python otherwise. Both are public as
 :func:`decode_coordinator_output_with_msgpack`, so that tests and benchmarks can hold them
 to one contract (the same :data:`CoordinatorOutput` or the same :class:`ProtocolError` as
 :func:`decode_engine_core_outputs` then :func:`classify_output`) and measure each.
+:func:`decode_client_output` (what an engine client reads of the same frames: request
+outputs and the utility answer, :data:`ClientOutput`) has the same two paths
+(:data:`CLIENT_OUTPUT_DECODER`, :func:`decode_client_output_with_msgspec`,
+:func:`decode_client_output_with_msgpack`) under the same contract with
+:func:`decode_engine_core_outputs`.
 """
 
 from __future__ import annotations
 
+from ._client_decoder import DECODER as CLIENT_OUTPUT_DECODER
+from ._client_decoder import ClientOutput, RequestTokens, decode_client_frames, decode_client_output
+from ._client_decoder import decode_with_msgpack as decode_client_output_with_msgpack
+from ._client_decoder import decode_with_msgspec as decode_client_output_with_msgspec
 from ._codec import (
     MAX_CONTROL_FRAME_BYTES,
     MAX_DATA_FRAME_BYTES,
@@ -124,6 +135,7 @@ from ._outputs import (
 )
 
 __all__ = [
+    "CLIENT_OUTPUT_DECODER",
     "COORDINATOR_OUTPUT_DECODER",
     "ENGINE_CORE_DEAD",
     "FINISH_REASONS",
@@ -138,6 +150,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "ClientOutput",
     "CoordinatorOutput",
     "EngineCoreOutput",
     "EngineCoreOutputs",
@@ -154,6 +167,7 @@ __all__ = [
     "OutputKind",
     "PrefixCacheStats",
     "ProtocolError",
+    "RequestTokens",
     "RequestType",
     "SamplingParams",
     "ScaleElasticEP",
@@ -165,6 +179,10 @@ __all__ = [
     "UtilityResult",
     "classify_output",
     "decode_abort",
+    "decode_client_frames",
+    "decode_client_output",
+    "decode_client_output_with_msgpack",
+    "decode_client_output_with_msgspec",
     "decode_coordinator_output",
     "decode_coordinator_output_with_msgpack",
     "decode_coordinator_output_with_msgspec",

@@ -4,7 +4,7 @@ handshake, ADD (one encoder), ABORT, utility calls and what engines answer
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -147,13 +147,7 @@ def encode_add(
     every slot written as vLLM's encoder writes it (it writes the defaults too)."""
     if not prompt_token_ids:
         raise ValueError("a request needs at least one prompt token")
-    # msgspec writes a Struct encoded as a map with a map16 header whatever its size, so
-    # the sampling parameters are packed by hand to keep the bytes vLLM's.
-    sampling = params.to_wire()
-    packed_sampling = b"".join(
-        [b"\xde", len(sampling).to_bytes(2, "big")]
-        + [msgpack.packb(k) + msgpack.packb(v) for k, v in sampling.items()]
-    )
+    packed_sampling = _packed_sampling(params)
     tail = request_slots_after_sampling(
         arrival_time=float(arrival_time),
         data_parallel_rank=data_parallel_rank,
@@ -161,7 +155,28 @@ def encode_add(
         current_wave=current_wave,
         priority=priority,
     )
-    return _add_frames(request_id, [int(t) for t in prompt_token_ids], packed_sampling, tail)
+    return _add_frames(request_id, list(map(int, prompt_token_ids)), packed_sampling, tail)
+
+
+def _packed_sampling(params: SamplingParams) -> bytes:
+    """``params`` as vLLM's msgspec encoder writes a ``SamplingParams``: a map with a map16
+    header whatever its size (so packed by hand: msgpack-python would write a fixmap).
+
+    Kept on ``params`` when it has no ``extra`` fields (a frozen dataclass of immutable
+    values then, the same bytes every time: callers reuse one ``SamplingParams`` for many
+    requests, and its packing was a fifth of an ADD's cost); with ``extra`` (a mapping
+    the caller could change) packed anew each time."""
+    cached: bytes | None = params.__dict__.get("_packed_wire")
+    if cached is not None:
+        return cached
+    sampling = params.to_wire()
+    packed = b"".join(
+        [b"\xde", len(sampling).to_bytes(2, "big")]
+        + [msgpack.packb(k) + msgpack.packb(v) for k, v in sampling.items()]
+    )
+    if not params.extra:
+        object.__setattr__(params, "_packed_wire", packed)
+    return packed
 
 
 def _add_frames(
@@ -170,9 +185,35 @@ def _add_frames(
     """The one writer of an ADD's frames (both encoders end here): msgpack's array16
     header for 22 slots, the first three slots, the sampling parameters as packed, the
     18 slots after them."""
+    if _msgspec_encode is not None:
+        # one call: msgspec writes what msgpack-python writes for these values (the
+        # smallest headers, float64), with the sampling map's bytes as they are
+        try:
+            payload = _msgspec_encode(
+                [request_id, prompt_token_ids, None, _Raw(packed_sampling), *tail]
+            )
+        except (TypeError, ValueError, OverflowError) as exc:  # msgspec.EncodeError too
+            raise ProtocolError(f"EngineCoreRequest: cannot encode ({exc})") from None
+        return [ADD_FRAME, payload]
     head = pack([request_id, prompt_token_ids, None], "EngineCoreRequest")  # mm_features: None
-    payload = b"".join([b"\xdc\x00\x16", head[1:], packed_sampling, *map(msgpack.packb, tail)])
+    # the 18 slots in one call: an array16 (3-byte header) of them, header cut
+    packed_tail = msgpack.packb(tail)
+    assert len(tail) == 18 and packed_tail[:3] == b"\xdc\x00\x12"
+    payload = b"".join((b"\xdc\x00\x16", head[1:], packed_sampling, packed_tail[3:]))
     return [ADD_FRAME, payload]
+
+
+def _msgspec_encoder() -> tuple[Callable[[object], bytes], Callable[[bytes], object]] | None:
+    """msgspec's encoder and its ``Raw`` (bytes written as they are), when the ``fast``
+    extra is installed: an ADD in one C call."""
+    try:
+        import msgspec
+    except ImportError:
+        return None
+    return msgspec.msgpack.Encoder().encode, msgspec.Raw
+
+
+_msgspec_encode, _Raw = _msgspec_encoder() or (None, bytes)
 
 
 def encode_abort(request_ids: Sequence[str]) -> list[bytes]:
@@ -374,17 +415,40 @@ def encode_handshake_ready(
 
 
 def encode_ready_response(
-    *, max_model_len: int, num_gpu_blocks: int, data_parallel_rank: int, vllm_version: str
+    *,
+    max_model_len: int,
+    num_gpu_blocks: int,
+    data_parallel_rank: int,
+    vllm_version: str,
+    data_parallel_size: int = 1,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    block_size: int = 16,
+    dtype: str = "float32",
+    instance_id: str = "",
 ) -> bytes:
     """An engine's ``EngineCoreReadyResponse``, its first message on the request-input
-    DEALER (what :func:`decode_ready_response` reads): the fields a front-end uses; vLLM's
-    engines add more (``block_size``, ``dtype``, the parallel sizes)."""
+    DEALER (what :func:`decode_ready_response` reads), with every field vLLM 0.32's
+    front-end requires: it decodes the map into that struct and refuses one missing."""
     packed: bytes = msgpack.packb(
         {
             "max_model_len": max_model_len,
             "num_gpu_blocks": num_gpu_blocks,
-            "data_parallel_rank": data_parallel_rank,
+            "block_size": block_size,
+            "dp_stats_address": None,
+            "dtype": dtype,
             "vllm_version": vllm_version,
+            "world_size": 1,
+            "data_parallel_size": data_parallel_size,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            "data_parallel_rank": data_parallel_rank,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "instance_id": instance_id,
+            "supports_lora": False,
+            "max_loras": 0,
         }
     )
     return packed

@@ -113,7 +113,9 @@ class SimEngineCore(SimEngine):
                 options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS},
             ) as handshake,
         ):
-            await handshake.send(protocol.encode_handshake_hello(local=True, headless=True))
+            # as vLLM's headless engines say it (``local = not headless``): vLLM's own
+            # front-end refuses a HELLO whose ``local`` it does not expect
+            await handshake.send(protocol.encode_handshake_hello(local=False, headless=True))
             answer = await handshake.recv()
             self.config = _configured(self.config, answer)
             logger.debug("rank %d: handshake answered: %s", self.rank, self.config)
@@ -122,19 +124,24 @@ class SimEngineCore(SimEngine):
 
     async def _greet_frontend(self, dealer: AsyncSocket) -> None:
         assert self._handshake is not None
+        cfg = self.config
         await dealer.send(
             protocol.encode_ready_response(
                 max_model_len=_MAX_MODEL_LEN,
                 num_gpu_blocks=_NUM_GPU_BLOCKS,
                 data_parallel_rank=self.rank,
                 vllm_version=SIM_VLLM_VERSION,
+                data_parallel_size=cfg.engine_count,
+                max_num_seqs=cfg.max_running,
+                max_num_batched_tokens=cfg.token_budget,
+                instance_id=f"sim-{self.rank}",
             )
         )
         await self._handshake.send(
             protocol.encode_handshake_ready(
                 num_gpu_blocks=_NUM_GPU_BLOCKS,
                 parallel_config_hash=self._parallel_config_hash,
-                local=True,
+                local=False,
                 headless=True,
             )
         )
