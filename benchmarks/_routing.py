@@ -20,7 +20,7 @@ from typing import Any
 
 from trio_dpcoord import EngineChooser, PrefixRouting
 from trio_dpcoord.protocol import EngineLoad
-from trio_dpcoord.sim.frontend import percentile
+from trio_dpcoord.sim.cluster_config import percentile
 from trio_dpcoord.sim.prefix import STEP_PER_TOKEN_S
 from trio_dpcoord.sim.routing import POLICIES, make_policy, run_policy
 from trio_dpcoord.sim.traces import (

@@ -634,7 +634,7 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
     READY reached them all, every socket is closed at once and SIGTERM follows at once.
     Time from the signal to the exit, the exit status, the WARNING lines written after
     the engines left, and whether the counters line was printed (ours only)."""
-    from trio_dpcoord.testing import rank_identity
+    from trio_dpcoord.protocol import engine_identity
 
     with serving(env, kind, engines) as (child, info):
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -644,7 +644,7 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
         for index in range(engines):
             sub = context.socket(zmq.XSUB)
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+            sub.setsockopt(zmq.IDENTITY, engine_identity(index))
             sub.connect(info["back_pub"])
             sub.send(b"\x01")
             poller.register(sub, zmq.POLLIN)

@@ -855,7 +855,7 @@ class Runner:
         """Our engine client against vLLM's DPLBAsyncMPClient, each on a fresh fleet of
         the same real headless engines (benchmarks/_engine_client.py)."""
         from benchmarks import _engine_client as ec
-        from trio_dpcoord.sim.frontend import percentile
+        from trio_dpcoord.sim.cluster_config import percentile
 
         sizes = ec.CLIENT_QUICK if self.env.quick else ec.CLIENT_FULL
         load = (
@@ -961,7 +961,7 @@ class Runner:
         score in the same run, and the prefix decision's cost and memory
         (benchmarks/_routing.py)."""
         from benchmarks import _routing as rt
-        from trio_dpcoord.sim.frontend import percentile
+        from trio_dpcoord.sim.cluster_config import percentile
 
         sizes = rt.ROUTING_QUICK if self.env.quick else rt.ROUTING_FULL
         figures = rt.measure_policies(sizes)

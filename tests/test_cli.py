@@ -24,13 +24,13 @@ import trio
 import zmq
 
 from trio_dpcoord import cli, protocol
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
     EnginePeer,
     ServeProcess,
     connect_engines,
     expect_broadcast,
     open_serve,
-    rank_identity,
     serve_command,
 )
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
@@ -510,7 +510,7 @@ async def test_sigterm_right_after_2000_engines_leave_at_once() -> None:
                 for index in range(count):
                     sub = context.socket(zmq.XSUB)
                     sub.setsockopt(zmq.LINGER, 0)
-                    sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+                    sub.setsockopt(zmq.IDENTITY, engine_identity(index))
                     sub.connect(coordinator.endpoints["back_pub"])
                     sub.send(protocol.SUBSCRIBE, zmq.NOBLOCK)  # queued: sent once connected
                     push = context.socket(zmq.PUSH)

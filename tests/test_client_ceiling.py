@@ -34,8 +34,7 @@ def test_the_stand_in_engines_write_the_encoders_bytes(
                 for rid, token, reason in rows
             ),
             timestamp=timestamp,
-            finished_requests=tuple(rid for rid, _, reason in rows if reason is not None)
-            or None,
+            finished_requests=tuple(rid for rid, _, reason in rows if reason is not None) or None,
             weight_version="default",
         )
     )

@@ -26,6 +26,7 @@ from trio_dpcoord import (
     open_coordinator,
     open_frontend,
 )
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.sim import (
     ClusterConfig,
     EmbeddedCoordinator,
@@ -39,7 +40,7 @@ from trio_dpcoord.sim import (
 )
 from trio_dpcoord.sim.collective import AllReduceResult, CollectiveClient, CollectiveHost
 from trio_dpcoord.sim.engine import run_sim_engine
-from trio_dpcoord.testing import ServeProcess, open_serve, rank_identity
+from trio_dpcoord.testing import ServeProcess, open_serve
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 
@@ -266,7 +267,7 @@ async def _collective(
                     context,
                     zmq.DEALER,
                     connect=address,
-                    options={zmq.IDENTITY: rank_identity(rank), zmq.LINGER: 0},
+                    options={zmq.IDENTITY: engine_identity(rank), zmq.LINGER: 0},
                 ) as dealer:
                     yield CollectiveClient(dealer, rank, timeout=round_timeout), dealer
 

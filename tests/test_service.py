@@ -25,13 +25,13 @@ from trio_dpcoord import (
     protocol,
 )
 from trio_dpcoord.core import Broadcast, CoordinatorCore
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
     CoordinatorPumps,
     connect_engines,
     coordinator_pumps,
     expect_broadcast,
     open_coordinator_with_engines,
-    rank_identity,
 )
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -486,7 +486,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
                 context,
                 zmq.XSUB,
                 connect=coordinator.back_publish_address,
-                options={zmq.IDENTITY: rank_identity(0)},
+                options={zmq.IDENTITY: engine_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]

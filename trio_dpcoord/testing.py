@@ -58,7 +58,6 @@ __all__ = [
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
-    "rank_identity",
     "read_lines",
     "replace_wave_rule",
     "serve_command",
@@ -68,11 +67,6 @@ __all__ = [
 ]
 
 _ENDPOINT_KEYS = ("front", "back_pub", "back_out")
-
-
-def rank_identity(rank: int) -> bytes:
-    """A DP rank's ZeroMQ identity, as vLLM engines set it: 2 bytes little-endian."""
-    return rank.to_bytes(2, "little")
 
 
 class EnginePeer:
@@ -152,7 +146,7 @@ async def connect_engines(
                     zmq.XSUB,
                     connect=input_address,
                     options={
-                        zmq.IDENTITY: rank_identity(index),
+                        zmq.IDENTITY: protocol.engine_identity(index),
                         zmq.LINGER: 0,
                         **security,
                     },

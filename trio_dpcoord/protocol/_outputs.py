@@ -221,7 +221,9 @@ _ECO_DEFAULTS: Final[list[object]] = [0, [], None, 0.0, None, None, None, None, 
 
 # Hot-path constructors. A frozen dataclass's __init__ goes through object.__setattr__
 # once per field; setting the slots through their member descriptors is ~2x faster.
-# Equivalent to calling the class (these classes have no __post_init__).
+# Equivalent to calling the class (these classes have no __post_init__). The two
+# constructors below are unrolled on purpose, one line per slot: a loop costs more than
+# the setting it would save writing twice.
 _new = object.__new__
 _eco_set = tuple(getattr(EngineCoreOutputs, f).__set__ for f in EngineCoreOutputs.__slots__)
 _st_set = tuple(getattr(SchedulerStats, f).__set__ for f in SchedulerStats.__slots__)

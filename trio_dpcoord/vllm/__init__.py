@@ -55,7 +55,8 @@ _VERIFIED_VERSION = re.compile(r"0\.3[23]\.\d+(\+[0-9A-Za-z.]+)?")
 
 # The directory that holds the trio_dpcoord package: our records name their file relative
 # to it (``trio_dpcoord/vllm.py``), not by its bare name, which vLLM's files share.
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the directory that holds trio_dpcoord/ (this file is trio_dpcoord/vllm/__init__.py)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What vLLM 0.32's and 0.33's DPCoordinator passes to the process target (and run_coordinator's
 # own defaulted parameter, min_stats_update_interval_ms, which DPCoordinator leaves at 100).
@@ -84,8 +85,8 @@ class _ThroughVllmLogging(logging.Handler):
     it configures logging: until then our records go to stderr in a plain layout.
 
     vLLM's format shows a record's bare file name (``[%(fileinfo)s:%(lineno)d]``), and
-    vLLM has a ``vllm.py`` of its own (``vllm/config/vllm.py``), so the records handed on
-    name their file from the package down instead: ``[trio_dpcoord/vllm.py:N]``.
+    vLLM has files of the same bare names (``__init__.py``, ``vllm.py``), so the records handed on
+    name their file from the package down instead: ``[trio_dpcoord/vllm/__init__.py:N]``.
     """
 
     def __init__(self) -> None:
