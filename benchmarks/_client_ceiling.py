@@ -138,7 +138,11 @@ def measure_all(
         passes[shape] = by_kind
         for round_index in range(sizes.rounds):
             for kind in (OURS, VLLM) if round_index % 2 == 0 else (VLLM, OURS):
-                result = measure(kind, sizes, log_dir, shape=shape, profile=profile)
+                try:
+                    result = measure(kind, sizes, log_dir, shape=shape, profile=profile)
+                except (RuntimeError, TimeoutError) as exc:  # a start-up lost to load
+                    logger.warning("%s %s failed, once more: %s", kind, shape, str(exc)[:200])
+                    result = measure(kind, sizes, log_dir, shape=shape, profile=profile)
                 for measured in result.pop("passes"):
                     by_kind[kind].append({**result, **measured, "round": round_index})
     return passes
