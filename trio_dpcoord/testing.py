@@ -5,7 +5,8 @@ a vLLM engine's coordinator-facing sockets are (an XSUB with its rank as identit
 PUSH of ``EngineCoreOutputs``), with no scheduler behind them. For engines that run
 waves in lock-step, see :mod:`trio_dpcoord.sim`. :func:`open_coordinator_with_engines`
 is the usual opening of a test of the in-process coordinator (a coordinator, its engines,
-READY received); :func:`expect_broadcast` checks what every engine receives next.
+READY received); :func:`expect_broadcast` checks what every engine receives next;
+:func:`inject_coordinator_failure` makes the service fail from inside (its restart).
 
 :func:`open_serve` runs ``python -m trio_dpcoord serve`` for the duration of a block and
 yields its endpoints; blocking callers build the same command with :func:`serve_command`
@@ -29,6 +30,7 @@ import zmq
 
 from . import protocol
 from ._shell.coordinator import Coordinator, open_coordinator
+from ._shell.supervision import inject_failure
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "ServeProcess",
     "connect_engines",
     "expect_broadcast",
+    "inject_coordinator_failure",
     "open_child",
     "open_coordinator_with_engines",
     "open_serve",
@@ -183,6 +186,19 @@ async def open_coordinator_with_engines(
             await coordinator.wait_ready()
             await expect_broadcast(engines, [protocol.READY])
             yield coordinator, engines
+
+
+def inject_coordinator_failure(coordinator: Coordinator, where: str = "timer") -> None:
+    """Make ``coordinator``'s service fail as a broken invariant of our own would: an
+    ``AssertionError`` raised in one of its pumps, under its lock. ``where``: ``"timer"``
+    (at once) or ``"engine_output"`` (as the listener applies the next batch of engine
+    messages; the batch's first message is lost with the failure, the rest applied).
+
+    With ``open_coordinator(..., restart=True)`` (the default) the service restarts in
+    place and ``coordinator.restarts()`` counts it (docs/protocol.md §16); with
+    ``restart=False`` the block ends with :class:`~trio_dpcoord.CoordinatorError`.
+    """
+    inject_failure(coordinator._pumps, where)
 
 
 # --------------------------------------------------------------------------- serve
