@@ -30,7 +30,7 @@ import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Final, TypeAlias, final
 
 import trio
@@ -45,13 +45,14 @@ from ..core._coordinator import (
     Reject,
     SubscriptionView,
 )
+from ..core._recovery import Recovery
 from ..core._wave import WaveSnapshot
 from ..protocol import EngineLoad
 from ..trio_zmq import AsyncSocket
 from .coordinator_sockets import Bound, curve_server, open_bound_sockets, requested_sockets
 from .endpoints import DEFAULT_LIVENESS, Liveness
 from .monitor import PeerMonitor
-from .supervision import RestartCounters, RestartLog, restart_pumps, supervise
+from .supervision import RestartCounters, RestartLog, WaveFile, restart_pumps, supervise
 from .tasks import RejectLog, open_task_nursery
 
 __all__ = ["Coordinator", "open_coordinator"]
@@ -81,6 +82,7 @@ class _Pumps:
         one applies it first (but the message being handled, maybe the failure's cause)."""
         self.fault: str | None = None
         """The pump in which to raise a failure (``supervision.inject_failure``)."""
+        self.wave_file: WaveFile | None = None
         self.lock = threading.Lock()
         self.closed = False
         self.monitors: list[PeerMonitor] = []
@@ -111,6 +113,8 @@ class _Pumps:
                 outgoing.append(effect)
                 broadcast = broadcast or type(effect) is Broadcast
         if outgoing:
+            if self.wave_file is not None:  # never behind what goes out
+                self.wave_file.keep(self.core.snapshot().current_wave)
             self.outgoing.send_nowait(outgoing)
         return broadcast
 
@@ -496,6 +500,22 @@ class Coordinator:
             return self._pumps.restart_log.counters()
 
 
+def _take_over(pumps: _Pumps, wave_file: WaveFile) -> None:
+    """Keep the wave in ``wave_file`` and, if a process that ran on it died, start as its
+    successor: the engines connect and subscribe again, the wave starts at its wave."""
+    pumps.wave_file = wave_file
+    pumps.restart_log.process_restarts = wave_file.starts - 1
+    if wave_file.previous_wave is not None:
+        pumps.core.restarted(Recovery(wave=wave_file.previous_wave), trio.current_time())
+        logger.info(
+            "taking over from a coordinator process that died at wave %d (%s; process %d): "
+            "recovering as the engines come back",
+            wave_file.previous_wave,
+            wave_file.path,
+            wave_file.starts,
+        )
+
+
 @asynccontextmanager
 async def _running_pumps(
     pumps: _Pumps, bound: Bound, new_core: Callable[[], CoordinatorCore] | None
@@ -552,6 +572,7 @@ async def open_coordinator(
     liveness: Liveness = DEFAULT_LIVENESS,
     restart: bool = True,
     max_restarts: int = 5,
+    wave_file: str | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
@@ -578,6 +599,8 @@ async def open_coordinator(
     ``restart``: a failure inside (a broken invariant of ours) restarts the service in
     place, a new core on the same sockets (§16; :meth:`Coordinator.restarts`); more than
     ``max_restarts`` within a minute raise :class:`CoordinatorError` (at once: ``False``).
+    ``wave_file``: keep the wave in this file; if it holds one, a process that ran on it
+    died: start as its successor, with that wave (``serve --supervised`` does this).
     """
 
     def new_core() -> CoordinatorCore:
@@ -592,9 +615,14 @@ async def open_coordinator(
     curve_public_key, curve_options = curve_server(curve_secret_key)
     pumps = _Pumps(new_core(), max_restarts)
     requested = requested_sockets(back_publish_address, back_output_address, front_address)
-    async with open_bound_sockets(
-        pumps.monitors, requested, curve_options, liveness, allow_remote
-    ) as bound:
+    async with AsyncExitStack() as stack:
+        if wave_file is not None:
+            kept = WaveFile(wave_file)
+            stack.callback(kept.close)
+            _take_over(pumps, kept)
+        bound = await stack.enter_async_context(
+            open_bound_sockets(pumps.monitors, requested, curve_options, liveness, allow_remote)
+        )
         handle = Coordinator(
             pumps, bound.addresses, curve_public_key=curve_public_key, ready_timeout=ready_timeout
         )

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
+import os
+import struct
 import sys
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -45,6 +48,7 @@ __all__ = [
     "RESTART_WINDOW",
     "RestartCounters",
     "RestartLog",
+    "WaveFile",
     "inject_failure",
     "recovery_from",
     "restart_pumps",
@@ -69,6 +73,9 @@ class RestartCounters:
     """The latest failure, as ``Type: message``."""
     last_restart_at: float | None
     """The clock reading (``trio.current_time()``) of the latest restart."""
+    process_restarts: int = 0
+    """Coordinator processes that ran before this one on the same wave file and died
+    (``serve --supervised`` restarted this process in their place)."""
 
 
 class RestartLog:
@@ -83,6 +90,7 @@ class RestartLog:
         self._down = 0.0
         self._last_failure: str | None = None
         self._last_restart_at: float | None = None
+        self.process_restarts = 0
 
     def allow(self, failed_at: float) -> bool:
         """A failure at ``failed_at``: whether one more restart is within the budget."""
@@ -102,8 +110,58 @@ class RestartLog:
 
     def counters(self) -> RestartCounters:
         return RestartCounters(
-            self._restarts, self._down, self._last_failure, self._last_restart_at
+            self._restarts,
+            self._down,
+            self._last_failure,
+            self._last_restart_at,
+            self.process_restarts,
         )
+
+
+class WaveFile:
+    """The coordinator's wave kept in a small memory-mapped file, for the process that
+    takes over if this one dies (``serve --supervised``, docs/protocol.md §16).
+
+    Kept before anything newer goes out (the pumps call :meth:`keep` as they hand
+    effects to the broadcaster), so it is never behind what an engine or a front-end
+    saw; the kernel keeps the page when the process is killed, even by SIGKILL. Layout:
+    8 bytes of magic, the wave, the number of processes that started on it (little-endian
+    uint64s; one aligned store each). Meant for one fleet's lifetime: a file left from
+    another fleet would hand its wave to engines that restarted at 0.
+    """
+
+    _MAGIC: Final = b"trdpwav1"
+    _SIZE: Final = 24
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < self._SIZE:
+                os.ftruncate(fd, self._SIZE)
+            self._map = mmap.mmap(fd, self._SIZE)
+        finally:
+            os.close(fd)
+        self.path = path
+        valid = self._map[:8] == self._MAGIC
+        self.previous_wave: int | None = None
+        """The wave the previous process had reached (None: this is the first)."""
+        starts = 0
+        if valid:
+            self.previous_wave, starts = struct.unpack_from("<QQ", self._map, 8)
+        self.starts: int = starts + 1
+        """Processes started on this file, this one included."""
+        self._kept = self.previous_wave if valid else 0
+        struct.pack_into("<QQ", self._map, 8, self._kept, self.starts)
+        self._map[:8] = self._MAGIC
+
+    def keep(self, wave: int) -> None:
+        """The coordinator is about to send something decided at ``wave``."""
+        if wave != self._kept:
+            struct.pack_into("<Q", self._map, 8, wave)
+            self._kept = wave
+
+    def close(self) -> None:
+        self._map.close()
 
 
 def recovery_from(failed: CoordinatorCore, gate_open: bool) -> tuple[Recovery, str]:
