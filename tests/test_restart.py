@@ -159,3 +159,26 @@ async def test_the_engine_clients_streams_survive_a_restart() -> None:
                 await _restarted(client.coordinator, 1)
             assert len(outputs) == 6 and all(len(tokens) == 20 for tokens in outputs)
             assert client.coordinator.restarts().restarts == 1
+
+
+@pytest.mark.trio
+async def test_metrics_count_the_restarts() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests.test_metrics import parse, value
+    from trio_dpcoord.metrics import CoordinatorCollector
+
+    with trio.fail_after(GUARD):
+        async with open_coordinator_with_engines(2) as (coordinator, engines):
+            registry = CollectorRegistry()
+            registry.register(CoordinatorCollector(coordinator))
+            inject_coordinator_failure(coordinator)
+            await _restarted(coordinator, 1)
+            await expect_broadcast(engines, start(0, None))
+            await coordinator.wait_for(lambda c: c.counters().wave_starts == 1)
+            samples = parse(generate_latest(registry).decode())
+    assert value(samples, "coordinator_restarts_total", kind="in_place") == 1
+    assert value(samples, "coordinator_restarts_total", kind="process") == 0
+    assert value(samples, "seconds_without_coordinator_total") >= 0
+    assert value(samples, "wave_starts_total", cause="recovery") == 1
