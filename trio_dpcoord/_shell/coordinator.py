@@ -600,7 +600,8 @@ async def open_coordinator(
     place, a new core on the same sockets (§16; :meth:`Coordinator.restarts`); more than
     ``max_restarts`` within a minute raise :class:`CoordinatorError` (at once: ``False``).
     ``wave_file``: keep the wave in this file; if it holds one, a process that ran on it
-    died: start as its successor, with that wave (``serve --supervised`` does this).
+    died: start as its successor, with that wave (``serve --supervised`` does this; a
+    file left by another fleet would hand its wave to engines that started at 0).
     """
 
     def new_core() -> CoordinatorCore:
