@@ -55,6 +55,20 @@ class PrefixRouting:
     makes room for a prompt by evicting); the reported blocks they push out are kept
     aside, unbelieved, until the events say which ones the engine evicted, so the index
     remembers at most twice ``capacity_blocks`` a rank and believes at most that.
+
+    ``reuse_weight``: the choice's price, in tokens, for each token of the deepest known
+    prefix of the prompt that the chosen rank lacks, on top of computing it there: a
+    rank's cost is its queued work plus the prompt tokens it would compute plus
+    ``reuse_weight`` times the cached tokens it throws away (computed again by the fleet,
+    and lost to the next requests of that prefix, which would have found it where it
+    was). So a request stays on the rank holding its longest prefix until that rank's
+    queue exceeds another's by more than ``1 + reuse_weight`` times the cached tokens.
+    The default, 1, did best of 0, 1, 3 and 10 on the lock-step model (multi-turn chat
+    and shared documents, 8 and 64 ranks, but for 64 ranks of shared documents) and on
+    real engines (``benchmarks/README.md``, the real-engine section); 0 is the least
+    own work. With nothing cached the cost is the queue alone: the least loaded
+    rank (vLLM's choice when the queued work is vLLM's score in tokens, as the vLLM
+    plugin passes it).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -64,6 +78,7 @@ class PrefixRouting:
     imbalance_rel: float = 3.0
     feed: Feed = "approximate"
     provisional_age: float = 10.0
+    reuse_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -78,6 +93,8 @@ class PrefixRouting:
             raise ValueError(f"feed must be 'approximate' or 'exact', got {self.feed!r}")
         if not self.provisional_age >= 0:
             raise ValueError(f"provisional_age must be >= 0, got {self.provisional_age!r}")
+        if not self.reuse_weight >= 0:
+            raise ValueError(f"reuse_weight must be >= 0, got {self.reuse_weight!r}")
 
 
 @dataclass
@@ -130,26 +147,18 @@ about half a Python-level step in the shared map, which answers for every rank a
 in the map; two ranks' runs about 75 us either way)."""
 
 
-def _busiest_but(queued: Sequence[float], top: int, high: float, low: float) -> float:
-    """The highest work of the ranks other than ``top``, the first busiest (at ``high``;
-    the idlest is at ``low``)."""
-    if queued.count(high) > 1:
-        return high
-    rest = list(queued)
-    rest[top] = low
-    return max(rest)
-
-
 class PrefixRouter:
-    """Chooses the rank that keeps the busiest rank's work lowest.
+    """Chooses the rank of least cost: its work once it takes the request, plus what
+    choosing it throws away.
 
-    A rank's work is its queued work (``queued_work``, in tokens, passed in) plus, for
-    the rank that would take the request, the request's uncached prompt tokens there:
-    with ranks stepping in lock-step, every step lasts as long as the busiest rank's, so
-    that is the cost to minimise. Ties go to the most cached tokens, then to the rank
-    whose own work ends lowest, then to rotation (a start that advances by one per
-    decision). With nothing cached anywhere that is exactly the least loaded rank. When
-    the ranks' queued work is imbalanced beyond both thresholds (see
+    A rank's work is its queued work (``queued_work``, in tokens, passed in) plus the
+    request's uncached prompt tokens there; what it throws away is ``reuse_weight``
+    times the tokens of the deepest prefix known anywhere that it lacks (see
+    :class:`PrefixRouting`): a request stays where its history is until that rank's
+    queue is busier than another's by more than ``1 + reuse_weight`` times what it
+    holds. Ties go to the most cached tokens, then to rotation (a start that advances by
+    one per decision). With nothing cached anywhere that is exactly the least loaded
+    rank. When the ranks' queued work is imbalanced beyond both thresholds (see
     :class:`PrefixRouting`) the guard chooses the least loaded rank. A pinned rank is
     returned as is. Every routed or pinned prompt is learnt on its rank with
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
@@ -320,7 +329,10 @@ class PrefixRouter:
         return members
 
     def _pick(
-        self, groups: list[tuple[int, int]], prompt_len: int, queued: Sequence[float]
+        self,
+        groups: list[tuple[int, int]],
+        prompt_len: int,
+        queued: Sequence[float],
     ) -> RouteDecision:
         ranks = self.ranks
         start = self._rotation
@@ -353,16 +365,18 @@ class PrefixRouter:
                         break
         if len(candidates) == 1:
             return RouteDecision(least, least_depth * block, False)
-        # Placing on r leaves the busiest at max(the busiest other rank, r's own work):
-        # the busiest other than the first busiest rank is needed only if it is a candidate.
-        top = queued.index(high)
-        best: tuple[float, int, float, int] | None = None
+        # The cost of a rank, in tokens: its own work once it takes the request (its
+        # queue, then the prompt's tokens it lacks) plus, weighted, the tokens of the
+        # deepest known prefix it lacks: what choosing it throws away (the fleet computes
+        # them again, and later requests of the prefix lose the rank that held it).
+        most = groups[-1][0] * block
+        weight = routing.reuse_weight
+        best: tuple[float, int, int] | None = None
         chosen, chosen_depth = least, least_depth
         for rank, depth in candidates:
             cached = depth * block
-            own = queued[rank] + prompt_len - cached
-            others = high if rank != top else _busiest_but(queued, top, high, low)
-            candidate = (max(others, own), -cached, own, (rank - start) % ranks)
+            cost = queued[rank] + prompt_len - cached + weight * (most - cached)
+            candidate = (cost, -cached, (rank - start) % ranks)
             if best is None or candidate < best:
                 best, chosen, chosen_depth = candidate, rank, depth
         return RouteDecision(chosen, chosen_depth * block, False)

@@ -34,6 +34,11 @@ What each engine holds is learnt one of two ways:
   yet resolved, or an ``inproc`` endpoint (inside the engine's own process), is not
   reachable, and then the router stays approximate.
 
+``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS`` (a JSON object of
+:class:`~trio_dpcoord.routing.PrefixRouting` fields, e.g. ``{"reuse_weight": 2}``)
+overrides the settings, for calibration; unknown or invalid fields are ignored with a
+WARNING.
+
 Nothing here imports vLLM, trio or zmq at module level: the plugin is imported by every
 vLLM process, and only API-server processes that opted in need this.
 """
@@ -42,6 +47,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import time
@@ -52,12 +59,25 @@ from typing import Any
 from ..protocol import KVEventError, decode_kv_event_frames
 from ..routing import PrefixRouter, PrefixRouting, block_keys, vllm_score
 
-__all__ = ["ROUTING_VARIABLE", "choose_engine", "install", "routing_setting", "routing_state"]
+__all__ = [
+    "OPTIONS_VARIABLE",
+    "ROUTING_VARIABLE",
+    "choose_engine",
+    "install",
+    "routing_options",
+    "routing_setting",
+    "routing_state",
+]
 
 logger = logging.getLogger(__name__)
 
 ROUTING_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING"
 """Set to ``prefix`` to opt in; unset or empty leaves vLLM's engine choice untouched."""
+OPTIONS_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING_OPTIONS"
+"""A JSON object of :class:`PrefixRouting` fields overriding the plugin's settings."""
+_OPTION_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(PrefixRouting) if f.name not in ("block_size", "feed")
+)
 
 PREFIX = "prefix"
 
@@ -69,6 +89,33 @@ def routing_setting() -> str | None:
     """``"prefix"`` when opted in; None when unset or empty; the raw value otherwise."""
     setting = os.environ.get(ROUTING_VARIABLE, "")
     return setting or None
+
+
+def routing_options() -> dict[str, Any]:
+    """The :class:`PrefixRouting` overrides of ``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS``
+    (``block_size`` and ``feed`` stay vLLM's); invalid ones are dropped with a WARNING."""
+    raw = os.environ.get(OPTIONS_VARIABLE, "")
+    if not raw:
+        return {}
+    try:
+        given = json.loads(raw)
+    except ValueError as exc:
+        logger.warning("%s is not JSON (%s): ignored", OPTIONS_VARIABLE, exc)
+        return {}
+    if not isinstance(given, dict):
+        logger.warning("%s is not a JSON object: ignored", OPTIONS_VARIABLE)
+        return {}
+    options: dict[str, Any] = {}
+    for name, value in given.items():
+        try:
+            if name not in _OPTION_FIELDS:
+                raise ValueError("not a setting of the prefix policy")
+            PrefixRouting(**{name: value})
+        except (TypeError, ValueError) as exc:
+            logger.warning("%s: %s=%r ignored (%s)", OPTIONS_VARIABLE, name, value, exc)
+            continue
+        options[name] = value
+    return options
 
 
 # vLLM's original method, saved by install() (one per patched class).
@@ -196,6 +243,7 @@ class RoutingState:
         options: dict[str, Any] = {}
         if isinstance(capacity_tokens, int) and capacity_tokens >= block_size:
             options["capacity_blocks"] = capacity_tokens // block_size
+        options.update(routing_options())
         sources = _event_sources(client, self.ranks)
         self.router = PrefixRouter(
             self.ranks,
@@ -209,13 +257,17 @@ class RoutingState:
         self.follower: _KVEventFollower | None = None
         if sources is not None:
             self.follower = _KVEventFollower(self, client, sources)
+        routing = self.router.routing
         logger.info(
-            "%s=%s: prefix-aware engine choice over %d engines (%s, block size %d)",
+            "%s=%s: prefix-aware engine choice over %d engines (%s, block size %d, "
+            "%d blocks an engine, reuse weight %g)",
             ROUTING_VARIABLE,
             PREFIX,
             self.ranks,
             "exact, from vLLM's KV events" if self.follower else "approximate",
             block_size,
+            routing.capacity_blocks,
+            routing.reuse_weight,
         )
 
     def _to_router(self, engine_index: int) -> int:
@@ -246,7 +298,9 @@ class RoutingState:
                 client.engine_inflight[engines[index]],
                 client.client_count,
             )
-            work[self._to_router(index)] = score * self.mean_prompt_tokens
+            # vLLM's score in tokens: with nothing cached anywhere, the least of it
+            # (rotation on ties, from vLLM's start) is vLLM's own choice
+            work[self._to_router(index)] = score * max(1.0, self.mean_prompt_tokens)
         rank = self.router.choose(token_ids, work, time.monotonic())
         return self._to_engine(rank)
 
