@@ -340,6 +340,36 @@ def test_affinity_yields_when_the_queue_costs_more_than_the_prefix() -> None:
     assert router.choose([*history, *range(100, 116)], [10.0, 12.0, 84.0], 0.0) == 0
 
 
+def test_front_ends_with_their_own_indexes_agree_on_a_conversations_rank() -> None:
+    """Two API servers, each learning only its own choices (approximate feed): with
+    ``rendezvous_slack`` a conversation's turns meet on one rank whichever server takes
+    them; without it the second server, blind to the first turn, takes the least loaded
+    rank by rotation."""
+    system = list(range(8 * BLOCK))
+
+    def conversation(number: int, turns: int) -> list[list[int]]:
+        history, prompts = list(system), []
+        for turn in range(turns):
+            history += [10_000 + 100 * number + 10 * turn + i for i in range(2 * BLOCK)]
+            prompts.append(list(history))
+        return prompts
+
+    for slack, agree in ((2.0, True), (0.0, False)):
+        routing = PrefixRouting(block_size=BLOCK, rendezvous_slack=slack)
+        servers = [PrefixRouter(4, routing), PrefixRouter(4, routing, start=2)]
+        for server in servers:  # both have seen the system prompt on every rank
+            for rank in range(4):
+                server.choose(system, [0.0] * 4, 0.0, pinned_rank=rank)
+        split = 0
+        for number in range(8):
+            ranks = [
+                servers[turn % 2].choose(prompt, [0.0] * 4, 0.0)
+                for turn, prompt in enumerate(conversation(number, 4))
+            ]
+            split += len(set(ranks)) > 1
+        assert (split == 0) == agree
+
+
 def test_pinned_and_out_of_range_ranks() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
     with pytest.raises(ValueError, match="out of range"):

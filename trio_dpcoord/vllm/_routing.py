@@ -34,6 +34,15 @@ What each engine holds is learnt one of two ways:
   yet resolved, or an ``inproc`` endpoint (inside the engine's own process), is not
   reachable, and then the router stays approximate.
 
+With several API servers (``--api-server-count``) each keeps its own index; fed by its
+own choices alone (approximate), a server would not know where another sent a
+conversation's earlier turns. So with more than one API server the router's
+``rendezvous_slack`` is on (:data:`MULTI_SERVER_SLACK`): a prompt no single engine is known
+to hold more of than the others goes to the engine that rendezvous hashing of its first
+block past their common prefix ranks first, among the engines within that many prompts
+of the least loaded; every server computes the same engine for a conversation's first
+turn and, not knowing it, for its later ones.
+
 ``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS`` (a JSON object of
 :class:`~trio_dpcoord.routing.PrefixRouting` fields, e.g. ``{"reuse_weight": 2}``)
 overrides the settings, for calibration; unknown or invalid fields are ignored with a
@@ -75,6 +84,9 @@ ROUTING_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING"
 """Set to ``prefix`` to opt in; unset or empty leaves vLLM's engine choice untouched."""
 OPTIONS_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING_OPTIONS"
 """A JSON object of :class:`PrefixRouting` fields overriding the plugin's settings."""
+MULTI_SERVER_SLACK = 1.0
+"""``rendezvous_slack`` with more than one API server: within one prompt's tokens of the
+best engine (in vLLM's score, about one request), the engine all servers agree on."""
 _OPTION_FIELDS = frozenset(
     f.name for f in dataclasses.fields(PrefixRouting) if f.name not in ("block_size", "feed")
 )
@@ -243,6 +255,8 @@ class RoutingState:
         options: dict[str, Any] = {}
         if isinstance(capacity_tokens, int) and capacity_tokens >= block_size:
             options["capacity_blocks"] = capacity_tokens // block_size
+        if int(client.client_count) > 1:
+            options["rendezvous_slack"] = MULTI_SERVER_SLACK
         options.update(routing_options())
         sources = _event_sources(client, self.ranks)
         self.router = PrefixRouter(
@@ -260,7 +274,7 @@ class RoutingState:
         routing = self.router.routing
         logger.info(
             "%s=%s: prefix-aware engine choice over %d engines (%s, block size %d, "
-            "%d blocks an engine, reuse weight %g)",
+            "%d blocks an engine, reuse weight %g, rendezvous slack %g)",
             ROUTING_VARIABLE,
             PREFIX,
             self.ranks,
@@ -268,6 +282,7 @@ class RoutingState:
             block_size,
             routing.capacity_blocks,
             routing.reuse_weight,
+            routing.rendezvous_slack,
         )
 
     def _to_router(self, engine_index: int) -> int:
