@@ -238,15 +238,15 @@ def choose_engine(
 class RoutingState:
     """One client's router, its mean prompt length and (exact mode) its event followers.
 
-    The router's rank ``j`` is the client's engine ``(j + offset) % n``, ``offset`` being
-    vLLM's starting engine for this client (``n x client_index // client_count``): the
-    router breaks ties from its rank 0, so API servers spread their first choices over
-    the engines as vLLM's rotating start does.
+    The router's ranks are the client's engine indexes (so that every API server hashes
+    the same engine alike for the rendezvous); its rotation starts where vLLM's does for
+    this client (``n x client_index // client_count``) and advances with it, one a
+    choice, so API servers spread their first choices over the engines as vLLM does.
     """
 
     def __init__(self, client: Any) -> None:
         self.ranks: int = len(client.core_engines)
-        self.offset: int = (self.ranks * int(client.client_index)) // int(client.client_count)
+        start = (self.ranks * int(client.client_index)) // int(client.client_count)
         cache_config = getattr(client.vllm_config, "cache_config", None)
         block_size = getattr(cache_config, "block_size", None)
         if not isinstance(block_size, int) or block_size < 1:
@@ -266,6 +266,7 @@ class RoutingState:
                 feed="exact" if sources is not None else "approximate",
                 **options,
             ),
+            start=start,
         )
         self.mean_prompt_tokens = 0.0
         self.follower: _KVEventFollower | None = None
@@ -284,12 +285,6 @@ class RoutingState:
             routing.reuse_weight,
             routing.rendezvous_slack,
         )
-
-    def _to_router(self, engine_index: int) -> int:
-        return (engine_index - self.offset) % self.ranks
-
-    def _to_engine(self, router_rank: int) -> int:
-        return (router_rank + self.offset) % self.ranks
 
     def _learn_prompt_length(self, length: int) -> None:
         if self.mean_prompt_tokens == 0.0:
@@ -315,22 +310,19 @@ class RoutingState:
             )
             # vLLM's score in tokens: with nothing cached anywhere, the least of it
             # (rotation on ties, from vLLM's start) is vLLM's own choice
-            work[self._to_router(index)] = score * max(1.0, self.mean_prompt_tokens)
-        rank = self.router.choose(token_ids, work, time.monotonic())
-        return self._to_engine(rank)
+            work[index] = score * max(1.0, self.mean_prompt_tokens)
+        return self.router.choose(token_ids, work, time.monotonic())
 
     def note_pinned(self, token_ids: Sequence[int], engine_index: int) -> None:
         """A pinned request's prompt is cached where vLLM sent it (approximate feed)."""
         self._learn_prompt_length(len(token_ids))
         if self.router.feed == "approximate":
-            self.router.indexes[self._to_router(engine_index)].store(
+            self.router.indexes[engine_index].store(
                 block_keys(token_ids, self.router.block_size), time.monotonic()
             )
 
     def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
-        return self.router.receive_kv_events(
-            self._to_router(engine_index), seq, payload, time.monotonic()
-        )
+        return self.router.receive_kv_events(engine_index, seq, payload, time.monotonic())
 
     def stop(self) -> None:
         """Stop following KV events; log what the router did (at the client's shutdown)."""
