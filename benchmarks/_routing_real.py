@@ -66,6 +66,30 @@ POLICY_LABELS = {
     "pinned": "pinned (control)",
 }
 TRACES = ("multi-turn", "shared-docs", "no-reuse", "mooncake")
+
+
+def parse_policy(spec: str) -> tuple[str, dict[str, float]]:
+    """``NAME[+FIELD=VALUE...]``: one of :data:`POLICIES`, and for ours
+    :class:`~trio_dpcoord.routing.PrefixRouting` overrides (the vLLM plugin's
+    ``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS``), e.g. ``approximate+reuse_weight=3``."""
+    name, *fields = spec.split("+")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} (one of {', '.join(POLICIES)})")
+    overrides: dict[str, float] = {}
+    for item in fields:
+        key, sep, value = item.partition("=")
+        if not sep or name not in ("approximate", "exact"):
+            raise ValueError(f"{spec!r}: overrides are FIELD=VALUE, for ours only")
+        overrides[key] = float(value)
+    return name, overrides
+
+
+def policy_label(spec: str) -> str:
+    name, overrides = parse_policy(spec)
+    extra = ", ".join(f"{key} {value:g}" for key, value in overrides.items())
+    return POLICY_LABELS[name] + (f" ({extra})" if extra else "")
+
+
 MOONCAKE_BLOCK = 512
 """Tokens per hash id in the Mooncake trace format."""
 RANK_HEADER = "X-data-parallel-rank"
@@ -78,9 +102,11 @@ class Sizes:
     dp: int = 2
     block_size: int = 32  # the CPU attention backend takes multiples of 32
     max_model_len: int = 4224
-    kv_blocks: int = 512
-    """Per engine (``--num-gpu-blocks-override``): 16,384 tokens, below every trace's
-    working set."""
+    kv_blocks: int = 1024
+    """Per engine (``--num-gpu-blocks-override``): 32,768 tokens, more than half of each
+    reuse trace's working set (what one engine holds when a prefix lives on one engine)
+    and less than all of it (what each engine would need if every prefix went
+    everywhere)."""
     batched_tokens: int = 2048
     max_num_seqs: int = 8
     concurrency: int = 4
@@ -89,9 +115,9 @@ class Sizes:
     turns: int = 5
     system_tokens: int = 512
     user_tokens: tuple[int, int] = (400, 700)
-    documents: int = 8
+    documents: int = 16
     document_tokens: tuple[int, int] = (2048, 3072)
-    readers: int = 48
+    readers: int = 64
     question_tokens: tuple[int, int] = (64, 128)
     unrelated: int = 40
     unrelated_tokens: tuple[int, int] = (1024, 4000)
@@ -313,31 +339,32 @@ async def _send(
 async def run_sessions(
     base_url: str, trace: Trace, sizes: Sizes, pin: bool
 ) -> tuple[list[Sent], float]:
-    """``sizes.concurrency`` workers, each taking the next session and sending its turns
-    in order (closed loop); what was sent, in the order sent, and the seconds taken."""
+    """Every session at once, each sending its turns in order, at most
+    ``sizes.concurrency`` requests in flight (a FIFO semaphore, so the sessions take
+    turns: between two turns of one session the others pass, as users who think
+    between turns); what was sent, in the order sent, and the seconds taken."""
     sent: list[Sent] = []
-    queue = list(reversed(trace.sessions))
+    slots = trio.Semaphore(sizes.concurrency)
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        while queue:
-            session = queue.pop()
-            rank = pinned_rank(session.key, sizes.dp) if pin else None
-            history: list[int] = []
-            for turn in session.turns:
-                prompt = history + turn.user if session.history else turn.user
-                if len(prompt) + turn.output_len > sizes.max_model_len:
-                    break
+    async def session(client: httpx.AsyncClient, session: Session) -> None:
+        rank = pinned_rank(session.key, sizes.dp) if pin else None
+        history: list[int] = []
+        for turn in session.turns:
+            prompt = history + turn.user if session.history else turn.user
+            if len(prompt) + turn.output_len > sizes.max_model_len:
+                break
+            async with slots:
                 index = len(sent)
                 sent.append(Sent(prompt, [], False, math.nan, math.nan))
                 sent[index] = result = await _send(client, prompt, turn.output_len, rank)
-                if not result.ok:
-                    break
-                history = prompt + result.reply
+            if not result.ok:
+                break
+            history = prompt + result.reply
 
     started = time.monotonic()
     async with _client(base_url) as client, trio.open_nursery() as nursery:
-        for _ in range(sizes.concurrency):
-            nursery.start_soon(worker, client)
+        for one in trace.sessions:
+            nursery.start_soon(session, client, one)
     return sent, time.monotonic() - started
 
 
@@ -408,7 +435,8 @@ async def run_trace(
 ) -> TraceResult:
     before = await counters(base_url)
     runner = run_timed if trace.timed else run_sessions
-    sent, seconds = await runner(base_url, trace, sizes, policy == "pinned")
+    pin = parse_policy(policy)[0] == "pinned"
+    sent, seconds = await runner(base_url, trace, sizes, pin)
     await trio.sleep(1.0)  # the engines' last stats reach /metrics
     after = await counters(base_url)
 
@@ -445,7 +473,7 @@ async def run_trace(
 # -- the step-time probe ----------------------------------------------------------------------
 
 
-async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, float]:
+async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, Any]:
     """Sequential single requests on the idle server: latency of a 1-token completion
     against its prompt length (least squares: ``fixed + per_token x tokens``), and a
     decode step (the extra time of 32 more output tokens, over 32)."""
@@ -472,7 +500,12 @@ async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, f
     fixed, per_token, r2 = least_squares(points)
     step = statistics.median(decode)
     chunk = per_token * sizes.batched_tokens
+    medians = {
+        str(int(length)): round(statistics.median(t for n, t in points if n == length) * 1000, 1)
+        for length in dict.fromkeys(n for n, _ in points)
+    }
     return {
+        "latency_ms_by_prompt": medians,
         "fixed_ms": round(fixed * 1000, 2),
         "per_token_us": round(per_token * 1e6, 3),
         "r2": round(r2, 4),
@@ -514,8 +547,11 @@ def serve(
         str(sizes.kv_blocks),
     ]
     env: dict[str, str] = {}
+    policy, overrides = parse_policy(policy)
     if policy in ("approximate", "exact"):
         env["TRIO_DPCOORD_VLLM_ROUTING"] = "prefix"
+    if overrides:
+        env["TRIO_DPCOORD_VLLM_ROUTING_OPTIONS"] = json.dumps(overrides)
     if policy == "exact":
         events = {
             "enable_kv_cache_events": True,
@@ -571,7 +607,7 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
         probed = False
         for api_servers in options.api_servers:
             for position, policy in enumerate(abba(options.policies, options.passes)):
-                name = f"{api_servers}-{position}-{policy}"
+                name = f"{api_servers}-{position}-{parse_policy(policy)[0]}"
                 server = serve(
                     policy, model, scratch / name, sizes, api_servers, options.coordinator
                 )
@@ -590,8 +626,7 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
                         row = asdict(result)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-                    server_log = server.logs()
-                for line in server_log.splitlines():
+                for line in server.logs().splitlines():
                     if "prefix-aware engine choice (" in line:
                         logger.info("%s: %s", name, line.split("] ", 1)[-1])
     return rows
@@ -604,11 +639,17 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         if "policy" in row:
             cells.setdefault((row["api_servers"], row["trace"], row["policy"]), []).append(row)
     lines = [
-        f"{'api':>3} {'trace':<12} {'policy':<18} {'hit rate':>9} {'bound':>6} {'req/s':>7}"
+        f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate':>9} {'bound':>6} {'req/s':>7}"
         f" {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9} {'rank share':>12}"
     ]
+    order = {
+        policy: number
+        for number, policy in enumerate(
+            dict.fromkeys(row["policy"] for row in rows if "policy" in row)
+        )
+    }
     for (api, trace, policy), group in sorted(
-        cells.items(), key=lambda i: (i[0][0], TRACES.index(i[0][1]), POLICIES.index(i[0][2]))
+        cells.items(), key=lambda i: (i[0][0], TRACES.index(i[0][1]), order[i[0][2]])
     ):
         hits = [g["hit_rate"] for g in group if g["hit_rate"] is not None]
         seconds = sum(g["seconds"] for g in group)
@@ -619,7 +660,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             for r in range(len(group[0]["rank_share"]))
         ]
         lines.append(
-            f"{api:>3} {trace:<12} {POLICY_LABELS[policy]:<18}"
+            f"{api:>3} {trace:<12} {policy_label(policy):<34}"
             f" {statistics.mean(hits) * 100 if hits else math.nan:>8.1f}%"
             f" {statistics.mean(g['bound'] for g in group) * 100:>5.1f}%"
             f" {ok / seconds:>7.2f} {tokens / seconds:>8.0f}"
@@ -635,7 +676,13 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks routing_real", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        help=f"of {', '.join(POLICIES)}; ours may take PrefixRouting overrides: "
+        "approximate+reuse_weight=3",
+    )
     parser.add_argument("--traces", nargs="*", choices=TRACES, default=list(TRACES))
     parser.add_argument("--trace", type=Path, help="a Mooncake-format JSONL trace to replay")
     parser.add_argument("--time-scale", type=float, default=1.0, help="Mooncake replay speed-up")
@@ -650,7 +697,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--work-dir", type=Path, help="keep vLLM's logs here")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     options = parser.parse_args(argv)
+    for spec in options.policies:
+        try:
+            parse_policy(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     rows = run(options)
     print()
     print(table(rows))

@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..protocol import KVEventError, decode_kv_event_frames
-from ..routing import PrefixRouter, PrefixRouting, block_keys, vllm_score
+from ..routing import PrefixRouter, PrefixRouting, RouteDecision, vllm_score
 
 __all__ = [
     "OPTIONS_VARIABLE",
@@ -94,7 +94,7 @@ _OPTION_FIELDS = frozenset(
 PREFIX = "prefix"
 
 _DEFAULT_BLOCK_SIZE = 16  # vLLM's default --block-size
-_MEAN_PROMPT_WEIGHT = 1.0 / 16  # how fast the mean prompt length follows the traffic
+_MEAN_WEIGHT = 1.0 / 16  # how fast the mean uncached prompt follows the traffic
 
 
 def routing_setting() -> str | None:
@@ -268,7 +268,9 @@ class RoutingState:
             ),
             start=start,
         )
-        self.mean_prompt_tokens = 0.0
+        self.mean_uncached_tokens = 0.0
+        """The mean of the prompt tokens this server's requests had to compute where they
+        went (not cached there): what a queued request stands for in tokens."""
         self.follower: _KVEventFollower | None = None
         if sources is not None:
             self.follower = _KVEventFollower(self, client, sources)
@@ -286,18 +288,22 @@ class RoutingState:
             routing.rendezvous_slack,
         )
 
-    def _learn_prompt_length(self, length: int) -> None:
-        if self.mean_prompt_tokens == 0.0:
-            self.mean_prompt_tokens = float(length)
+    def _learn_uncached(self, decision: RouteDecision, length: int) -> None:
+        uncached = float(length - decision.cached_tokens)
+        if self.mean_uncached_tokens == 0.0:
+            self.mean_uncached_tokens = uncached
         else:
-            self.mean_prompt_tokens += _MEAN_PROMPT_WEIGHT * (length - self.mean_prompt_tokens)
+            self.mean_uncached_tokens += _MEAN_WEIGHT * (uncached - self.mean_uncached_tokens)
 
     def choose(self, client: Any, token_ids: Sequence[int]) -> int:
         """The engine index for a prompt, from vLLM's loads and the prefix index."""
         if self.follower is not None:
             self.follower.ensure_started()
-        self._learn_prompt_length(len(token_ids))
         engines = client.core_engines
+        # vLLM's score in tokens, a queued request standing for the mean uncached prompt
+        # (the first request: its own length): with nothing cached anywhere, the least
+        # of it (rotation on ties, from vLLM's start) is vLLM's own choice
+        unit = max(1.0, self.mean_uncached_tokens or float(len(token_ids)))
         work = [0.0] * self.ranks
         for index in range(self.ranks):
             waiting, running, kv_usage = client.lb_engines[index]
@@ -308,18 +314,18 @@ class RoutingState:
                 client.engine_inflight[engines[index]],
                 client.client_count,
             )
-            # vLLM's score in tokens: with nothing cached anywhere, the least of it
-            # (rotation on ties, from vLLM's start) is vLLM's own choice
-            work[index] = score * max(1.0, self.mean_prompt_tokens)
-        return self.router.choose(token_ids, work, time.monotonic())
+            work[index] = score * unit
+        decision = self.router.route(token_ids, work, time.monotonic())
+        self._learn_uncached(decision, len(token_ids))
+        return decision.rank
 
     def note_pinned(self, token_ids: Sequence[int], engine_index: int) -> None:
-        """A pinned request's prompt is cached where vLLM sent it (approximate feed)."""
-        self._learn_prompt_length(len(token_ids))
-        if self.router.feed == "approximate":
-            self.router.indexes[engine_index].store(
-                block_keys(token_ids, self.router.block_size), time.monotonic()
-            )
+        """A pinned request's prompt is cached where vLLM sent it (believed so at once
+        with the approximate feed, provisionally with the exact one)."""
+        decision = self.router.route(
+            token_ids, [0.0] * self.ranks, time.monotonic(), pinned_rank=engine_index
+        )
+        self._learn_uncached(decision, len(token_ids))
 
     def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
         return self.router.receive_kv_events(engine_index, seq, payload, time.monotonic())
@@ -331,13 +337,16 @@ class RoutingState:
         counters = self.router.counters
         logger.info(
             "prefix-aware engine choice (%s): %d decisions, %d guard fallbacks, %d KV event "
-            "batches applied, %d rejected, %d sequence gaps",
+            "batches applied, %d rejected, %d sequence gaps; %d of %d prompt tokens believed "
+            "cached where they went",
             self.router.feed,
             counters.decisions,
             counters.guard_fallbacks,
             counters.event_batches,
             counters.rejected_event_batches,
             counters.event_gaps,
+            counters.cached_tokens,
+            counters.prompt_tokens,
         )
 
 
