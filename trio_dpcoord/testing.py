@@ -18,8 +18,8 @@ code): :func:`core_internals` reads a :class:`~trio_dpcoord.core.CoordinatorCore
 private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` let a
 model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
 :func:`coordinator_pumps` are the coordinator's shell driven by hand, and
-``vllm_routing_setting``, ``vllm_subscribe_endpoint`` and ``vllm_routing_state`` are
-the rules and the per-client state of the vLLM plugin's prefix routing.
+``vllm_routing_setting``, ``vllm_routing_options``, ``vllm_subscribe_endpoint`` and
+``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ._shell.coordinator import _Pumps as CoordinatorPumps
 from ._shell.supervision import inject_failure
 from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .vllm._routing import routing_options as vllm_routing_options
 from .vllm._routing import routing_setting as vllm_routing_setting
 from .vllm._routing import routing_state as vllm_routing_state
 from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
@@ -65,6 +66,7 @@ __all__ = [
     "replace_recovery_rules",
     "replace_wave_rule",
     "serve_command",
+    "vllm_routing_options",
     "vllm_routing_setting",
     "vllm_routing_state",
     "vllm_subscribe_endpoint",
