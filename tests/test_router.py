@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from itertools import permutations, product
 
 import msgpack
 import pytest
@@ -46,6 +48,26 @@ def test_block_keys_are_chained_and_full_blocks_only() -> None:
     assert len(a) == 2
     assert a[0] != b[0] and a[1] != b[1]  # a different first block changes every key after it
     assert block_keys(list(range(32)), 16) == a
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_block_keys_tell_reordered_blocks_apart(block_size: int) -> None:
+    """Every order of the same blocks has keys of its own, at every depth: a block's
+    position weighs its hash by a factor of its own (a position mixed into the tuple
+    hash, as its last item, left the same two blocks in swapped places sharing a key a
+    third of the time)."""
+    rng = random.Random(block_size)
+    blocks = [tuple(rng.randrange(3) for _ in range(block_size)) for _ in range(6)]
+    blocks = list(dict.fromkeys(blocks))  # distinct blocks (3**1 = 3 at block size 1)
+    assert len(blocks) >= 3
+    for depth in (2, 3):
+        prompts = {seq for seq in product(blocks, repeat=depth)}  # repeats included
+        keys = {block_keys([t for block in seq for t in block], block_size)[-1] for seq in prompts}
+        assert len(keys) == len(prompts)
+    for seq in permutations(blocks, 3):  # and every prefix of each order
+        tokens = [t for block in seq for t in block]
+        head = tokens[: 2 * block_size]
+        assert block_keys(tokens, block_size)[:2] == block_keys(head, block_size)
 
 
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
@@ -429,6 +451,18 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(step=st.floats(0, 3))
     def tick(self, step: float) -> None:
         self.now += step
+
+    @rule(prompt=prompts)
+    def walk(self, prompt: tuple[int, int, int]) -> None:
+        """The walk is every rank's own prefix count, bisecting (own decisions only) or
+        block by block (once KV events came)."""
+        keys = block_keys(family_prompt(*prompt), BLOCK)
+        held: dict[int, int] = {}
+        for rank, index in enumerate(self.router.indexes):
+            depth = next((i for i, key in enumerate(keys) if key not in index), len(keys))
+            if depth:
+                held[depth] = held.get(depth, 0) | 1 << rank
+        assert self.router._walk(keys) == sorted(held.items())
 
     @invariant()
     def bounded_and_consistent(self) -> None:

@@ -1,11 +1,13 @@
 """The decision's fast paths against plain reference implementations of the same rules.
 
 The prefix index keeps its recency order in a plain dict and stores and evicts with
-C-level bulk calls; the walk counts a lone rank's run in its own index; vLLM's score is
-kept per engine instead of recomputed per choice. Each is checked here, on random
-operation sequences, against the straightforward one-item-at-a-time reading of its rule
-(an ``OrderedDict`` LRU, a per-rank prefix count, vLLM's rotated scan): same state,
-same answers, so the optimisations change no routing decision.
+C-level bulk calls; the walk bisects the prompt while the indexes are prefix-closed, and
+otherwise counts a lone rank's run in its own index; a prompt's keys come from a cache
+of its leading chunks; vLLM's score is kept per engine instead of recomputed per choice.
+Each is checked here, on random operation sequences, against the straightforward
+one-item-at-a-time reading of its rule (an ``OrderedDict`` LRU, a per-rank prefix count,
+:func:`block_keys` itself, vLLM's rotated scan): same state, same answers, so the
+optimisations change no routing decision.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from trio_dpcoord.routing import PrefixRouter, vllm_score
 
 # private import (documented exception): the index and the walk are compared with their
 # references state by state
-from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
+from trio_dpcoord.routing._prefix_index import CHUNK_BLOCKS, ChunkKeys, RankPrefixIndex, block_keys
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 
@@ -232,6 +234,70 @@ def test_the_walk_is_every_ranks_prefix(
         router.choose([t for t in tokens for _ in range(BLOCK)], [0.0] * ranks, 0.0, rank % ranks)
     keys = block_keys([t for t in prompt for _ in range(BLOCK)], BLOCK)
     assert router._walk(keys) == reference_walk(router, keys)
+
+
+BASES = [
+    [(base * 7 + i * (base + 1)) % 5 for i in range(3 * CHUNK_BLOCKS + 9)] for base in (0, 1, 2)
+]
+"""Three token streams: prompts are a stream's prefix and a tail of their own, so they
+share leading chunks, blocks and partial blocks in every way."""
+long_prompts = st.builds(
+    lambda base, cut, tail: BASES[base][:cut] + tail,
+    st.integers(0, 2),
+    st.integers(0, len(BASES[0])),
+    st.lists(st.integers(0, 4), max_size=2 * CHUNK_BLOCKS),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ranks=st.integers(1, 9),
+    block=st.sampled_from([1, 2, 3]),
+    capacity=st.integers(1, 3 * CHUNK_BLOCKS),
+    steps=st.lists(
+        st.tuples(long_prompts, st.none() | st.integers(0, 8), st.floats(0, 1.0)), max_size=20
+    ),
+    probes=st.lists(long_prompts, min_size=1, max_size=3),
+)
+def test_the_bisecting_walk_is_the_block_walk(
+    ranks: int,
+    block: int,
+    capacity: int,
+    steps: list[tuple[list[int], int | None, float]],
+    probes: list[list[int]],
+) -> None:
+    """With the approximate feed the indexes stay prefix-closed, whatever prompts, pins,
+    capacities (evictions) and clock readings (expiry) come, so the walk bisects; it
+    finds what the block-by-block walk and every rank's own prefix count find."""
+    routing = PrefixRouting(block_size=block, capacity_blocks=capacity, max_age=2.0)
+    router = PrefixRouter(ranks, routing)
+    now = 0.0
+    for tokens, pin, step in steps:
+        now += step
+        queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
+        router.route(tokens, queued, now, None if pin is None else pin % ranks)
+        for probe in probes:
+            keys = block_keys(probe, block)
+            walk = router._walk_blocks(keys)
+            assert router._closed
+            assert router._bisect(keys) == walk == reference_walk(router, keys)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block=st.sampled_from([1, 2, 3]),
+    max_chunks=st.integers(1, 8),
+    prompts=st.lists(long_prompts, max_size=30),
+)
+def test_the_chunk_cache_gives_the_block_keys(
+    block: int, max_chunks: int, prompts: list[list[int]]
+) -> None:
+    """Remembered chunks, new ones, partial last chunks and blocks, evictions from the
+    cache: the keys are :func:`block_keys`' every time, and the cache stays bounded."""
+    keys = ChunkKeys(block, max_chunks)
+    for tokens in prompts:
+        assert keys(tokens) == block_keys(tokens, block)
+        assert len(keys) <= max_chunks
 
 
 # --- vLLM's score: the rotated scan, recomputed per choice -------------------------------

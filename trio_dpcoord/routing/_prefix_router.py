@@ -15,7 +15,15 @@ from ..protocol import (
     KVEventError,
     decode_event_batch,
 )
-from ._prefix_index import DEFAULT_BLOCK_SIZE, ROOT_KEY, Feed, RankPrefixIndex, block_keys
+from ._prefix_index import (
+    CHUNK_BLOCKS,
+    DEFAULT_BLOCK_SIZE,
+    ROOT_KEY,
+    ChunkKeys,
+    Feed,
+    RankPrefixIndex,
+    block_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +138,10 @@ about half a Python-level step in the shared map, which answers for every rank a
 in the map; two ranks' runs about 75 us either way)."""
 
 
-def _busiest_but(queued: Sequence[float], top: int, high: float, low: float) -> float:
-    """The highest work of the ranks other than ``top``, the first busiest (at ``high``;
-    the idlest is at ``low``)."""
-    if queued.count(high) > 1:
-        return high
-    rest = list(queued)
-    rest[top] = low
-    return max(rest)
+def _busiest_but(queued: Sequence[float], top: int, low: float) -> float:
+    """The highest work of the ranks other than ``top``, the first busiest (the idlest
+    is at ``low``)."""
+    return max(max(queued[:top], default=low), max(queued[top + 1 :], default=low))
 
 
 class PrefixRouter:
@@ -168,6 +172,14 @@ class PrefixRouter:
         self._byte_ranks: list[list[tuple[int, ...]]] = []
         self.indexes: list[RankPrefixIndex] = []
         self._exact: list[_ExactRank] = []
+        self._keys = ChunkKeys(self.block_size, 0)
+        self._closed = self.feed == "approximate"
+        """Every rank's index is prefix-closed: a rank holding a prompt's block holds the
+        blocks before it. True while the indexes learn only the router's own decisions
+        (every one a prompt's whole chain, root first, stored deepest first so that a
+        parent is always more recent than its child: evictions and expiry take the child
+        first); KV events (a chain continued from a reported parent, evictions of the
+        engine's choosing) end it. :meth:`_walk` bisects while it holds."""
         self.ranks = 0
         self.resize(ranks)
         self._rotation = start % ranks
@@ -192,6 +204,8 @@ class PrefixRouter:
             self._exact.append(_ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
+        # At most half the chunks the indexes can hold (about 15 bytes a block at most).
+        self._keys.max_chunks = max(64, ranks * routing.capacity_blocks // (2 * CHUNK_BLOCKS))
         width = (ranks + 7) // 8
         self._byte_ranks = [
             [tuple(8 * offset + i for i in range(8) if byte >> i & 1) for byte in range(256)]
@@ -232,7 +246,7 @@ class PrefixRouter:
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
             raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
-        keys = block_keys(token_ids, self.block_size)
+        keys = self._keys(token_ids)
         if now >= self._next_sweep:
             for index in self.indexes:
                 index.expire(now)
@@ -262,7 +276,48 @@ class PrefixRouter:
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
-        the ranks holding exactly that many), deepest last; ranks holding none omitted.
+        the ranks holding exactly that many), deepest last; ranks holding none omitted."""
+        if self._closed:
+            return self._bisect(keys)
+        return self._walk_blocks(keys)
+
+    def _bisect(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`_walk` over prefix-closed indexes (:attr:`_closed`): the ranks holding
+        block ``k`` then hold every block before it, so the holders' mask can only shrink
+        along the prompt, and a stretch whose two ends have the same holders has them
+        throughout. Bisecting the stretches whose ends differ finds every depth where
+        ranks drop out in about (depths where some do) x log2(blocks) lookups instead of
+        one a block: 2 for a prompt held whole by the same ranks."""
+        count = len(keys)
+        if not count:
+            return []
+        owners = self._owners.get
+        everyone = self._all
+        first = owners(keys[0], 0) & everyone
+        if not first:
+            return []
+        last = owners(keys[-1], 0) & first
+        groups: list[tuple[int, int]] = []
+        # Stretches (low, high, holders at low, holders at high), leftmost on top.
+        stack = [(0, count - 1, first, last)]
+        pop, push = stack.pop, stack.append
+        while stack:
+            low, high, at_low, at_high = pop()
+            if at_low == at_high:
+                continue
+            if high - low == 1:
+                groups.append((high, at_low ^ at_high))  # held to ``low``, not ``high``
+                continue
+            middle = (low + high) >> 1
+            at_middle = owners(keys[middle], 0) & at_low
+            push((middle, high, at_middle, at_high))
+            push((low, middle, at_low, at_middle))
+        if last:
+            groups.append((count, last))
+        return groups
+
+    def _walk_blocks(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`_walk` block by block, from the first block to the first no rank holds.
 
         Once one rank is left (:data:`_FEW_RANKS`), the rest of its run is counted in its
         own index (a small dict, C-level) rather than key by key in the shared map of
@@ -361,7 +416,7 @@ class PrefixRouter:
         for rank, depth in candidates:
             cached = depth * block
             own = queued[rank] + prompt_len - cached
-            others = high if rank != top else _busiest_but(queued, top, high, low)
+            others = high if rank != top else _busiest_but(queued, top, low)
             candidate = (max(others, own), -cached, own, (rank - start) % ranks)
             if best is None or candidate < best:
                 best, chosen, chosen_depth = candidate, rank, depth
@@ -395,6 +450,7 @@ class PrefixRouter:
             state.vllm_to_ours.clear()
         state.last_seq = seq
         self.counters.event_batches += 1
+        self._closed = False  # chains continued from a parent, evictions in any order
         for event in batch.events:
             if isinstance(event, BlockStored):
                 if event.block_size != self.block_size:
