@@ -307,8 +307,8 @@ def measure_decision(
 
     Warm: documents of 4,096 tokens, one per rank, are routed until every rank's index
     is at its bound; each timed prompt is a document's first 3,840 tokens plus 256 new
-    ones (a follow-up turn: 240 blocks to match, 16 new), so the walk is deep. The
-    passes repeat the same prompts on the router as the previous passes left it.
+    ones (a follow-up turn: 240 blocks to match, 16 new), so the walk is deep. Each pass
+    has prompts of its own (new tails), on the router as the previous passes left it.
     """
     rng = random.Random(seed)
     docs = [_tokens(rng, 4096) for _ in range(ranks)]
@@ -334,14 +334,14 @@ def measure_decision(
     tracemalloc.stop()
     for doc in docs:  # the documents themselves, on the ranks the router gives them
         ours.choose(loads, doc, now=now)
-    prompts = [docs[rng.randrange(ranks)][:3840] + _tokens(rng, 256) for _ in range(calls)]
     timed: dict[str, list[list[float]]] = {"ours": [], "vllm": []}
     clock = time.perf_counter_ns
     counters = router.counters
+    prompt_tokens, cached_tokens = counters.prompt_tokens, counters.cached_tokens
     for _ in range(passes):
+        prompts = [docs[rng.randrange(ranks)][:3840] + _tokens(rng, 256) for _ in range(calls)]
         base = EngineChooser(ranks)
         timings: dict[str, list[float]] = {"ours": [], "vllm": []}
-        prompt_tokens, cached_tokens = counters.prompt_tokens, counters.cached_tokens
         for prompt in prompts:
             t0 = clock()
             ours.choose(loads, prompt, now=now)
@@ -351,9 +351,6 @@ def measure_decision(
             timings["ours"].append((t1 - t0) / 1000)
             timings["vllm"].append((t2 - t1) / 1000)
             now += 1e-4
-        cached_fraction = (counters.cached_tokens - cached_tokens) / max(
-            1, counters.prompt_tokens - prompt_tokens
-        )
         for name, values in timings.items():
             timed[name].append(values)
     return {
@@ -363,7 +360,8 @@ def measure_decision(
         "stored_blocks": router.stored_blocks,
         "bound_blocks": ranks * capacity_blocks,
         "memory_bytes": memory,
-        "cached_fraction": cached_fraction,
+        "cached_fraction": (counters.cached_tokens - cached_tokens)
+        / max(1, counters.prompt_tokens - prompt_tokens),
         "loads": [[load.waiting, load.running, load.kv_cache_usage] for load in loads],
     }
 

@@ -24,7 +24,7 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
-from operator import add, and_, is_, mul, or_
+from operator import and_, is_, or_, xor
 from typing import Literal
 
 logger = logging.getLogger(__name__)
@@ -39,20 +39,17 @@ Feed = Literal["approximate", "exact"]
 ROOT_KEY = 0
 """The chain's start: the key "before" a prompt's first block."""
 
-_POSITION_FACTORS: list[int] = []
-"""Per block position, a fixed random odd 61-bit factor (one seeded stream, extended on
+_POSITION_SALTS: list[int] = []
+"""Per block position, a fixed random 61-bit salt (one seeded stream, extended on
 demand): a block's contribution depends on where it sits, so reordered blocks differ."""
-_FACTOR_STREAM = random.Random(0x7472696F)
-_KEY_MASK = (1 << 61) - 1
-"""Keys are taken modulo 2**61: three-digit ints, which a dict hashes and compares in
-about half the time of the exact sums' five (measured: 5 against 13 us per 256 lookups)."""
+_SALT_STREAM = random.Random(0x7472696F)
 
 
-def _factors(upto: int) -> list[int]:
-    if len(_POSITION_FACTORS) < upto:
-        more = max(upto, 2 * len(_POSITION_FACTORS), 4096) - len(_POSITION_FACTORS)
-        _POSITION_FACTORS.extend(_FACTOR_STREAM.getrandbits(61) | 1 for _ in range(more))
-    return _POSITION_FACTORS
+def _salts(upto: int) -> list[int]:
+    if len(_POSITION_SALTS) < upto:
+        more = max(upto, 2 * len(_POSITION_SALTS), 4096) - len(_POSITION_SALTS)
+        _POSITION_SALTS.extend(_SALT_STREAM.getrandbits(61) for _ in range(more))
+    return _POSITION_SALTS
 
 
 def block_keys(
@@ -60,31 +57,33 @@ def block_keys(
 ) -> list[int]:
     """Chained keys of the full blocks of ``token_ids`` (a partial last block has none).
 
-    Key ``i`` is ``parent`` plus the sum, over blocks ``j <= i``, of the hash of block
-    ``j``'s tokens times the factor of its position ``depth + j``, modulo 2**61: a
-    running sum, so that hashing and chaining a prompt take a few C-level passes
-    (Python's hash of a tuple of ints does not depend on the process's hash seed).
-    ``parent``/``depth`` continue a chain (a vLLM ``BlockStored`` whose parent block is
-    known). Two prefixes with different blocks share a key only if their blocks' hash
-    differences, weighted by the random odd factors, sum to a multiple of 2**61: about
-    as likely as two random 61-bit values being equal; a collision only misroutes one
-    request. (A position mixed into the block's tuple hash instead, as a last item,
-    is nearly additive there, the tuple hash being a few multiply-rotate rounds: the
-    same two blocks in swapped places shared a key a third of the time.)
+    Key ``i`` is ``parent`` xor, over blocks ``j <= i``, the hash of block ``j``'s tokens
+    together with the salt of its position ``depth + j``: a running xor, so that hashing
+    and chaining a prompt take one C-level pass each (Python's hash of a tuple of ints
+    does not depend on the process's hash seed). ``parent``/``depth`` continue a chain
+    (a vLLM ``BlockStored`` whose parent block is known). Distinct prefixes collide
+    about as often as random 64-bit values do (none among 320,000 sequences of a few
+    blocks in every order, measured); a collision only misroutes one request.
+
+    Xor, not a sum: the tuple hash's last round adds its last item, the salt, and
+    multiplies, so a block's hash is nearly its own part plus its position's; summed,
+    the positions nearly cancel out and a key hardly depends on its blocks' order (the
+    same two blocks in swapped places shared a key a third of the time; the 4,096
+    orders of six blocks drawn from four, 590 keys).
     """
     blocks = len(token_ids) // block_size
     if blocks == 0:
         return []
-    factors: Iterable[int] = _factors(depth + blocks)
+    salts: Iterable[int] = _salts(depth + blocks)
     if depth:
-        factors = islice(factors, depth, None)
-    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it.
-    blocks_of = zip(*(iter(token_ids),) * block_size, strict=False)
-    terms = map(mul, map(hash, blocks_of), factors)
-    sums = accumulate(terms, add, initial=parent) if parent else accumulate(terms, add)
-    keys = list(map(and_, sums, repeat(_KEY_MASK)))
-    if parent:
-        del keys[0]
+        salts = islice(salts, depth, None)
+    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it
+    # (zip stops at the tokens' end before it takes a salt).
+    hashes = map(hash, zip(*(iter(token_ids),) * block_size, salts, strict=False))
+    if not parent:
+        return list(accumulate(hashes, xor))
+    keys = list(accumulate(hashes, xor, initial=parent))
+    del keys[0]
     return keys
 
 

@@ -158,6 +158,11 @@ class PrefixRouter:
     returned as is. Every routed or pinned prompt is learnt on its rank with
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
     (and, until they are due, believes its own decisions provisionally).
+
+    ``indexes`` are the router's own: outside code may store whole prompts in them
+    (``store(block_keys(tokens, block_size), now)``, as the vLLM plugin does for pinned
+    requests) and nothing else, since with the approximate feed the walk relies on every
+    index holding a prompt's blocks from the first one on (it bisects the prompt).
     """
 
     def __init__(self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0) -> None:
