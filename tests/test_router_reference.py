@@ -196,6 +196,79 @@ class IndexAgainstReference(RuleBasedStateMachine):
 TestIndexAgainstReference = IndexAgainstReference.TestCase
 
 
+CHAINS = [[(base * 5 + i * (base + 2)) % 4 for i in range(2 * 16 + 7)] for base in (0, 1, 2)]
+"""Token streams (block size 1): a prompt is a stream's prefix and a tail of its own, so
+prompts share whole chunks, parts of chunks, or nothing."""
+chain_st = st.builds(
+    lambda base, cut, tail: block_keys(CHAINS[base][:cut] + tail, 1),
+    st.integers(0, 2),
+    st.integers(0, len(CHAINS[0])),
+    st.lists(st.integers(0, 3), max_size=20),
+)
+
+
+class ChainIndexAgainstReference(RuleBasedStateMachine):
+    """Indexes in chain mode (the order kept in pieces) beside the plain reference, fed
+    prompts' chains: the same keys, order, times and owners; and the same after an
+    index leaves chain mode (:meth:`RankPrefixIndex._materialize`) and goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: dict[int, int] = {}
+        self.ref_owners: dict[int, int] = {}
+        self.indexes = [
+            RankPrefixIndex(20, 5.0, bit=1 << r, owners=self.owners) for r in range(RANKS)
+        ]
+        for index in self.indexes:
+            index._chain_mode()
+        self.refs = [ReferenceIndex(20, 5.0, 1 << r, self.ref_owners) for r in range(RANKS)]
+        self.now = 0.0
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=chain_st, step=st.floats(0, 2), public=st.booleans())
+    def store(self, rank: int, keys: list[int], step: float, public: bool) -> None:
+        self.now += step
+        index = self.indexes[rank]
+        held = index.matched_blocks(keys, self.now)  # expires, as the router's sweep
+        if index._held is not None and not public:  # as the router: the walk's prefix
+            index._store_chain(keys, held, self.now)
+        else:  # as the vLLM plugin stores a pinned request's prompt
+            index.store(keys, self.now)
+        self.refs[rank].expire(self.now)
+        self.refs[rank].store(keys, self.now)
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=chain_st, step=st.floats(0, 3))
+    def match(self, rank: int, keys: list[int], step: float) -> None:
+        self.now += step
+        ours = self.indexes[rank].matched_blocks(keys, self.now)
+        assert ours == self.refs[rank].matched_blocks(keys, self.now)
+
+    @rule(rank=st.integers(0, RANKS - 1))
+    def clear(self, rank: int) -> None:
+        self.indexes[rank].clear()
+        self.refs[rank].clear()
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=chain_st)
+    def leave_chain_mode(self, rank: int, keys: list[int]) -> None:
+        gone = keys[-1:] or [0]
+        self.indexes[rank].remove(gone)  # not a chain: the plain order from here
+        self.refs[rank].remove(gone)
+        assert self.indexes[rank]._held is None
+
+    @invariant()
+    def same_state(self) -> None:
+        assert self.owners == self.ref_owners
+        for index, ref in zip(self.indexes, self.refs, strict=True):
+            in_order = [(key, index.last_seen(key)) for key in index._oldest(len(index))]
+            assert in_order == list(ref.seen.items())
+            assert len(index) == len(ref.seen)
+
+
+TestChainIndexAgainstReference = ChainIndexAgainstReference.TestCase
+TestChainIndexAgainstReference.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
+
+
 # --- the walk: every rank's matched prefix, grouped by depth -----------------------------
 
 
@@ -296,7 +369,13 @@ def test_the_chunk_cache_gives_the_block_keys(
     cache: the keys are :func:`block_keys`' every time, and the cache stays bounded."""
     keys = ChunkKeys(block, max_chunks)
     for tokens in prompts:
-        assert keys(tokens) == block_keys(tokens, block)
+        got, want = keys(tokens), block_keys(tokens, block)
+        assert list(got) == want == [got[i] for i in range(len(got))]
+        assert all(len(chunk) <= CHUNK_BLOCKS for chunk in got.chunks)
+        cuts = {0, 1, CHUNK_BLOCKS - 1, CHUNK_BLOCKS, len(want) - 1, len(want), len(want) + 1}
+        for start in cuts:
+            for stop in (*cuts, None):
+                assert got[start:stop] == want[start:stop]
         assert len(keys) <= max_chunks
 
 

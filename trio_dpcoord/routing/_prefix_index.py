@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
 from operator import and_, is_, or_, xor
-from typing import Literal
+from typing import Literal, overload
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,44 @@ CHUNK_BLOCKS = 16
 """Blocks per chunk of :class:`ChunkKeys`' cache (256 tokens at vLLM's block size)."""
 
 
+class ChunkedKeys(Sequence[int]):
+    """A prompt's keys in lists of :data:`CHUNK_BLOCKS` (the last may be shorter), as
+    :class:`ChunkKeys` gives them: the cached chunks are its own lists, not copied, so
+    a prompt's keys cost one reference a chunk rather than one a key (each a write to
+    the key's int object, out of the CPU's caches at 256 ranks)."""
+
+    __slots__ = ("_length", "chunks")
+
+    def __init__(self, chunks: list[list[int]], length: int) -> None:
+        self.chunks = chunks
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self.chunks)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step != 1 or stop <= start:
+                return list(self)[index]
+            first, offset = divmod(start, CHUNK_BLOCKS)
+            if stop - start <= CHUNK_BLOCKS - offset:  # within one chunk
+                return self.chunks[first][offset : offset + stop - start]
+            return list(islice(self, start, stop))
+        if index < 0:
+            index += self._length
+        return self.chunks[index // CHUNK_BLOCKS][index % CHUNK_BLOCKS]
+
+
 class ChunkKeys:
     """:func:`block_keys` from ``ROOT_KEY``, with the keys of prompts' leading chunks of
     :data:`CHUNK_BLOCKS` blocks remembered (at most ``max_chunks`` of them, oldest out
@@ -117,14 +155,12 @@ class ChunkKeys:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def __call__(self, token_ids: Sequence[int]) -> list[int]:
-        """``block_keys(token_ids, block_size)``."""
-        span = self._span
+    def __call__(self, token_ids: Sequence[int]) -> ChunkedKeys:
+        """``block_keys(token_ids, block_size)``, in chunks."""
+        span, size = self._span, self.block_size
         total = len(token_ids)
-        if total < span:
-            return block_keys(token_ids, self.block_size)
         chunks = self._chunks
-        keys: list[int] = []
+        out: list[list[int]] = []
         parent = ROOT_KEY
         start = 0
         token_hash = 0
@@ -134,31 +170,34 @@ class ChunkKeys:
             known = chunks.get((parent, token_hash))
             if known is None:
                 break
-            keys += known
+            out.append(known)
             parent = known[-1]
             start += span
-        else:
-            if start == total:
-                return keys
-            keys += block_keys(token_ids[start:], self.block_size, parent, len(keys))
-            return keys
-        rest = block_keys(
-            token_ids[start:] if start else token_ids, self.block_size, parent, len(keys)
-        )
+        rest = block_keys(token_ids[start:] if start else token_ids, size, parent, start // size)
+        out.extend(rest[at : at + CHUNK_BLOCKS] for at in range(0, len(rest), CHUNK_BLOCKS))
         # Remember the new full chunks: the first one's tokens are hashed already.
-        blocks = CHUNK_BLOCKS
-        for offset in range(0, full - start, span):
-            if offset:
-                token_hash = hash(tuple(token_ids[start + offset : start + offset + span]))
-            chunk = rest[offset // self.block_size : offset // self.block_size + blocks]
-            chunks[parent, token_hash] = chunk
-            parent = chunk[-1]
+        for number, at in enumerate(range(start, full, span), start=start // span):
+            if at > start:
+                token_hash = hash(tuple(token_ids[at : at + span]))
+            chunks[parent, token_hash] = out[number]
+            parent = out[number][-1]
         excess = len(chunks) - self.max_chunks
         if excess > 0:
             for old in list(islice(chunks, excess)):
                 del chunks[old]
-        keys += rest
-        return keys
+        return ChunkedKeys(out, total // size)
+
+
+class _Piece:
+    """Keys of one chain that were stored together, hence equally recent: ``keys`` from
+    depth ``lo`` on, within one chunk of :data:`CHUNK_BLOCKS` (so at most that many)."""
+
+    __slots__ = ("keys", "lo", "time")
+
+    def __init__(self, keys: list[int], lo: int, time: float) -> None:
+        self.keys = keys
+        self.lo = lo
+        self.time = time
 
 
 class RankPrefixIndex:
@@ -174,6 +213,14 @@ class RankPrefixIndex:
     A plain dict cannot put a key first: the displaced blocks that come back as the
     least recently used (exact feed) are listed in ``_front``, which the order reads
     before the dict's own.
+
+    In chain mode (:meth:`_chain_mode`, which a router with the approximate feed uses),
+    every store is a prompt's whole chain, root first, and the index keeps the same
+    order in pieces instead (see ``_held``): refreshing a prompt's cached prefix moves
+    one piece per 16 blocks, not every key, so a decision's cost no longer touches
+    every block the rank holds of the prompt (at 256 ranks, each such touch is a cache
+    miss). Anything but chains and expiry (:meth:`remove`, beliefs) turns the pieces
+    back into the plain order first (:meth:`_materialize`).
     """
 
     def __init__(
@@ -203,6 +250,11 @@ class RankPrefixIndex:
         they count against ``capacity_blocks``, as the engine makes room for a prompt by
         evicting (a belief beyond the capacity would send requests to blocks the engine
         has already evicted)."""
+        self._held: dict[int, _Piece] | None = None
+        """Chain mode (not None): key -> the piece holding it, instead of ``_seen``."""
+        self._pieces: dict[_Piece, None] = {}
+        """Chain mode: the pieces, least recently used first; within a piece, its keys
+        deepest first (a store's order: see :meth:`store`). The plain order, in pieces."""
         self._displaced: OrderedDict[int, float] = OrderedDict()
         """Blocks the engine's events reported, pushed out of the capacity by
         provisional ones -> last seen, oldest first. Not believed (absent from
@@ -212,21 +264,31 @@ class RankPrefixIndex:
         many as there are provisional blocks."""
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._seen if self._held is None else self._held)
 
     def __contains__(self, key: int) -> bool:
-        return key in self._seen
+        return key in (self._seen if self._held is None else self._held)
 
     def knows(self, key: int) -> bool:
         """Whether ``key`` is believed cached here or was reported and only displaced
         (a ``BlockStored`` chained on it can still be followed)."""
-        return key in self._seen or key in self._displaced
+        return key in self or key in self._displaced
 
     def last_seen(self, key: int) -> float | None:
-        return self._seen.get(key)
+        if self._held is None:
+            return self._seen.get(key)
+        piece = self._held.get(key)
+        return None if piece is None else piece.time
 
     def _oldest(self, count: int) -> list[int]:
         """The ``count`` least recently used keys (fewer if there are not as many)."""
+        if self._held is not None:
+            oldest: list[int] = []
+            for piece in self._pieces:
+                if len(oldest) >= count:
+                    break
+                oldest.extend(reversed(piece.keys))
+            return oldest[:count]
         front = self._front
         if not front:
             return list(islice(self._seen, count))
@@ -243,6 +305,10 @@ class RankPrefixIndex:
         prompt's last blocks before the blocks every longer prompt needs first. A key
         that repeats in ``keys`` ends where its first occurrence puts it.
         """
+        if self._held is not None:
+            held = sum(1 for _ in takewhile(self._held.__contains__, keys))
+            self._store_chain(keys, held, now)
+            return
         if self._displaced:
             deque(map(self._displaced.pop, keys, repeat(None)), maxlen=0)
         if self._front:
@@ -267,13 +333,102 @@ class RankPrefixIndex:
             fresh: Sequence[int] = keys[first_new:]
             if repeats or was[first_new:].count(None) != new:
                 fresh = list(compress(keys, map(is_, was, repeat(None))))
-            # Own the new keys: one setdefault each; if other ranks hold some too (their
-            # setdefault returned their mask), or this rank's bit into every mask.
-            owners, bit = self._owners, self._bit
-            masks = list(map(owners.setdefault, fresh, repeat(bit)))
-            if masks.count(bit) != len(masks):
-                owners.update(zip(fresh, map(or_, masks, repeat(bit)), strict=True))
+            self._own_new(fresh)
         self._evict_over_capacity()
+
+    def _own_new(self, fresh: Sequence[int]) -> None:
+        """This rank's bit for keys new here: one setdefault each; if other ranks hold
+        some too (their setdefault returned their mask), or the bit into every mask."""
+        owners, bit = self._owners, self._bit
+        masks = list(map(owners.setdefault, fresh, repeat(bit)))
+        if masks.count(bit) != len(masks):
+            owners.update(zip(fresh, map(or_, masks, repeat(bit)), strict=True))
+
+    def _chain_mode(self) -> None:
+        """Keep the order in pieces from now on (see the class docstring); the index
+        must be empty. Only a router whose stores are all prompts' chains sets it."""
+        if len(self):
+            raise ValueError("chain mode starts empty")
+        self._held = {}
+
+    def _store_chain(self, keys: Sequence[int], held: int, now: float) -> None:
+        """:meth:`store` in chain mode, ``keys`` being a chain from the root of which the
+        first ``held`` are held here (as :meth:`_walk` found). The same order results:
+        the new keys in pieces of their own, each chunk's deepest first, then the held
+        prefix's pieces (split where the prefix ends inside one), deepest first, all at
+        the recent end; then the least recent keys go beyond the capacity."""
+        pieces, by_key = self._pieces, self._held
+        assert by_key is not None
+        # keys[k] is chunks[k // span][k % span], without a Python-level call per key
+        chunks: Sequence[Sequence[int]] = [keys]
+        span = max(1, len(keys))
+        if isinstance(keys, ChunkedKeys):
+            chunks, span = keys.chunks, CHUNK_BLOCKS
+        refreshed: list[_Piece] = []
+        depth = 0
+        while depth < held:  # the held prefix's pieces, root first
+            piece = by_key.get(chunks[depth // span][depth % span])
+            if piece is None or piece.lo != depth:  # not a chain here (a key collision)
+                self._materialize()
+                self.store(keys, now)
+                return
+            refreshed.append(piece)
+            depth += len(piece.keys)
+        count = len(keys)
+        fresh = keys[held:]
+        new: list[_Piece] = []
+        start = held
+        while start < count:
+            end = min(count, (start // CHUNK_BLOCKS + 1) * CHUNK_BLOCKS)
+            piece = _Piece(list(keys[start:end]), start, now)
+            by_key.update(zip(piece.keys, repeat(piece)))
+            new.append(piece)
+            start = end
+        if refreshed and depth > held:  # the last piece runs past the prefix: split it
+            last = refreshed[-1]
+            cut = held - last.lo
+            part = _Piece(last.keys[:cut], last.lo, now)
+            del last.keys[:cut]
+            last.lo = held
+            by_key.update(zip(part.keys, repeat(part)))
+            refreshed[-1] = part
+        for piece in reversed(new):
+            pieces[piece] = None
+        for piece in reversed(refreshed):
+            pieces.pop(piece, None)  # (the split-off part is not in yet)
+            piece.time = now
+            pieces[piece] = None
+        if fresh:
+            self._own_new(fresh)
+        excess = len(by_key) - self.capacity_blocks
+        if excess > 0:
+            self._evict_pieces(excess)
+
+    def _evict_pieces(self, count: int) -> None:
+        """Chain mode: forget the ``count`` least recently used keys."""
+        pieces, by_key = self._pieces, self._held
+        assert by_key is not None
+        victims: list[int] = []
+        while len(victims) < count and pieces:
+            piece = next(iter(pieces))
+            take = min(count - len(victims), len(piece.keys))
+            victims.extend(piece.keys[-take:])
+            del piece.keys[-take:]
+            if not piece.keys:
+                del pieces[piece]
+        gone = list(map(by_key.pop, victims, repeat(None)))
+        self._disown(list(compress(victims, gone)))
+
+    def _materialize(self) -> None:
+        """Leave chain mode: the pieces become the plain order (same keys, times, order)."""
+        if self._held is None:
+            return
+        seen: dict[int, float] = {}
+        for piece in self._pieces:
+            seen.update(zip(reversed(piece.keys), repeat(piece.time)))
+        self._seen = seen
+        self._held = None
+        self._pieces = {}
 
     def _evict_over_capacity(self) -> None:
         excess = len(self._seen) - self.capacity_blocks
@@ -318,6 +473,10 @@ class RankPrefixIndex:
         deque(map(self._seen.__delitem__, keys), maxlen=0)
         if self._front:
             deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
+        self._disown(keys)
+
+    def _disown(self, keys: list[int]) -> None:
+        """This rank's bit out of the masks of ``keys`` (distinct, no longer held)."""
         # Out of the owners map with one pop each; back with the other ranks' bits for
         # those that other ranks hold too (a mask other than this rank's bit alone).
         owners, bit = self._owners, self._bit
@@ -328,6 +487,11 @@ class RankPrefixIndex:
 
     def remove(self, keys: Iterable[int]) -> None:
         """Forget ``keys`` (the engine evicted them, or a belief ended)."""
+        if self._held is not None:
+            keys = list(keys)
+            if not keys:
+                return
+            self._materialize()
         seen, provisional, displaced = self._seen, self._provisional, self._displaced
         held = []
         for key in dict.fromkeys(keys):
@@ -342,6 +506,11 @@ class RankPrefixIndex:
             self._restore_displaced()
 
     def clear(self) -> None:
+        if self._held is not None:
+            self._disown(list(self._held))
+            self._held.clear()
+            self._pieces.clear()
+            return
         self._forget(list(self._seen))
         self._provisional.clear()
         self._displaced.clear()
@@ -349,6 +518,7 @@ class RankPrefixIndex:
     def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
         """:meth:`store` ``keys`` on belief: those not already known from events are
         forgotten at ``until`` unless :meth:`confirm` comes first."""
+        self._materialize()
         self.expire_provisional(now)
         provisional, displaced = self._provisional, self._displaced
         for key in keys:
@@ -378,6 +548,15 @@ class RankPrefixIndex:
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
+        if self._held is not None:
+            due = 0
+            for piece in self._pieces:
+                if now - piece.time <= self.max_age:
+                    break
+                due += len(piece.keys)
+            if due:
+                self._evict_pieces(due)
+            return
         displaced = self._displaced
         while displaced and now - next(iter(displaced.values())) > self.max_age:
             displaced.popitem(last=False)
@@ -396,4 +575,5 @@ class RankPrefixIndex:
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
-        return len(list(takewhile(self._seen.__contains__, keys)))
+        held = self._seen if self._held is None else self._held
+        return len(list(takewhile(held.__contains__, keys)))

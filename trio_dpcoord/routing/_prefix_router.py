@@ -19,6 +19,7 @@ from ._prefix_index import (
     CHUNK_BLOCKS,
     DEFAULT_BLOCK_SIZE,
     ROOT_KEY,
+    ChunkedKeys,
     ChunkKeys,
     Feed,
     RankPrefixIndex,
@@ -201,11 +202,12 @@ class PrefixRouter:
         del self.indexes[ranks:], self._exact[ranks:]
         routing = self.routing
         for rank in range(len(self.indexes), ranks):
-            self.indexes.append(
-                RankPrefixIndex(
-                    routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
-                )
+            index = RankPrefixIndex(
+                routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
             )
+            if self._closed:
+                index._chain_mode()  # every store a prompt's chain: the order in pieces
+            self.indexes.append(index)
             self._exact.append(_ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
@@ -251,7 +253,9 @@ class PrefixRouter:
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
             raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
-        keys = self._keys(token_ids)
+        keys: Sequence[int] = self._keys(token_ids)
+        if not self._closed:
+            keys = list(keys)  # the plain indexes and the walk block by block take a list
         if now >= self._next_sweep:
             for index in self.indexes:
                 index.expire(now)
@@ -272,7 +276,11 @@ class PrefixRouter:
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
             if self.feed == "approximate":
-                self.indexes[decision.rank].store(keys, now)
+                index = self.indexes[decision.rank]
+                if index._held is not None:  # chain mode: the held prefix is the walk's
+                    index._store_chain(keys, decision.cached_tokens // self.block_size, now)
+                else:
+                    index.store(keys, now)
             elif self.routing.provisional_age > 0:
                 # the exact feed's belief in a prompt just routed, until events are due
                 until = now + min(self.routing.provisional_age, self.routing.max_age)
@@ -296,6 +304,11 @@ class PrefixRouter:
         count = len(keys)
         if not count:
             return []
+        # keys[k] is chunks[k // span][k % span], without a Python-level call per key
+        chunks: Sequence[Sequence[int]] = [keys]
+        span = count
+        if isinstance(keys, ChunkedKeys):
+            chunks, span = keys.chunks, CHUNK_BLOCKS
         owners = self._owners.get
         everyone = self._all
         first = owners(keys[0], 0) & everyone
@@ -314,7 +327,7 @@ class PrefixRouter:
                 groups.append((high, at_low ^ at_high))  # held to ``low``, not ``high``
                 continue
             middle = (low + high) >> 1
-            at_middle = owners(keys[middle], 0) & at_low
+            at_middle = owners(chunks[middle // span][middle % span], 0) & at_low
             push((middle, high, at_middle, at_high))
             push((low, middle, at_low, at_middle))
         if last:
@@ -355,7 +368,8 @@ class PrefixRouter:
         rest = keys[held:]
         masks: dict[int, int] = {}
         for rank in self._members(ranks):
-            contains = self.indexes[rank]._seen.__contains__
+            index = self.indexes[rank]
+            contains = (index._seen if index._held is None else index._held).__contains__
             depth = held + len(list(takewhile(contains, rest)))
             masks[depth] = masks.get(depth, 0) | 1 << rank
         groups.extend(sorted(masks.items()))
@@ -455,7 +469,10 @@ class PrefixRouter:
             state.vllm_to_ours.clear()
         state.last_seq = seq
         self.counters.event_batches += 1
-        self._closed = False  # chains continued from a parent, evictions in any order
+        if self._closed:  # chains continued from a parent, evictions in any order
+            self._closed = False
+            for each in self.indexes:
+                each._materialize()
         for event in batch.events:
             if isinstance(event, BlockStored):
                 if event.block_size != self.block_size:
