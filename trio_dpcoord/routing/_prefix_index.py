@@ -142,8 +142,9 @@ class ChunkKeys:
     list every time, so a repeated prefix costs a hash and a lookup per 256 tokens, and
     its keys are the very int objects the indexes hold (a lookup matches them by
     identity). A prompt's chunks from its first miss on are hashed block by block and
-    remembered. Two chunks with the same parent and tuple hash would share keys: as
-    likely as two 64-bit hashes colliding, and like a key collision it misroutes only.
+    remembered (only the first, if no chunk of the prompt was known). Two chunks with
+    the same parent and tuple hash would share keys: as likely as two 64-bit hashes
+    colliding, and like a key collision it misroutes only.
     """
 
     def __init__(self, block_size: int, max_chunks: int) -> None:
@@ -175,8 +176,12 @@ class ChunkKeys:
             start += span
         rest = block_keys(token_ids[start:] if start else token_ids, size, parent, start // size)
         out.extend(rest[at : at + CHUNK_BLOCKS] for at in range(0, len(rest), CHUNK_BLOCKS))
-        # Remember the new full chunks: the first one's tokens are hashed already.
-        for number, at in enumerate(range(start, full, span), start=start // span):
+        # Remember the new full chunks (the first one's tokens are hashed already): all of
+        # them if the prompt's first chunk was known (a conversation or a document coming
+        # back), else only the first (a prompt of its own may never come back: it costs
+        # one tuple hash, not one a chunk; if it does come back, the rest is learnt then).
+        learn = full if start else min(full, span)
+        for number, at in enumerate(range(start, learn, span), start=start // span):
             if at > start:
                 token_hash = hash(tuple(token_ids[at : at + span]))
             chunks[parent, token_hash] = out[number]
@@ -375,15 +380,14 @@ class RankPrefixIndex:
             refreshed.append(piece)
             depth += len(piece.keys)
         count = len(keys)
-        fresh = keys[held:]
-        new: list[_Piece] = []
-        start = held
-        while start < count:
-            end = min(count, (start // CHUNK_BLOCKS + 1) * CHUNK_BLOCKS)
-            piece = _Piece(list(keys[start:end]), start, now)
-            by_key.update(zip(piece.keys, repeat(piece)))
-            new.append(piece)
-            start = end
+        fresh = list(keys[held:])
+        # The new keys, a piece per chunk (or the part of one from ``held`` on).
+        starts = [held, *range((held // CHUNK_BLOCKS + 1) * CHUNK_BLOCKS, count, CHUNK_BLOCKS)]
+        ends = [*starts[1:], count]
+        runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
+        new = list(map(_Piece, runs, starts, repeat(now))) if fresh else []
+        owner = chain.from_iterable(map(repeat, new, map(len, runs)))
+        by_key.update(zip(fresh, owner, strict=True))
         if refreshed and depth > held:  # the last piece runs past the prefix: split it
             last = refreshed[-1]
             cut = held - last.lo
@@ -392,8 +396,7 @@ class RankPrefixIndex:
             last.lo = held
             by_key.update(zip(part.keys, repeat(part)))
             refreshed[-1] = part
-        for piece in reversed(new):
-            pieces[piece] = None
+        pieces.update(zip(reversed(new), repeat(None)))
         for piece in reversed(refreshed):
             pieces.pop(piece, None)  # (the split-off part is not in yet)
             piece.time = now
@@ -409,13 +412,19 @@ class RankPrefixIndex:
         pieces, by_key = self._pieces, self._held
         assert by_key is not None
         victims: list[int] = []
-        while len(victims) < count and pieces:
-            piece = next(iter(pieces))
-            take = min(count - len(victims), len(piece.keys))
-            victims.extend(piece.keys[-take:])
-            del piece.keys[-take:]
-            if not piece.keys:
-                del pieces[piece]
+        emptied: list[_Piece] = []
+        # One pass from the front (a dict skips its deleted entries at every new iter)
+        for piece in pieces:
+            keys, need = piece.keys, count - len(victims)
+            if len(keys) > need:
+                victims += keys[len(keys) - need :]
+                del keys[len(keys) - need :]
+                break
+            victims += keys
+            emptied.append(piece)
+            if len(keys) == need:
+                break
+        deque(map(pieces.__delitem__, emptied), maxlen=0)
         gone = list(map(by_key.pop, victims, repeat(None)))
         self._disown(list(compress(victims, gone)))
 
