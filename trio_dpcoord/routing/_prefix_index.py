@@ -193,9 +193,16 @@ class ChunkKeys:
         return ChunkedKeys(out, total // size)
 
 
+PIECE_BLOCKS = 64
+"""Blocks per piece of a chain-mode index at most (see :class:`_Piece`)."""
+
+
 class _Piece:
     """Keys of one chain that were stored together, hence equally recent: ``keys`` from
-    depth ``lo`` on, within one chunk of :data:`CHUNK_BLOCKS` (so at most that many)."""
+    depth ``lo`` on, within one stretch of :data:`PIECE_BLOCKS` (so at most that many).
+
+    Larger pieces are fewer objects to make and move; a smaller one is fewer keys to
+    point at a new piece when a prompt's cached prefix ends inside one (it splits)."""
 
     __slots__ = ("keys", "lo", "time")
 
@@ -222,10 +229,10 @@ class RankPrefixIndex:
     In chain mode (:meth:`_chain_mode`, which a router with the approximate feed uses),
     every store is a prompt's whole chain, root first, and the index keeps the same
     order in pieces instead (see ``_held``): refreshing a prompt's cached prefix moves
-    one piece per 16 blocks, not every key, so a decision's cost no longer touches
-    every block the rank holds of the prompt (at 256 ranks, each such touch is a cache
-    miss). Anything but chains and expiry (:meth:`remove`, beliefs) turns the pieces
-    back into the plain order first (:meth:`_materialize`).
+    one piece per 64 blocks (:data:`PIECE_BLOCKS`), not every key, so a decision's cost
+    no longer touches every block the rank holds of the prompt (at 256 ranks, each such
+    touch is a cache miss). Anything but chains and expiry (:meth:`remove`, beliefs)
+    turns the pieces back into the plain order first (:meth:`_materialize`).
     """
 
     def __init__(
@@ -381,8 +388,8 @@ class RankPrefixIndex:
             depth += len(piece.keys)
         count = len(keys)
         fresh = list(keys[held:])
-        # The new keys, a piece per chunk (or the part of one from ``held`` on).
-        starts = [held, *range((held // CHUNK_BLOCKS + 1) * CHUNK_BLOCKS, count, CHUNK_BLOCKS)]
+        # The new keys, a piece per stretch of PIECE_BLOCKS (or the part of one from ``held``).
+        starts = [held, *range((held // PIECE_BLOCKS + 1) * PIECE_BLOCKS, count, PIECE_BLOCKS)]
         ends = [*starts[1:], count]
         runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
         new = list(map(_Piece, runs, starts, repeat(now))) if fresh else []
