@@ -196,9 +196,9 @@ class IndexAgainstReference(RuleBasedStateMachine):
 TestIndexAgainstReference = IndexAgainstReference.TestCase
 
 
-CHAINS = [[(base * 5 + i * (base + 2)) % 4 for i in range(2 * 16 + 7)] for base in (0, 1, 2)]
+CHAINS = [[(base * 5 + i * (base + 2)) % 4 for i in range(2 * 64 + 9)] for base in (0, 1, 2)]
 """Token streams (block size 1): a prompt is a stream's prefix and a tail of its own, so
-prompts share whole chunks, parts of chunks, or nothing."""
+prompts share whole pieces (of 64 blocks), parts of pieces, or nothing."""
 chain_st = st.builds(
     lambda base, cut, tail: block_keys(CHAINS[base][:cut] + tail, 1),
     st.integers(0, 2),
@@ -217,11 +217,11 @@ class ChainIndexAgainstReference(RuleBasedStateMachine):
         self.owners: dict[int, int] = {}
         self.ref_owners: dict[int, int] = {}
         self.indexes = [
-            RankPrefixIndex(20, 5.0, bit=1 << r, owners=self.owners) for r in range(RANKS)
+            RankPrefixIndex(150, 5.0, bit=1 << r, owners=self.owners) for r in range(RANKS)
         ]
         for index in self.indexes:
             index._chain_mode()
-        self.refs = [ReferenceIndex(20, 5.0, 1 << r, self.ref_owners) for r in range(RANKS)]
+        self.refs = [ReferenceIndex(150, 5.0, 1 << r, self.ref_owners) for r in range(RANKS)]
         self.now = 0.0
 
     @rule(rank=st.integers(0, RANKS - 1), keys=chain_st, step=st.floats(0, 2), public=st.booleans())
