@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
+from itertools import permutations, product
 
 import msgpack
 import pytest
@@ -43,6 +45,27 @@ def test_block_keys_are_chained_and_full_blocks_only() -> None:
     assert len(a) == 2
     assert a[0] != b[0] and a[1] != b[1]  # a different first block changes every key after it
     assert block_keys(list(range(32)), 16) == a
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_block_keys_tell_reordered_blocks_apart(block_size: int) -> None:
+    """Every sequence of the same few blocks, in every order and of every length up to
+    six, has a key of its own (chained by a sum of the salted block hashes, the 4,096
+    orders of six blocks drawn from four shared 590 keys), and a prompt's keys are its
+    prefixes' keys."""
+    rng = random.Random(block_size)
+    blocks: list[tuple[int, ...]] = []
+    while len(blocks) < 4:
+        block = tuple(rng.randrange(4) for _ in range(block_size))
+        if block not in blocks:
+            blocks.append(block)
+    prompts = [seq for depth in range(1, 7) for seq in product(blocks, repeat=depth)]
+    keys = {block_keys([t for block in seq for t in block], block_size)[-1] for seq in prompts}
+    assert len(keys) == len(prompts)
+    for seq in permutations(blocks, 3):
+        tokens = [t for block in seq for t in block]
+        head = tokens[: 2 * block_size]
+        assert block_keys(tokens, block_size)[:2] == block_keys(head, block_size)
 
 
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
@@ -464,6 +487,18 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(step=st.floats(0, 3))
     def tick(self, step: float) -> None:
         self.now += step
+
+    @rule(prompt=prompts)
+    def walk(self, prompt: tuple[int, int, int]) -> None:
+        """The walk is every rank's own prefix count, bisecting (own decisions only) or
+        block by block (once KV events came)."""
+        keys = block_keys(family_prompt(*prompt), BLOCK)
+        held: dict[int, int] = {}
+        for rank, index in enumerate(self.router.indexes):
+            depth = next((i for i, key in enumerate(keys) if key not in index), len(keys))
+            if depth:
+                held[depth] = held.get(depth, 0) | 1 << rank
+        assert self.router.prefix_groups(keys) == sorted(held.items())
 
     @invariant()
     def bounded_and_consistent(self) -> None:

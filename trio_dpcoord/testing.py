@@ -41,6 +41,7 @@ from ._shell.coordinator import Coordinator, open_coordinator
 from ._shell.coordinator import _Pumps as CoordinatorPumps
 from ._shell.supervision import inject_failure
 from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
+from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from .vllm._routing import routing_options as vllm_routing_options
 from .vllm._routing import routing_setting as vllm_routing_setting
@@ -62,10 +63,13 @@ __all__ = [
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
+    "prefix_walks",
     "read_lines",
     "replace_recovery_rules",
     "replace_wave_rule",
     "serve_command",
+    "store_as_the_router",
+    "use_chain_mode",
     "vllm_routing_options",
     "vllm_routing_setting",
     "vllm_routing_state",
@@ -497,3 +501,31 @@ def coordinator_pumps(coordinator: Coordinator) -> CoordinatorPumps:
     invariant of the shell on purpose. A test that wants the pumps without sockets makes
     its own, ``CoordinatorPumps(core)``, and starts the tasks it needs."""
     return coordinator._pumps
+
+
+# --- the prefix policy's inside, for the tests that compare it with its references --------
+
+
+def prefix_walks(
+    router: PrefixRouter, keys: Sequence[int]
+) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]]]:
+    """The two ways ``router`` finds which ranks hold how much of ``keys``: its bisecting
+    walk (None unless the indexes are prefix-closed, the approximate feed's case, when
+    it is the one used) and the block-by-block walk. They must agree; read-only."""
+    bisected = router._bisect(keys) if router._closed else None
+    return bisected, router._walk_blocks(keys)
+
+
+def use_chain_mode(index: RankPrefixIndex) -> None:
+    """Switch ``index`` to the layout the approximate feed keeps it in (its LRU order in
+    pieces of a chain): for tests that drive an index alone. Before its first store."""
+    index._chain_mode()
+
+
+def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, now: float) -> bool:
+    """Store a prompt's ``keys`` as the router does after its walk found ``held`` of them
+    cached (chain mode only; False, storing nothing, in the plain layout)."""
+    if index._held is None:
+        return False
+    index._store_chain(keys, held, now)
+    return True
