@@ -29,17 +29,33 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 import trio
 
-from ..core import Broadcast, CoordinatorCore, Recovery
+from ..core import Broadcast, CoordinatorCore, Effect, Recovery
 
-if TYPE_CHECKING:
-    from .coordinator import _Pumps
+
+class Restartable(Protocol):
+    """What a restart needs of the coordinator's pumps (``coordinator._Pumps``): a
+    protocol, so that this module and the coordinator's do not import each other."""
+
+    core: CoordinatorCore
+    lock: threading.Lock
+    ready: trio.Event
+    fault: str | None
+    timer_scope: trio.CancelScope | None
+
+    def drop_undelivered(self) -> int: ...
+
+    def dispatch(self, effects: Sequence[Effect]) -> bool: ...
+
+    def changed(self) -> None: ...
+
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -189,7 +205,7 @@ def recovery_from(failed: CoordinatorCore, gate_open: bool) -> tuple[Recovery, s
     )
 
 
-def restart_pumps(pumps: _Pumps, new_core: CoordinatorCore) -> str:
+def restart_pumps(pumps: Restartable, new_core: CoordinatorCore) -> str:
     """After a failure, with every pump stopped: ``new_core`` takes over from the failed
     one in recovering mode; what the failed one decided and nobody sent is dropped.
     Returns what was rebuilt, for the log."""
@@ -206,7 +222,7 @@ def restart_pumps(pumps: _Pumps, new_core: CoordinatorCore) -> str:
     return rebuilt + f"; {dropped} undelivered decisions dropped"
 
 
-def inject_failure(pumps: _Pumps, where: str) -> None:
+def inject_failure(pumps: Restartable, where: str) -> None:
     """Make the pump ``where`` raise as a broken invariant of ours would, under the lock:
     ``timer`` at once, ``engine_output`` as it applies its next batch (whose first
     message is then lost). For tests (``testing.inject_coordinator_failure``)."""
