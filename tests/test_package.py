@@ -92,6 +92,7 @@ FLOORS: dict[str, int] = {
     "sim": INTEGRATIONS,
     "__main__": INTEGRATIONS,
     "engine_protocol": INTEGRATIONS,  # the old path of protocol's engine-core codecs
+    "_supervisor": INTEGRATIONS,  # the stdlib-only process supervisor of serve and vLLM
     "_shell": 3,  # the trio tasks and handles
     "trio_zmq": 2,  # the trio shim over pyzmq
     "core": 2,  # sans-IO rooms

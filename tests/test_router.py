@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
+from itertools import permutations, product
 
 import msgpack
 import pytest
@@ -45,6 +47,27 @@ def test_block_keys_are_chained_and_full_blocks_only() -> None:
     assert block_keys(list(range(32)), 16) == a
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_block_keys_tell_reordered_blocks_apart(block_size: int) -> None:
+    """Every sequence of the same few blocks, in every order and of every length up to
+    six, has a key of its own (chained by a sum of the salted block hashes, the 4,096
+    orders of six blocks drawn from four shared 590 keys), and a prompt's keys are its
+    prefixes' keys."""
+    rng = random.Random(block_size)
+    blocks: list[tuple[int, ...]] = []
+    while len(blocks) < 4:
+        block = tuple(rng.randrange(4) for _ in range(block_size))
+        if block not in blocks:
+            blocks.append(block)
+    prompts = [seq for depth in range(1, 7) for seq in product(blocks, repeat=depth)]
+    keys = {block_keys([t for block in seq for t in block], block_size)[-1] for seq in prompts}
+    assert len(keys) == len(prompts)
+    for seq in permutations(blocks, 3):
+        tokens = [t for block in seq for t in block]
+        head = tokens[: 2 * block_size]
+        assert block_keys(tokens, block_size)[:2] == block_keys(head, block_size)
+
+
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
     router = PrefixRouter(4, PrefixRouting(imbalance_abs=10_000))
     prompt = list(range(256))
@@ -56,15 +79,19 @@ def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
     assert router.choose(prompt + [7] * 16, loads, now=1.0) == first
 
 
-def test_busiest_rank_wins_over_affinity() -> None:
-    router = PrefixRouter(2, PrefixRouting(imbalance_abs=1e9))
+def test_a_request_stays_with_its_prefix_until_the_queue_there_costs_more() -> None:
+    router = PrefixRouter(2, PrefixRouting(imbalance_abs=1e9))  # reuse_weight 1
     prompt = list(range(64))
     first = router.choose(prompt, [0, 0], now=0.0)
     loads = [0.0, 0.0]
-    loads[first] = 1000.0
-    # Cached there or not, the busiest rank stays at 1000: affinity breaks the tie.
+    # Elsewhere it would compute the 64 tokens again and throw away their affinity (64
+    # more): it stays while its rank's queue is less than 128 tokens longer.
+    loads[first] = 127.0
     assert router.choose(prompt, loads, now=1.0) == first
-    # A new prompt would make the loaded rank busier still: it goes to the idle one.
+    loads[first] = 129.0
+    assert router.choose(prompt, loads, now=1.0) == 1 - first
+    # A new prompt has nothing to keep: the least loaded rank.
+    loads[first] = 1.0
     assert router.choose([5] * 64, loads, now=1.0) == 1 - first
 
 
@@ -223,15 +250,18 @@ prompts = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 6))
 def brute_force(
     router: PrefixRouter, prompt: list[int], queued: Sequence[float], start: int
 ) -> int:
-    """The issue's rule over every rank: the busiest rank after placing the request,
-    then the most cached tokens, then the rank's own work, then rotation from start."""
+    """The rule over every rank: a rank's queue, plus the prompt tokens it lacks, plus
+    ``reuse_weight`` times the tokens of the deepest cached prefix it lacks; then the
+    most cached tokens, then rotation from start."""
     ranks = len(queued)
+    cached = [router.cached_tokens(rank, prompt, 0.0) for rank in range(ranks)]
+    most = max(cached)
+    weight = router.routing.reuse_weight
 
-    def key(rank: int) -> tuple[float, int, float, int]:
-        cached = router.cached_tokens(rank, prompt, 0.0)
-        own = queued[rank] + len(prompt) - cached
-        others = max((q for r, q in enumerate(queued) if r != rank), default=0.0)
-        return (max(others, own), -cached, own, (rank - start) % ranks)
+    def key(rank: int) -> tuple[float, int, int]:
+        lacks = most - cached[rank]
+        cost = queued[rank] + len(prompt) - cached[rank] + weight * lacks
+        return (cost, -cached[rank], (rank - start) % ranks)
 
     return min(range(ranks), key=key)
 
@@ -242,6 +272,7 @@ def brute_force(
     learnt=st.lists(st.tuples(prompts, st.integers(0, 9)), max_size=12),
     queued=st.lists(st.integers(0, 12).map(lambda n: float(n * BLOCK)), min_size=10, max_size=10),
     prompt=prompts,
+    weight=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
 )
 def test_the_choice_is_the_rule_over_every_rank(
     ranks: int,
@@ -249,8 +280,10 @@ def test_the_choice_is_the_rule_over_every_rank(
     learnt: list[tuple[tuple[int, int, int], int]],
     queued: list[float],
     prompt: tuple[int, int, int],
+    weight: float,
 ) -> None:
-    router = PrefixRouter(ranks, PrefixRouting(block_size=BLOCK, imbalance_abs=1e12), start=start)
+    routing = PrefixRouting(block_size=BLOCK, imbalance_abs=1e12, reuse_weight=weight)
+    router = PrefixRouter(ranks, routing, start=start)
     for (family, branch, blocks), rank in learnt:
         pinned = rank % ranks
         tokens = family_prompt(family, branch, blocks)
@@ -314,19 +347,47 @@ def test_the_guard_takes_the_least_loaded_past_both_thresholds(
         assert decision.rank == queued.index(low)
 
 
-def test_affinity_yields_when_it_would_make_the_busiest_rank_busier() -> None:
-    router = PrefixRouter(3, PrefixRouting(block_size=BLOCK, imbalance_abs=1e9))
+def test_affinity_yields_when_the_queue_costs_more_than_the_prefix() -> None:
+    router = PrefixRouter(3, PrefixRouting(block_size=BLOCK, imbalance_abs=1e9, reuse_weight=2))
     history = family_prompt(1, 1, 6)  # 24 tokens
     assert router.choose(history, [0.0, 0.0, 0.0], 0.0, pinned_rank=2) == 2
     turn = [*history, *range(16)]  # 40 tokens, 24 of them cached on rank 2
-    # On rank 2 the busiest ends at 30 + 16 = 46, elsewhere at 10 + 40 = 50: affinity.
-    assert router.choose(turn, [10.0, 10.0, 30.0], 0.0) == 2
-    # Another turn with 40 queued there would end at 56 > 50: it goes elsewhere.
-    other_turn = [*history, *range(100, 116)]
-    assert router.choose(other_turn, [10.0, 10.0, 40.0], 0.0) in (0, 1)
-    # Already the busiest, rank 2 stays so whether it takes a fully cached prompt or
-    # not: the tie goes to the cache.
-    assert router.choose(turn, [10.0, 10.0, 40.0], 0.0) == 2
+    # On rank 2: 80 + 16 = 96; elsewhere 10 + 40 + 2 x 24 thrown away = 98: affinity.
+    assert router.choose(turn, [10.0, 10.0, 80.0], 0.0) == 2
+    # Equal costs go to the rank with more cached: 82 + 16 = 98 against 98.
+    assert router.choose([*history, *range(200, 216)], [10.0, 10.0, 82.0], 0.0) == 2
+    # With 84 queued there, 100 > 98: it goes to the least loaded other rank.
+    assert router.choose([*history, *range(100, 116)], [10.0, 12.0, 84.0], 0.0) == 0
+
+
+def test_front_ends_with_their_own_indexes_agree_on_a_conversations_rank() -> None:
+    """Two API servers, each learning only its own choices (approximate feed): with
+    ``rendezvous_slack`` a conversation's turns meet on one rank whichever server takes
+    them; without it the second server, blind to the first turn, takes the least loaded
+    rank by rotation."""
+    system = list(range(8 * BLOCK))
+
+    def conversation(number: int, turns: int) -> list[list[int]]:
+        history, prompts = list(system), []
+        for turn in range(turns):
+            history += [10_000 + 100 * number + 10 * turn + i for i in range(2 * BLOCK)]
+            prompts.append(list(history))
+        return prompts
+
+    for slack, agree in ((2.0, True), (0.0, False)):
+        routing = PrefixRouting(block_size=BLOCK, rendezvous_slack=slack)
+        servers = [PrefixRouter(4, routing), PrefixRouter(4, routing, start=2)]
+        for server in servers:  # both have seen the system prompt on every rank
+            for rank in range(4):
+                server.choose(system, [0.0] * 4, 0.0, pinned_rank=rank)
+        split = 0
+        for number in range(8):
+            ranks = [
+                servers[turn % 2].choose(prompt, [0.0] * 4, 0.0)
+                for turn, prompt in enumerate(conversation(number, 4))
+            ]
+            split += len(set(ranks)) > 1
+        assert (split == 0) == agree
 
 
 def test_pinned_and_out_of_range_ranks() -> None:
@@ -426,6 +487,18 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(step=st.floats(0, 3))
     def tick(self, step: float) -> None:
         self.now += step
+
+    @rule(prompt=prompts)
+    def walk(self, prompt: tuple[int, int, int]) -> None:
+        """The walk is every rank's own prefix count, bisecting (own decisions only) or
+        block by block (once KV events came)."""
+        keys = block_keys(family_prompt(*prompt), BLOCK)
+        held: dict[int, int] = {}
+        for rank, index in enumerate(self.router.indexes):
+            depth = next((i for i, key in enumerate(keys) if key not in index), len(keys))
+            if depth:
+                held[depth] = held.get(depth, 0) | 1 << rank
+        assert self.router.prefix_groups(keys) == sorted(held.items())
 
     @invariant()
     def bounded_and_consistent(self) -> None:

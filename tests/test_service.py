@@ -430,7 +430,7 @@ async def test_an_error_in_the_block_propagates_unchanged() -> None:
 
 async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
-        async with open_coordinator_with_engines(1) as (coordinator, _engines):
+        async with open_coordinator_with_engines(1, restart=False) as (coordinator, _engines):
             # break an invariant of our own: an empty frame list for the broadcaster
             coordinator_pumps(coordinator).outgoing.send_nowait([Broadcast([], None, 0.0)])
             await trio.sleep_forever()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from trio_dpcoord.routing import vllm_score
+from trio_dpcoord.testing import vllm_routing_options as routing_options
 from trio_dpcoord.testing import vllm_routing_setting as routing_setting
 from trio_dpcoord.testing import vllm_subscribe_endpoint as subscribe_endpoint
 
@@ -57,3 +58,24 @@ def test_routing_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert routing_setting() == "prefix"
     monkeypatch.setenv("TRIO_DPCOORD_VLLM_ROUTING", "on")
     assert routing_setting() == "on"
+
+
+def test_routing_options(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("TRIO_DPCOORD_VLLM_ROUTING_OPTIONS", raising=False)
+    assert routing_options() == {}
+    monkeypatch.setenv(
+        "TRIO_DPCOORD_VLLM_ROUTING_OPTIONS",
+        '{"reuse_weight": 2, "imbalance_rel": 0.5, "feed": "exact", "colour": 1}',
+    )
+    with caplog.at_level("WARNING", logger="trio_dpcoord.vllm"):
+        assert routing_options() == {"reuse_weight": 2}
+    # an invalid value, vLLM's own feed and an unknown field: each named in a warning
+    assert [r.getMessage().split("=")[0].split(": ")[-1] for r in caplog.records] == [
+        "imbalance_rel",
+        "feed",
+        "colour",
+    ]
+    monkeypatch.setenv("TRIO_DPCOORD_VLLM_ROUTING_OPTIONS", "[1]")
+    assert routing_options() == {}
+    monkeypatch.setenv("TRIO_DPCOORD_VLLM_ROUTING_OPTIONS", "{")
+    assert routing_options() == {}

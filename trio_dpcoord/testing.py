@@ -5,7 +5,8 @@ a vLLM engine's coordinator-facing sockets are (an XSUB with its rank as identit
 PUSH of ``EngineCoreOutputs``), with no scheduler behind them. For engines that run
 waves in lock-step, see :mod:`trio_dpcoord.sim`. :func:`open_coordinator_with_engines`
 is the usual opening of a test of the in-process coordinator (a coordinator, its engines,
-READY received); :func:`expect_broadcast` checks what every engine receives next.
+READY received); :func:`expect_broadcast` checks what every engine receives next;
+:func:`inject_coordinator_failure` makes the service fail from inside (its restart).
 
 :func:`open_serve` runs ``python -m trio_dpcoord serve`` for the duration of a block and
 yields its endpoints; blocking callers build the same command with :func:`serve_command`
@@ -17,8 +18,8 @@ code): :func:`core_internals` reads a :class:`~trio_dpcoord.core.CoordinatorCore
 private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` let a
 model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
 :func:`coordinator_pumps` are the coordinator's shell driven by hand, and
-``vllm_routing_setting``, ``vllm_subscribe_endpoint`` and ``vllm_routing_state`` are
-the rules and the per-client state of the vLLM plugin's prefix routing.
+``vllm_routing_setting``, ``vllm_routing_options``, ``vllm_subscribe_endpoint`` and
+``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ import zmq
 from . import protocol
 from ._shell.coordinator import Coordinator, open_coordinator
 from ._shell.coordinator import _Pumps as CoordinatorPumps
-from .core import Command, CoordinatorCore, Effect, WaveSnapshot, WaveState
+from ._shell.supervision import inject_failure
+from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
+from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .vllm._routing import routing_options as vllm_routing_options
 from .vllm._routing import routing_setting as vllm_routing_setting
 from .vllm._routing import routing_state as vllm_routing_state
 from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
@@ -54,13 +58,19 @@ __all__ = [
     "core_internals",
     "expect_broadcast",
     "force_wave_state",
+    "inject_coordinator_failure",
     "open_child",
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
+    "prefix_walks",
     "read_lines",
+    "replace_recovery_rules",
     "replace_wave_rule",
     "serve_command",
+    "store_as_the_router",
+    "use_chain_mode",
+    "vllm_routing_options",
     "vllm_routing_setting",
     "vllm_routing_state",
     "vllm_subscribe_endpoint",
@@ -199,6 +209,19 @@ async def open_coordinator_with_engines(
             await coordinator.wait_ready()
             await expect_broadcast(engines, [protocol.READY])
             yield coordinator, engines
+
+
+def inject_coordinator_failure(coordinator: Coordinator, where: str = "timer") -> None:
+    """Make ``coordinator``'s service fail as a broken invariant of our own would: an
+    ``AssertionError`` raised in one of its pumps, under its lock. ``where``: ``"timer"``
+    (at once) or ``"engine_output"`` (as the listener applies the next batch of engine
+    messages; the batch's first message is lost with the failure, the rest applied).
+
+    With ``open_coordinator(..., restart=True)`` (the default) the service restarts in
+    place and ``coordinator.restarts()`` counts it (docs/protocol.md §16); with
+    ``restart=False`` the block ends with :class:`~trio_dpcoord.CoordinatorError`.
+    """
+    inject_failure(coordinator._pumps, where)
 
 
 # --------------------------------------------------------------------------- serve
@@ -421,6 +444,10 @@ class CoreInternals(NamedTuple):
     """The load table's lock-step snapshot, waiting for the next timed publish."""
     stats_changed: bool
     """Whether the load table has news for the next timed publish."""
+    recovering: bool
+    """The core took over from a dead coordinator and the engines have not settled it."""
+    recovery_wake_owed: bool | None
+    """While recovering: whether the recovery wake is still to go out (None otherwise)."""
 
 
 def core_internals(core: CoordinatorCore) -> CoreInternals:
@@ -433,6 +460,8 @@ def core_internals(core: CoordinatorCore) -> CoreInternals:
         tuple(core._deferred_commands),
         loads.pending_snapshot,
         loads.stats_changed,
+        core._recovery is not None,
+        None if core._recovery is None else core._recovery.wake_owed,
     )
 
 
@@ -441,6 +470,14 @@ def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
     WaveState` it made itself: for a model checker's mutants (a subclass with a known bug
     the checker must catch). Call it before the core's first input."""
     core._wave = rule
+
+
+def replace_recovery_rules(core: CoordinatorCore, rules: type[RecoveryRules]) -> None:
+    """Make a recovering ``core`` follow ``rules`` (a subclass of
+    :class:`~trio_dpcoord.core.RecoveryRules` with the same slots, a model checker's mutant
+    with a known bug) from now on; nothing when the core is not recovering."""
+    if core._recovery is not None:
+        core._recovery.__class__ = rules
 
 
 def force_wave_state(
@@ -464,3 +501,31 @@ def coordinator_pumps(coordinator: Coordinator) -> CoordinatorPumps:
     invariant of the shell on purpose. A test that wants the pumps without sockets makes
     its own, ``CoordinatorPumps(core)``, and starts the tasks it needs."""
     return coordinator._pumps
+
+
+# --- the prefix policy's inside, for the tests that compare it with its references --------
+
+
+def prefix_walks(
+    router: PrefixRouter, keys: Sequence[int]
+) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]]]:
+    """The two ways ``router`` finds which ranks hold how much of ``keys``: its bisecting
+    walk (None unless the indexes are prefix-closed, the approximate feed's case, when
+    it is the one used) and the block-by-block walk. They must agree; read-only."""
+    bisected = router._bisect(keys) if router._closed else None
+    return bisected, router._walk_blocks(keys)
+
+
+def use_chain_mode(index: RankPrefixIndex) -> None:
+    """Switch ``index`` to the layout the approximate feed keeps it in (its LRU order in
+    pieces of a chain): for tests that drive an index alone. Before its first store."""
+    index._chain_mode()
+
+
+def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, now: float) -> bool:
+    """Store a prompt's ``keys`` as the router does after its walk found ``held`` of them
+    cached (chain mode only; False, storing nothing, in the plain layout)."""
+    if index._held is None:
+        return False
+    index._store_chain(keys, held, now)
+    return True

@@ -79,3 +79,46 @@ async def metric_values(client: httpx.AsyncClient, name: str) -> dict[str, float
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
     return values
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed completion: status, token ids, and seconds to the first token and to the
+    end (from sending the request)."""
+
+    status: int
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    error: str = ""
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    headers: dict[str, str] | None = None,
+) -> Streamed:
+    """POST /v1/completions with ``stream: true``; the token ids as they came, the time to
+    the first chunk with tokens (TTFT) and to the end of the stream."""
+    started = trio.current_time()
+    first: float | None = None
+    tokens: list[int] = []
+    body = completion_body(prompt, max_tokens, stream=True)
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            elapsed = trio.current_time() - started
+            return Streamed(response.status_code, [], elapsed, elapsed, text[:500])
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", ()):
+                ids = choice.get("token_ids") or ()
+                if ids and first is None:
+                    first = trio.current_time() - started
+                tokens.extend(ids)
+    total = trio.current_time() - started
+    return Streamed(200, tokens, first if first is not None else total, total)

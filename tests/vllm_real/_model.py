@@ -52,3 +52,23 @@ def write_model(directory: Path, config: dict[str, Any]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+def dense_config(*, hidden: int, layers: int, max_len: int) -> dict[str, Any]:
+    """A Llama-style dense model of ``layers`` layers of width ``hidden`` (head size 32,
+    four query heads per KV head, an MLP of 4x the width), for prompts up to ``max_len``."""
+    return {
+        **DENSE_CONFIG,
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 32,
+        "num_key_value_heads": max(1, hidden // 128),
+        "head_dim": 32,
+        "max_position_embeddings": max_len,
+    }
+
+
+PREFILL_CONFIG: dict[str, Any] = dense_config(hidden=256, layers=4, max_len=4224)
+"""A dense model whose prefill takes a real share of a step on the CPU (a routing
+benchmark's: ``benchmarks/_routing_real.py``): 4 layers of width 256, prompts up to 4k."""

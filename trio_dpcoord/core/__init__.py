@@ -48,6 +48,9 @@ its load table (a :class:`StatsOutcome` says what it did with each report) and p
 timing, :class:`IngestBacklog` and :class:`BurstSummary` /
 :class:`ProgressPacer` the ingest backlog's news and the pacing of repeated log lines.
 
+:class:`Recovery` is what a core taking over from one that died is told
+(:meth:`CoordinatorCore.restarted`, the first input of a fresh core; docs/protocol.md §16).
+
 :class:`HandshakeState`, :class:`RequestTable` and :class:`SilenceWatch` are the engine
 client's sans-IO rooms (:class:`~trio_dpcoord.EngineClient` moves bytes around them):
 which ranks said HELLO and READY, which request is on which rank, which busy rank has
@@ -73,6 +76,7 @@ from ._effects import (
 from ._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
 from ._frontend import FrontendState, FrontendStatistics
 from ._pacing import BurstSummary, ProgressPacer
+from ._recovery import Recovery, RecoveryRules
 from ._wave import (
     HEARTBEAT_INTERVAL,
     FirstRequest,
@@ -105,6 +109,8 @@ __all__ = [
     "ProgressPacer",
     "Publish",
     "PublishSchedule",
+    "Recovery",
+    "RecoveryRules",
     "Reject",
     "RequestState",
     "RequestTable",

@@ -422,14 +422,14 @@ def encode_ready_response(
     vllm_version: str,
     data_parallel_size: int = 1,
     max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: int = 8192,
     block_size: int = 16,
     dtype: str = "float32",
+    instance_id: str = "",
 ) -> bytes:
     """An engine's ``EngineCoreReadyResponse``, its first message on the request-input
-    DEALER (what :func:`decode_ready_response` reads): every field vLLM 0.32.0's struct
-    requires (its front-end decodes the map into it and refuses one missing), those a
-    front-end reads as given, the sizes of one engine of one GPU otherwise."""
+    DEALER (what :func:`decode_ready_response` reads), with every field vLLM 0.32's
+    front-end requires: it decodes the map into that struct and refuses one missing."""
     packed: bytes = msgpack.packb(
         {
             "max_model_len": max_model_len,
@@ -446,7 +446,7 @@ def encode_ready_response(
             "data_parallel_rank": data_parallel_rank,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
-            "instance_id": f"engine-{data_parallel_rank}",
+            "instance_id": instance_id,
             "supports_lora": False,
             "max_loras": 0,
         }

@@ -15,7 +15,16 @@ from ..protocol import (
     KVEventError,
     decode_event_batch,
 )
-from ._prefix_index import DEFAULT_BLOCK_SIZE, ROOT_KEY, Feed, RankPrefixIndex, block_keys
+from ._prefix_index import (
+    CHUNK_BLOCKS,
+    DEFAULT_BLOCK_SIZE,
+    ROOT_KEY,
+    ChunkedKeys,
+    ChunkKeys,
+    Feed,
+    RankPrefixIndex,
+    block_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,27 @@ class PrefixRouting:
     makes room for a prompt by evicting); the reported blocks they push out are kept
     aside, unbelieved, until the events say which ones the engine evicted, so the index
     remembers at most twice ``capacity_blocks`` a rank and believes at most that.
+
+    ``reuse_weight``: the choice's price, in tokens, for each token of the deepest known
+    prefix of the prompt that the chosen rank lacks, on top of computing it there: a
+    rank's cost is its queued work plus the prompt tokens it would compute plus
+    ``reuse_weight`` times the cached tokens it throws away (computed again by the fleet,
+    and lost to the next requests of that prefix, which would have found it where it
+    was). So a request stays on the rank holding its longest prefix until that rank's
+    queue exceeds another's by more than ``1 + reuse_weight`` times the cached tokens.
+    The default, 1, did best of 0, 1, 3 and 10 on the lock-step model (multi-turn chat
+    and shared documents, 8 and 64 ranks, but for 64 ranks of shared documents) and on
+    real engines (``benchmarks/README.md``, the real-engine section); 0 is the least
+    own work. With nothing cached the cost is the queue alone: the least loaded
+    rank (vLLM's choice when the queued work is vLLM's score in tokens, as the vLLM
+    plugin passes it).
+    ``rendezvous_slack``: 0 (the default) or, for front-ends that each keep their own
+    index (several API servers, approximate feed), the load tolerance, in prompts, of a
+    choice they all agree on: when no single rank holds more of the prompt than every
+    other, the rank is chosen by rendezvous hashing of the prompt's first block past
+    the prefix they share, among the ranks whose cost is within ``rendezvous_slack``
+    times the prompt's tokens of the best. A conversation's turns then meet on one rank
+    whichever front-end takes them.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -64,6 +94,8 @@ class PrefixRouting:
     imbalance_rel: float = 3.0
     feed: Feed = "approximate"
     provisional_age: float = 10.0
+    reuse_weight: float = 1.0
+    rendezvous_slack: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -78,6 +110,10 @@ class PrefixRouting:
             raise ValueError(f"feed must be 'approximate' or 'exact', got {self.feed!r}")
         if not self.provisional_age >= 0:
             raise ValueError(f"provisional_age must be >= 0, got {self.provisional_age!r}")
+        if not self.reuse_weight >= 0:
+            raise ValueError(f"reuse_weight must be >= 0, got {self.reuse_weight!r}")
+        if not self.rendezvous_slack >= 0:
+            raise ValueError(f"rendezvous_slack must be >= 0, got {self.rendezvous_slack!r}")
 
 
 @dataclass
@@ -130,30 +166,28 @@ about half a Python-level step in the shared map, which answers for every rank a
 in the map; two ranks' runs about 75 us either way)."""
 
 
-def _busiest_but(queued: Sequence[float], top: int, high: float, low: float) -> float:
-    """The highest work of the ranks other than ``top``, the first busiest (at ``high``;
-    the idlest is at ``low``)."""
-    if queued.count(high) > 1:
-        return high
-    rest = list(queued)
-    rest[top] = low
-    return max(rest)
-
-
 class PrefixRouter:
-    """Chooses the rank that keeps the busiest rank's work lowest.
+    """Chooses the rank of least cost: its work once it takes the request, plus what
+    choosing it throws away.
 
-    A rank's work is its queued work (``queued_work``, in tokens, passed in) plus, for
-    the rank that would take the request, the request's uncached prompt tokens there:
-    with ranks stepping in lock-step, every step lasts as long as the busiest rank's, so
-    that is the cost to minimise. Ties go to the most cached tokens, then to the rank
-    whose own work ends lowest, then to rotation (a start that advances by one per
-    decision). With nothing cached anywhere that is exactly the least loaded rank. When
-    the ranks' queued work is imbalanced beyond both thresholds (see
+    A rank's work is its queued work (``queued_work``, in tokens, passed in) plus the
+    request's uncached prompt tokens there; what it throws away is ``reuse_weight``
+    times the tokens of the deepest prefix known anywhere that it lacks (see
+    :class:`PrefixRouting`): a request stays where its history is until that rank's
+    queue is busier than another's by more than ``1 + reuse_weight`` times what it
+    holds. Ties go to the most cached tokens, then to rotation (a start that advances by
+    one per decision). With nothing cached anywhere that is exactly the least loaded
+    rank (with ``rendezvous_slack``, a rank all front-ends agree on, near it). When the
+    ranks' queued work is imbalanced beyond both thresholds (see
     :class:`PrefixRouting`) the guard chooses the least loaded rank. A pinned rank is
     returned as is. Every routed or pinned prompt is learnt on its rank with
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
     (and, until they are due, believes its own decisions provisionally).
+
+    ``indexes`` are the router's own: outside code may store whole prompts in them
+    (``store(block_keys(tokens, block_size), now)``, as the vLLM plugin does for pinned
+    requests) and nothing else, since with the approximate feed the walk relies on every
+    index holding a prompt's blocks from the first one on (it bisects the prompt).
     """
 
     def __init__(self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0) -> None:
@@ -168,6 +202,14 @@ class PrefixRouter:
         self._byte_ranks: list[list[tuple[int, ...]]] = []
         self.indexes: list[RankPrefixIndex] = []
         self._exact: list[_ExactRank] = []
+        self._keys = ChunkKeys(self.block_size, 0)
+        self._closed = self.feed == "approximate"
+        """Every rank's index is prefix-closed: a rank holding a prompt's block holds the
+        blocks before it. True while the indexes learn only the router's own decisions
+        (every one a prompt's whole chain, root first, stored deepest first so that a
+        parent is always more recent than its child: evictions and expiry take the child
+        first); KV events (a chain continued from a reported parent, evictions of the
+        engine's choosing) end it. :meth:`_walk` bisects while it holds."""
         self.ranks = 0
         self.resize(ranks)
         self._rotation = start % ranks
@@ -184,14 +226,17 @@ class PrefixRouter:
         del self.indexes[ranks:], self._exact[ranks:]
         routing = self.routing
         for rank in range(len(self.indexes), ranks):
-            self.indexes.append(
-                RankPrefixIndex(
-                    routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
-                )
+            index = RankPrefixIndex(
+                routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
             )
+            if self._closed:
+                index._chain_mode()  # every store a prompt's chain: the order in pieces
+            self.indexes.append(index)
             self._exact.append(_ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
+        # At most half the chunks the indexes can hold (about 15 bytes a block at most).
+        self._keys.max_chunks = max(64, ranks * routing.capacity_blocks // (2 * CHUNK_BLOCKS))
         width = (ranks + 7) // 8
         self._byte_ranks = [
             [tuple(8 * offset + i for i in range(8) if byte >> i & 1) for byte in range(256)]
@@ -232,7 +277,9 @@ class PrefixRouter:
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
             raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
-        keys = block_keys(token_ids, self.block_size)
+        keys: Sequence[int] = self._keys(token_ids)
+        if not self._closed:
+            keys = list(keys)  # the plain indexes and the walk block by block take a list
         if now >= self._next_sweep:
             for index in self.indexes:
                 index.expire(now)
@@ -248,12 +295,16 @@ class PrefixRouter:
             depth = self._depth_of(groups, pinned_rank)
             decision = RouteDecision(pinned_rank, depth * self.block_size, False)
         else:
-            decision = self._pick(groups, len(token_ids), queued_work)
+            decision = self._pick(groups, keys, len(token_ids), queued_work)
         self.counters.prompt_tokens += len(token_ids)
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
             if self.feed == "approximate":
-                self.indexes[decision.rank].store(keys, now)
+                index = self.indexes[decision.rank]
+                if index._held is not None:  # chain mode: the held prefix is the walk's
+                    index._store_chain(keys, decision.cached_tokens // self.block_size, now)
+                else:
+                    index.store(keys, now)
             elif self.routing.provisional_age > 0:
                 # the exact feed's belief in a prompt just routed, until events are due
                 until = now + min(self.routing.provisional_age, self.routing.max_age)
@@ -262,7 +313,53 @@ class PrefixRouter:
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
-        the ranks holding exactly that many), deepest last; ranks holding none omitted.
+        the ranks holding exactly that many), deepest last; ranks holding none omitted."""
+        if self._closed:
+            return self._bisect(keys)
+        return self._walk_blocks(keys)
+
+    def _bisect(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`_walk` over prefix-closed indexes (:attr:`_closed`): the ranks holding
+        block ``k`` then hold every block before it, so the holders' mask can only shrink
+        along the prompt, and a stretch whose two ends have the same holders has them
+        throughout. Bisecting the stretches whose ends differ finds every depth where
+        ranks drop out in about (depths where some do) x log2(blocks) lookups instead of
+        one a block: 2 for a prompt held whole by the same ranks."""
+        count = len(keys)
+        if not count:
+            return []
+        # keys[k] is chunks[k // span][k % span], without a Python-level call per key
+        chunks: Sequence[Sequence[int]] = [keys]
+        span = count
+        if isinstance(keys, ChunkedKeys):
+            chunks, span = keys.chunks, CHUNK_BLOCKS
+        owners = self._owners.get
+        everyone = self._all
+        first = owners(keys[0], 0) & everyone
+        if not first:
+            return []
+        last = owners(keys[-1], 0) & first
+        groups: list[tuple[int, int]] = []
+        # Stretches (low, high, holders at low, holders at high), leftmost on top.
+        stack = [(0, count - 1, first, last)]
+        pop, push = stack.pop, stack.append
+        while stack:
+            low, high, at_low, at_high = pop()
+            if at_low == at_high:
+                continue
+            if high - low == 1:
+                groups.append((high, at_low ^ at_high))  # held to ``low``, not ``high``
+                continue
+            middle = (low + high) >> 1
+            at_middle = owners(chunks[middle // span][middle % span], 0) & at_low
+            push((middle, high, at_middle, at_high))
+            push((low, middle, at_low, at_middle))
+        if last:
+            groups.append((count, last))
+        return groups
+
+    def _walk_blocks(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`_walk` block by block, from the first block to the first no rank holds.
 
         Once one rank is left (:data:`_FEW_RANKS`), the rest of its run is counted in its
         own index (a small dict, C-level) rather than key by key in the shared map of
@@ -295,7 +392,8 @@ class PrefixRouter:
         rest = keys[held:]
         masks: dict[int, int] = {}
         for rank in self._members(ranks):
-            contains = self.indexes[rank]._seen.__contains__
+            index = self.indexes[rank]
+            contains = (index._seen if index._held is None else index._held).__contains__
             depth = held + len(list(takewhile(contains, rest)))
             masks[depth] = masks.get(depth, 0) | 1 << rank
         groups.extend(sorted(masks.items()))
@@ -320,7 +418,11 @@ class PrefixRouter:
         return members
 
     def _pick(
-        self, groups: list[tuple[int, int]], prompt_len: int, queued: Sequence[float]
+        self,
+        groups: list[tuple[int, int]],
+        keys: Sequence[int],
+        prompt_len: int,
+        queued: Sequence[float],
     ) -> RouteDecision:
         ranks = self.ranks
         start = self._rotation
@@ -351,21 +453,59 @@ class PrefixRouter:
                     if queued[rank] == value:
                         candidates.append((rank, depth))
                         break
-        if len(candidates) == 1:
+        deepest, holders = groups[-1] if groups else (0, 0)
+        shared = not holders or holders & (holders - 1)  # no single rank holds the most
+        if len(candidates) == 1 and not (shared and routing.rendezvous_slack and keys):
             return RouteDecision(least, least_depth * block, False)
-        # Placing on r leaves the busiest at max(the busiest other rank, r's own work):
-        # the busiest other than the first busiest rank is needed only if it is a candidate.
-        top = queued.index(high)
-        best: tuple[float, int, float, int] | None = None
+        # The cost of a rank, in tokens: its own work once it takes the request (its
+        # queue, then the prompt's tokens it lacks) plus, weighted, the tokens of the
+        # deepest known prefix it lacks: what choosing it throws away (the fleet computes
+        # them again, and later requests of the prefix lose the rank that held it).
+        most = deepest * block
+        weight = routing.reuse_weight
+        best: tuple[float, int, int] | None = None
         chosen, chosen_depth = least, least_depth
         for rank, depth in candidates:
             cached = depth * block
-            own = queued[rank] + prompt_len - cached
-            others = high if rank != top else _busiest_but(queued, top, high, low)
-            candidate = (max(others, own), -cached, own, (rank - start) % ranks)
+            cost = queued[rank] + prompt_len - cached + weight * (most - cached)
+            candidate = (cost, -cached, (rank - start) % ranks)
             if best is None or candidate < best:
                 best, chosen, chosen_depth = candidate, rank, depth
+        if shared and routing.rendezvous_slack and keys and best is not None:
+            chosen, chosen_depth = self._rendezvous(
+                keys, deepest, holders, prompt_len, queued, best[0], (chosen, chosen_depth)
+            )
         return RouteDecision(chosen, chosen_depth * block, False)
+
+    def _rendezvous(
+        self,
+        keys: Sequence[int],
+        deepest: int,
+        holders: int,
+        prompt_len: int,
+        queued: Sequence[float],
+        best_cost: float,
+        best: tuple[int, int],
+    ) -> tuple[int, int]:
+        """No single rank holds more of the prompt than every other (``holders``, the
+        ranks holding ``deepest`` blocks, are several, or none holds any): of those
+        ranks whose cost is within ``rendezvous_slack`` prompts of the best, the one
+        rendezvous hashing of the prompt's first block past that common prefix ranks
+        first. Front-ends that each know only their own choices thus agree on where a
+        new conversation goes (its first turn's block past a shared system prompt is
+        its later turns' too) as long as their loads roughly agree; else ``best``."""
+        key = keys[min(deepest, len(keys) - 1)]
+        within = best_cost + self.routing.rendezvous_slack * prompt_len
+        uncached = prompt_len - deepest * self.block_size
+        members = self._members(holders) if holders else range(self.ranks)
+        winner, weight = best[0], -1
+        found = False
+        for rank in members:
+            if queued[rank] + uncached <= within:
+                mine = hash((key, rank)) & 0xFFFFFFFFFFFF
+                if mine > weight:
+                    winner, weight, found = rank, mine, True
+        return (winner, deepest) if found else best
 
     def receive_kv_events(self, rank: int, seq: int, payload: bytes, now: float) -> bool:
         """Apply one engine's KV-event batch (``seq`` from the PUB frame); False if rejected.
@@ -395,6 +535,10 @@ class PrefixRouter:
             state.vllm_to_ours.clear()
         state.last_seq = seq
         self.counters.event_batches += 1
+        if self._closed:  # chains continued from a parent, evictions in any order
+            self._closed = False
+            for each in self.indexes:
+                each._materialize()
         for event in batch.events:
             if isinstance(event, BlockStored):
                 if event.block_size != self.block_size:

@@ -134,6 +134,7 @@ class SimEngineCore(SimEngine):
                 data_parallel_size=cfg.engine_count,
                 max_num_seqs=cfg.max_running,
                 max_num_batched_tokens=cfg.token_budget,
+                instance_id=f"sim-{self.rank}",
             )
         )
         await self._handshake.send(

@@ -34,6 +34,20 @@ What each engine holds is learnt one of two ways:
   yet resolved, or an ``inproc`` endpoint (inside the engine's own process), is not
   reachable, and then the router stays approximate.
 
+With several API servers (``--api-server-count``) each keeps its own index; fed by its
+own choices alone (approximate), a server would not know where another sent a
+conversation's earlier turns. So with more than one API server the router's
+``rendezvous_slack`` is on (:data:`MULTI_SERVER_SLACK`): a prompt no single engine is known
+to hold more of than the others goes to the engine that rendezvous hashing of its first
+block past their common prefix ranks first, among the engines within that many prompts
+of the least loaded; every server computes the same engine for a conversation's first
+turn and, not knowing it, for its later ones.
+
+``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS`` (a JSON object of
+:class:`~trio_dpcoord.routing.PrefixRouting` fields, e.g. ``{"reuse_weight": 2}``)
+overrides the settings, for calibration; unknown or invalid fields are ignored with a
+WARNING.
+
 Nothing here imports vLLM, trio or zmq at module level: the plugin is imported by every
 vLLM process, and only API-server processes that opted in need this.
 """
@@ -42,6 +56,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import time
@@ -50,25 +66,68 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..protocol import KVEventError, decode_kv_event_frames
-from ..routing import PrefixRouter, PrefixRouting, block_keys, vllm_score
+from ..routing import PrefixRouter, PrefixRouting, RouteDecision, vllm_score
 
-__all__ = ["ROUTING_VARIABLE", "choose_engine", "install", "routing_setting", "routing_state"]
+__all__ = [
+    "OPTIONS_VARIABLE",
+    "ROUTING_VARIABLE",
+    "choose_engine",
+    "install",
+    "routing_options",
+    "routing_setting",
+    "routing_state",
+]
 
 logger = logging.getLogger(__name__)
 
 ROUTING_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING"
 """Set to ``prefix`` to opt in; unset or empty leaves vLLM's engine choice untouched."""
+OPTIONS_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING_OPTIONS"
+"""A JSON object of :class:`PrefixRouting` fields overriding the plugin's settings."""
+MULTI_SERVER_SLACK = 1.0
+"""``rendezvous_slack`` with more than one API server: within one prompt's tokens of the
+best engine (in vLLM's score, about one request), the engine all servers agree on."""
+_OPTION_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(PrefixRouting) if f.name not in ("block_size", "feed")
+)
 
 PREFIX = "prefix"
 
 _DEFAULT_BLOCK_SIZE = 16  # vLLM's default --block-size
-_MEAN_PROMPT_WEIGHT = 1.0 / 16  # how fast the mean prompt length follows the traffic
+_MEAN_WEIGHT = 1.0 / 16  # how fast the mean uncached prompt follows the traffic
 
 
 def routing_setting() -> str | None:
     """``"prefix"`` when opted in; None when unset or empty; the raw value otherwise."""
     setting = os.environ.get(ROUTING_VARIABLE, "")
     return setting or None
+
+
+def routing_options() -> dict[str, Any]:
+    """The :class:`PrefixRouting` overrides of ``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS``
+    (``block_size`` and ``feed`` stay vLLM's); invalid ones are dropped with a WARNING."""
+    raw = os.environ.get(OPTIONS_VARIABLE, "")
+    if not raw:
+        return {}
+    try:
+        given = json.loads(raw)
+    except ValueError as exc:
+        logger.warning("%s is not JSON (%s): ignored", OPTIONS_VARIABLE, exc)
+        return {}
+    if not isinstance(given, dict):
+        logger.warning("%s is not a JSON object: ignored", OPTIONS_VARIABLE)
+        return {}
+    options: dict[str, Any] = {}
+    for name, value in given.items():
+        try:
+            if name not in _OPTION_FIELDS:
+                raise ValueError("not a setting of the prefix policy")
+            PrefixRouting(**{name: value})
+        except (TypeError, ValueError) as exc:
+            logger.warning("%s: %s=%r ignored (%s)", OPTIONS_VARIABLE, name, value, exc)
+            continue
+        options[name] = value
+    return options
 
 
 # vLLM's original method, saved by install() (one per patched class).
@@ -179,15 +238,15 @@ def choose_engine(
 class RoutingState:
     """One client's router, its mean prompt length and (exact mode) its event followers.
 
-    The router's rank ``j`` is the client's engine ``(j + offset) % n``, ``offset`` being
-    vLLM's starting engine for this client (``n x client_index // client_count``): the
-    router breaks ties from its rank 0, so API servers spread their first choices over
-    the engines as vLLM's rotating start does.
+    The router's ranks are the client's engine indexes (so that every API server hashes
+    the same engine alike for the rendezvous); its rotation starts where vLLM's does for
+    this client (``n x client_index // client_count``) and advances with it, one a
+    choice, so API servers spread their first choices over the engines as vLLM does.
     """
 
     def __init__(self, client: Any) -> None:
         self.ranks: int = len(client.core_engines)
-        self.offset: int = (self.ranks * int(client.client_index)) // int(client.client_count)
+        start = (self.ranks * int(client.client_index)) // int(client.client_count)
         cache_config = getattr(client.vllm_config, "cache_config", None)
         block_size = getattr(cache_config, "block_size", None)
         if not isinstance(block_size, int) or block_size < 1:
@@ -196,6 +255,9 @@ class RoutingState:
         options: dict[str, Any] = {}
         if isinstance(capacity_tokens, int) and capacity_tokens >= block_size:
             options["capacity_blocks"] = capacity_tokens // block_size
+        if int(client.client_count) > 1:
+            options["rendezvous_slack"] = MULTI_SERVER_SLACK
+        options.update(routing_options())
         sources = _event_sources(client, self.ranks)
         self.router = PrefixRouter(
             self.ranks,
@@ -204,38 +266,44 @@ class RoutingState:
                 feed="exact" if sources is not None else "approximate",
                 **options,
             ),
+            start=start,
         )
-        self.mean_prompt_tokens = 0.0
+        self.mean_uncached_tokens = 0.0
+        """The mean of the prompt tokens this server's requests had to compute where they
+        went (not cached there): what a queued request stands for in tokens."""
         self.follower: _KVEventFollower | None = None
         if sources is not None:
             self.follower = _KVEventFollower(self, client, sources)
+        routing = self.router.routing
         logger.info(
-            "%s=%s: prefix-aware engine choice over %d engines (%s, block size %d)",
+            "%s=%s: prefix-aware engine choice over %d engines (%s, block size %d, "
+            "%d blocks an engine, reuse weight %g, rendezvous slack %g)",
             ROUTING_VARIABLE,
             PREFIX,
             self.ranks,
             "exact, from vLLM's KV events" if self.follower else "approximate",
             block_size,
+            routing.capacity_blocks,
+            routing.reuse_weight,
+            routing.rendezvous_slack,
         )
 
-    def _to_router(self, engine_index: int) -> int:
-        return (engine_index - self.offset) % self.ranks
-
-    def _to_engine(self, router_rank: int) -> int:
-        return (router_rank + self.offset) % self.ranks
-
-    def _learn_prompt_length(self, length: int) -> None:
-        if self.mean_prompt_tokens == 0.0:
-            self.mean_prompt_tokens = float(length)
+    def _learn_uncached(self, decision: RouteDecision, length: int) -> None:
+        uncached = float(length - decision.cached_tokens)
+        if self.mean_uncached_tokens == 0.0:
+            self.mean_uncached_tokens = uncached
         else:
-            self.mean_prompt_tokens += _MEAN_PROMPT_WEIGHT * (length - self.mean_prompt_tokens)
+            self.mean_uncached_tokens += _MEAN_WEIGHT * (uncached - self.mean_uncached_tokens)
 
     def choose(self, client: Any, token_ids: Sequence[int]) -> int:
         """The engine index for a prompt, from vLLM's loads and the prefix index."""
         if self.follower is not None:
             self.follower.ensure_started()
-        self._learn_prompt_length(len(token_ids))
         engines = client.core_engines
+        # vLLM's score in tokens, a queued request standing for the mean uncached prompt
+        # (the first request: its own length): with nothing cached anywhere, the least
+        # of it (rotation on ties, from vLLM's start) is vLLM's own choice
+        unit = max(1.0, self.mean_uncached_tokens or float(len(token_ids)))
         work = [0.0] * self.ranks
         for index in range(self.ranks):
             waiting, running, kv_usage = client.lb_engines[index]
@@ -246,22 +314,21 @@ class RoutingState:
                 client.engine_inflight[engines[index]],
                 client.client_count,
             )
-            work[self._to_router(index)] = score * self.mean_prompt_tokens
-        rank = self.router.choose(token_ids, work, time.monotonic())
-        return self._to_engine(rank)
+            work[index] = score * unit
+        decision = self.router.route(token_ids, work, time.monotonic())
+        self._learn_uncached(decision, len(token_ids))
+        return decision.rank
 
     def note_pinned(self, token_ids: Sequence[int], engine_index: int) -> None:
-        """A pinned request's prompt is cached where vLLM sent it (approximate feed)."""
-        self._learn_prompt_length(len(token_ids))
-        if self.router.feed == "approximate":
-            self.router.indexes[self._to_router(engine_index)].store(
-                block_keys(token_ids, self.router.block_size), time.monotonic()
-            )
+        """A pinned request's prompt is cached where vLLM sent it (believed so at once
+        with the approximate feed, provisionally with the exact one)."""
+        decision = self.router.route(
+            token_ids, [0.0] * self.ranks, time.monotonic(), pinned_rank=engine_index
+        )
+        self._learn_uncached(decision, len(token_ids))
 
     def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
-        return self.router.receive_kv_events(
-            self._to_router(engine_index), seq, payload, time.monotonic()
-        )
+        return self.router.receive_kv_events(engine_index, seq, payload, time.monotonic())
 
     def stop(self) -> None:
         """Stop following KV events; log what the router did (at the client's shutdown)."""
@@ -270,13 +337,16 @@ class RoutingState:
         counters = self.router.counters
         logger.info(
             "prefix-aware engine choice (%s): %d decisions, %d guard fallbacks, %d KV event "
-            "batches applied, %d rejected, %d sequence gaps",
+            "batches applied, %d rejected, %d sequence gaps; %d of %d prompt tokens believed "
+            "cached where they went",
             self.router.feed,
             counters.decisions,
             counters.guard_fallbacks,
             counters.event_batches,
             counters.rejected_event_batches,
             counters.event_gaps,
+            counters.cached_tokens,
+            counters.prompt_tokens,
         )
 
 
