@@ -194,7 +194,7 @@ def measure(
                 "--format",
                 "raw",
                 "--rate",
-                "250",
+                "500",
                 "--nonblocking",  # sample without stopping the worker (less disturbance)
                 "-o",
                 str(out),
@@ -284,6 +284,11 @@ def best(measured: list[dict[str, Any]]) -> dict[str, Any]:
         / top["requests"]
         * 1000,
         "client_cpu_share": top["cpu_s"] / top["seconds"],
+        "main_thread_us_per_request": (
+            top["main_thread_cpu_s"] / top["requests"] * 1e6
+            if top.get("main_thread_cpu_s") is not None
+            else None
+        ),
         "engines_cpu_s_whole_run": top["engines_cpu_s"],
         "passes_per_s": [round(p["requests"] / p["seconds"], 1) for p in measured],
     }
@@ -363,11 +368,11 @@ _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("encode ADD", ("encode_add", "_add_frames", "to_wire", "MsgpackEncoder", "EngineCoreRequest")),
     ("send (zmq)", ("Outbox", "_input_sender", "send_multipart", "Socket.send", "_add_send_event")),
     ("receive (zmq)", ("recv_multipart", "_add_recv_event", "_handle_recv")),
+    ("read a stream (per token)", ("__anext__", "MemoryReceiveChannel", "_Collector.get")),
     (
         "hand each output to its request (per token)",
         ("_push", "_deliver", "_request_output", "MemorySendChannel", "dispatch", "Future"),
     ),
-    ("read a stream (per token)", ("__anext__", "MemoryReceiveChannel")),
     ("choose the engine", ("_choose", "EngineChooser", "engine_loads", "get_core_engine")),
     (
         "per-request bookkeeping",
@@ -433,6 +438,52 @@ def breakdown(raw: Path) -> dict[str, float]:
     return {name: n / total for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
+def parts(repeat: int = 5) -> dict[str, float]:
+    """Microseconds per call of the request path's parts that can be timed alone, the
+    best of ``repeat`` loops: per output token, the decoders of one engine step's
+    ``EngineCoreOutputs`` (128 requests, as the stand-in engines send it: the full
+    decoder the client used before, the client decoder's two paths); per request,
+    ``encode_add`` (msgspec's path when installed)."""
+    import timeit
+
+    from benchmarks._stand_in_engine import outputs_frame
+    from trio_dpcoord import SamplingParams, protocol
+
+    rows = [(f"trio-0123456789ab-{i}", i, 1 if i % 16 == 0 else None) for i in range(128)]
+    frames = [outputs_frame(1, rows, 12.5)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, seed=0)
+
+    def add() -> object:
+        return protocol.encode_add(
+            "trio-0123456789ab-17", [3, 4, 5, 6, 7, 8, 9], params, arrival_time=1.5, current_wave=3
+        )
+
+    timed = {
+        "decode, full decoder (before), per output": (
+            lambda: protocol.decode_engine_frames(frames),
+            len(rows),
+        ),
+        "decode, client decoder msgpack path, per output": (
+            lambda: protocol.decode_client_output_with_msgpack(frames[0]),
+            len(rows),
+        ),
+        "decode, client decoder msgspec path, per output": (
+            lambda: protocol.decode_client_output_with_msgspec(frames[0]),
+            len(rows),
+        ),
+        f"encode_add ({'msgspec' if protocol.CLIENT_OUTPUT_DECODER == 'msgspec' else 'msgpack'})": (
+            add,
+            1,
+        ),
+    }
+    out = {}
+    for name, (call, per) in timed.items():
+        number = max(1, 20_000 // per)
+        best = min(timeit.repeat(call, number=number, repeat=repeat)) / number
+        out[name] = best / per * 1e6
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._client_ceiling")
     parser.add_argument("--quick", action="store_true")
@@ -445,7 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown", type=Path, nargs="+", metavar="RAW", help="sort py-spy raw profiles"
     )
+    parser.add_argument("--parts", action="store_true", help="time the parts alone")
     args = parser.parse_args(argv)
+    if args.parts:
+        for name, us in parts().items():
+            print(f"{us:8.2f} us  {name}")
+        return 0
     if args.breakdown:
         for raw in args.breakdown:
             print(raw)

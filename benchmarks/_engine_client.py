@@ -239,12 +239,15 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
             by_rank[:] = [0] * plan["engines"]
             waves_before = client.coordinator.statistics().waves_completed
             cpu_before = time.process_time()
+            main_before = time.thread_time()
             began = time.monotonic()
             ttfts, total = await load(plan["prompts"])
             seconds = time.monotonic() - began
             cpu_s = time.process_time() - cpu_before
+            main_cpu_s = time.thread_time() - main_before
             passes.append(
                 {
+                    "main_thread_cpu_s": main_cpu_s,
                     "requests": len(ttfts),
                     "tokens": total,
                     "seconds": seconds,
