@@ -106,8 +106,9 @@ class Runner:
         assert event["event"] == expected, (event, self.stderr)
         return event
 
-    async def logged(self, text: str) -> None:
-        await self._wait(lambda: text in self.stderr, f"logging {text!r}")
+    async def logged(self, text: str, times: int = 1) -> None:
+        """Wait until ``text`` is in the stderr read so far, ``times`` times at least."""
+        await self._wait(lambda: self.stderr.count(text) >= times, f"logging {text!r} x{times}")
 
     async def command(self, text: str) -> None:
         assert self.process.stdin is not None
