@@ -490,7 +490,8 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     stderr = coordinator.stderr
     told = stderr.count("an engine unsubscribed")
     summed = sum(int(n) for n in re.findall(r"(\d+) more engines unsubscribed", stderr))
-    assert 1 <= told <= 20 and told + summed <= count, stderr
+    # (none at all when the signal is read before the first disconnect: a race by design)
+    assert told <= 20 and told + summed <= count, stderr
     assert stderr.count("WARNING") <= 60, stderr  # not a line per engine and socket
 
 
