@@ -498,8 +498,12 @@ async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, A
             await complete(client, _tokens(rng, 128), 33)
             decode.append((time.monotonic() - started - one) / 32)
     fixed, per_token, r2 = least_squares(points)
+    # within one chunk (a prefill of one step): the step's fixed cost and per-token cost
+    chunk_fixed, chunk_per_token, chunk_r2 = least_squares(
+        [(n, t) for n, t in points if n <= sizes.batched_tokens]
+    )
     step = statistics.median(decode)
-    chunk = per_token * sizes.batched_tokens
+    chunk = chunk_per_token * sizes.batched_tokens
     medians = {
         str(int(length)): round(statistics.median(t for n, t in points if n == length) * 1000, 1)
         for length in dict.fromkeys(n for n, _ in points)
@@ -509,6 +513,9 @@ async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, A
         "fixed_ms": round(fixed * 1000, 2),
         "per_token_us": round(per_token * 1e6, 3),
         "r2": round(r2, 4),
+        "one_chunk_fixed_ms": round(chunk_fixed * 1000, 2),
+        "one_chunk_per_token_us": round(chunk_per_token * 1e6, 3),
+        "one_chunk_r2": round(chunk_r2, 4),
         "decode_step_ms": round(step * 1000, 2),
         "prefill_share_full_chunk": round(chunk / (chunk + step), 3) if chunk + step else 0.0,
     }
@@ -633,14 +640,21 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Means over the servers of each (API servers, trace, policy)."""
+    """Means over the servers of each (API servers, trace, policy), each server's hit
+    rate, and tokens per second as a ratio to vLLM's choice on the same trace."""
     cells: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         if "policy" in row:
             cells.setdefault((row["api_servers"], row["trace"], row["policy"]), []).append(row)
+
+    def rate(group: list[dict[str, Any]]) -> float:
+        tokens = sum(g["prompt_tokens"] + g["output_tokens"] for g in group)
+        return float(tokens) / float(sum(g["seconds"] for g in group))
+
     lines = [
-        f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate':>9} {'bound':>6} {'req/s':>7}"
-        f" {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9} {'rank share':>12}"
+        f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate (each server)':>24} {'bound':>6}"
+        f" {'req/s':>6} {'tok/s':>6} {'x vLLM':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9}"
+        f" {'rank share':>10}"
     ]
     order = {
         policy: number
@@ -651,23 +665,25 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for (api, trace, policy), group in sorted(
         cells.items(), key=lambda i: (i[0][0], TRACES.index(i[0][1]), order[i[0][2]])
     ):
-        hits = [g["hit_rate"] for g in group if g["hit_rate"] is not None]
+        hits = [g["hit_rate"] * 100 for g in group if g["hit_rate"] is not None]
         seconds = sum(g["seconds"] for g in group)
         ok = sum(g["ok"] for g in group)
-        tokens = sum(g["prompt_tokens"] + g["output_tokens"] for g in group)
         shares = [
             statistics.mean(g["rank_share"][r] for g in group)
             for r in range(len(group[0]["rank_share"]))
         ]
+        base = cells.get((api, trace, "vllm"))
+        ratio = rate(group) / rate(base) if base else math.nan
+        each = "/".join(f"{h:.1f}" for h in hits)
         lines.append(
             f"{api:>3} {trace:<12} {policy_label(policy):<34}"
-            f" {statistics.mean(hits) * 100 if hits else math.nan:>8.1f}%"
+            f" {statistics.mean(hits) if hits else math.nan:>5.1f}% ({each:>14})"
             f" {statistics.mean(g['bound'] for g in group) * 100:>5.1f}%"
-            f" {ok / seconds:>7.2f} {tokens / seconds:>8.0f}"
+            f" {ok / seconds:>6.2f} {rate(group):>6.0f} {ratio:>5.2f}x"
             f" {statistics.mean(g['ttft_p50_ms'] for g in group):>7.0f}ms"
             f" {statistics.mean(g['ttft_p99_ms'] for g in group):>7.0f}ms"
             f" {ok:>4}/{sum(g['requests'] for g in group):<4}"
-            f" {'/'.join(f'{s:.2f}' for s in shares):>12}"
+            f" {'/'.join(f'{s:.2f}' for s in shares):>10}"
         )
     return "\n".join(lines)
 
@@ -696,7 +712,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--layers", type=int, default=4, help="the model's layers")
     parser.add_argument("--work-dir", type=Path, help="keep vLLM's logs here")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--table", type=Path, nargs="+", help="only print the table of these --json files"
+    )
     options = parser.parse_args(argv)
+    if options.table:
+        print(table([r for f in options.table for r in json.loads(f.read_text())["rows"]]))
+        return 0
     for spec in options.policies:
         try:
             parse_policy(spec)
