@@ -14,13 +14,20 @@ process of its own, so that its CPU time is its own:
 
 Both run the plan: a warm-up, then ``passes`` times ``requests`` greedy requests
 (``ignore_eos``, ``max_tokens`` each) kept ``concurrency`` in flight by as many tasks,
-each awaiting its own request's outputs. Per pass they report requests done, the wall
-time, each request's time to first token (from the call that sends it to its own task
-seeing its first token), and the process's CPU seconds (``time.process_time``: every
-thread; for vLLM also its coordinator process's). Fleets run in ABBA order, ``rounds``
-per client; background load only slows a pass down, so the fastest pass of each client
-is the least disturbed one and is what the rows show. vLLM's sockets are ``ipc://`` files under a
-short private directory (``/tmp/bec-*``): a Unix socket path has at most 107 bytes.
+each awaiting its own request's outputs. The plan's ``shape`` says how a task awaits
+them: ``"first+done"`` (the default, and this section's), ours iterating the request's
+stream, vLLM's a future for the first token and one for the end, set by a task that
+demultiplexes ``get_output_async()``; ``"streams"``, every output to its request's task
+(ours the same; vLLM's through a per-request collector, the shape of ``AsyncLLM``'s
+``RequestOutputCollector``); ``"whole"``, the task wakes once, at the end (ours
+``EngineClient.complete``; vLLM's the end future alone). Per pass they report requests
+done, the wall time, each request's time to first token (from the call that sends it to
+its own task seeing its first token), and the process's CPU seconds
+(``time.process_time``: every thread; for vLLM also its coordinator process's). Fleets
+run in ABBA order, ``rounds`` per client; background load only slows a pass down, so the
+fastest pass of each client is the least disturbed one and is what the rows show. vLLM's
+sockets are ``ipc://`` files under a short private directory (``/tmp/bec-*``): a Unix
+socket path has at most 107 bytes.
 """
 
 from __future__ import annotations
@@ -189,8 +196,14 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         startup_s = time.monotonic() - started
         by_rank = [0] * plan["engines"]
 
+        whole = plan.get("shape") == "whole"
+
         async def one(prompt: list[int]) -> tuple[float, int]:
             sent = time.monotonic()
+            if whole:  # the caller wakes once, at the end (its "TTFT" is the whole time)
+                done = await client.complete(prompt, params)
+                by_rank[done.rank] += 1
+                return time.monotonic() - sent, len(done.token_ids)
             ttft: float | None = None
             count = 0
             async with client.generate(prompt, params) as stream:
@@ -221,27 +234,50 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
 
         await load(plan["warmup_prompts"])
         passes = []
+        profiler = _start_profile(plan)
         for _ in range(plan["passes"]):
             by_rank[:] = [0] * plan["engines"]
-            waves_before = client.coordinator.counters().waves_completed
+            waves_before = client.coordinator.statistics().waves_completed
             cpu_before = time.process_time()
+            main_before = time.thread_time()
             began = time.monotonic()
             ttfts, total = await load(plan["prompts"])
             seconds = time.monotonic() - began
             cpu_s = time.process_time() - cpu_before
+            main_cpu_s = time.thread_time() - main_before
             passes.append(
                 {
+                    "main_thread_cpu_s": main_cpu_s,
                     "requests": len(ttfts),
                     "tokens": total,
                     "seconds": seconds,
-                    "ttft_s": ttfts,
+                    "ttft_s": ttfts if plan.get("report_ttft", True) else [],
                     "cpu_s": cpu_s,
                     "coordinator_cpu_s": None,  # inside the client's process, in cpu_s
                     "requests_by_rank": list(by_rank),
-                    "waves": client.coordinator.counters().waves_completed - waves_before,
+                    "waves": client.coordinator.statistics().waves_completed - waves_before,
                 }
             )
+        _stop_profile(profiler, plan)
     return {"client": "trio_dpcoord open_engine_client", "startup_s": startup_s, "passes": passes}
+
+
+def _start_profile(plan: dict[str, Any]) -> Any:
+    """A running cProfile profiler when the plan asks for one (``cprofile``: the path
+    of its stats), else None."""
+    if not plan.get("cprofile"):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _stop_profile(profiler: Any, plan: dict[str, Any]) -> None:
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(plan["cprofile"])
 
 
 def main(argv: list[str]) -> None:

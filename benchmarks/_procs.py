@@ -109,7 +109,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
                     coordinator.notify_first_request(0)
                 _emit({"t0_ns": starts})
             elif words and words[0] == "counters":
-                counters = coordinator.counters()
+                counters = coordinator.statistics()
                 _emit(
                     {
                         "engine_messages": counters.engine_messages,

@@ -27,7 +27,8 @@ import trio
 
 from benchmarks import _routing as rt
 from trio_dpcoord.sim import ClusterConfig, LoadPlan, run_cluster
-from trio_dpcoord.sim.frontend import SimFrontend, percentile
+from trio_dpcoord.sim.cluster_config import percentile
+from trio_dpcoord.sim.frontend import SimFrontend
 from trio_dpcoord.sim.prefix import STEP_FIXED_S, STEP_PER_TOKEN_S
 from trio_dpcoord.sim.traces import Request, reuse_bound
 

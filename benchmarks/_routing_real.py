@@ -54,7 +54,7 @@ from tests.vllm_real._model import VOCAB_SIZE, dense_config, write_model
 from tests.vllm_real._process import free_port
 from tests.vllm_real._server import VllmServer
 from trio_dpcoord.routing import block_keys
-from trio_dpcoord.sim.frontend import percentile
+from trio_dpcoord.sim.cluster_config import percentile
 
 logger = logging.getLogger("benchmarks.routing_real")
 

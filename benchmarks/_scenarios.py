@@ -473,8 +473,6 @@ def decode_costs(calls: int) -> dict[str, float]:
     """ns per decode of a stats-only ``EngineCoreOutputs`` (vLLM's full 18-key stats map,
     496 bytes) by the coordinator's two decoder paths, against a bare ``msgpack.unpackb``
     of the same frame (which checks nothing and builds every object)."""
-    from trio_dpcoord import _coordinator_decoder as decoder
-
     frame = protocol.encode_engine_core_outputs(
         protocol.EngineCoreOutputs(
             engine_index=2,
@@ -483,11 +481,15 @@ def decode_costs(calls: int) -> dict[str, float]:
         )
     )
     result = {
-        "msgpack_path_ns": _per_call_ns(decoder.decode_with_msgpack, frame, calls),
+        "msgpack_path_ns": _per_call_ns(
+            protocol.decode_coordinator_output_with_msgpack, frame, calls
+        ),
         "unpackb_ns": _per_call_ns(msgpack.unpackb, frame, calls),
     }
-    if decoder.DECODER == "msgspec":
-        result["msgspec_path_ns"] = _per_call_ns(decoder.decode_with_msgspec, frame, calls)
+    if protocol.COORDINATOR_OUTPUT_DECODER == "msgspec":
+        result["msgspec_path_ns"] = _per_call_ns(
+            protocol.decode_coordinator_output_with_msgspec, frame, calls
+        )
     return result
 
 
@@ -632,7 +634,7 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
     READY reached them all, every socket is closed at once and SIGTERM follows at once.
     Time from the signal to the exit, the exit status, the WARNING lines written after
     the engines left, and whether the counters line was printed (ours only)."""
-    from trio_dpcoord.testing import rank_identity
+    from trio_dpcoord.protocol import engine_identity
 
     with serving(env, kind, engines) as (child, info):
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -642,7 +644,7 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
         for index in range(engines):
             sub = context.socket(zmq.XSUB)
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+            sub.setsockopt(zmq.IDENTITY, engine_identity(index))
             sub.connect(info["back_pub"])
             sub.send(b"\x01")
             poller.register(sub, zmq.POLLIN)

@@ -34,7 +34,7 @@ def now_ns() -> int:
 
 def summarize_us(latencies_ns: Sequence[int]) -> dict[str, float]:
     """p50/p99/max of nanosecond latencies, in microseconds."""
-    from trio_dpcoord.sim.frontend import percentile  # lazily: see the frames below
+    from trio_dpcoord.sim.cluster_config import percentile  # lazily: see the frames below
 
     us = [v / 1000.0 for v in latencies_ns]
     return {

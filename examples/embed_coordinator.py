@@ -15,7 +15,7 @@ import logging
 
 import trio
 
-from trio_dpcoord import EngineChooser, open_coordinator, protocol
+from trio_dpcoord import open_coordinator, protocol
 from trio_dpcoord.testing import connect_engines
 
 
@@ -31,17 +31,16 @@ async def main() -> None:
                 assert await engine.next_broadcast() == "READY"
             print("gate open: READY sent to both engines")
 
-            # A front-end routes a request: stamp the wave, pick an engine, wake if paused.
-            chooser = EngineChooser(2)
-            target = chooser.choose(coordinator.engine_loads())
-            stamp = coordinator.snapshot()
-            coordinator.notify_first_request(target)
-            print(f"request stamped wave {stamp.current_wave} -> engine {target}")
+            # A front-end routes a request in one call: the engine (vLLM's score over the
+            # live loads), the wave to stamp on it, and the wake of paused engines.
+            route = coordinator.route()
+            print(f"request stamped wave {route.wave} -> engine {route.rank}")
             for engine in engines:
                 print(f"  engine {engine.index} got {await engine.next_broadcast()}")
 
             # Rank 0 reports the end of the wave: the coordinator moves to the next one.
-            await engines[0].wave_complete(stamp.current_wave)
+            coordinator.finished(route.rank)  # the request is done (finished_requests)
+            await engines[0].wave_complete(route.wave)
             await coordinator.wait_for(lambda c: not c.snapshot().engines_running)
             print(f"wave complete: now {coordinator.snapshot()}")
 
@@ -53,7 +52,7 @@ async def main() -> None:
                 print(f"  engine {engine.index} got {message}")
             await coordinator.wait_for(lambda c: c.snapshot().engines_running)
             print(f"engine-started wave: now {coordinator.snapshot()}")
-            print(f"counters: {coordinator.counters()}")
+            print(f"statistics: {coordinator.statistics()}")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,7 @@ import logging
 
 import pytest
 
-from trio_dpcoord.core import CoordinatorCore
-
-# private import (documented exception): unit test of _backlog's backlog rule, which the
-# core uses internally
-from trio_dpcoord.core._backlog import BacklogNews, IngestBacklog
+from trio_dpcoord.core import BacklogNews, CoordinatorCore, IngestBacklog
 
 
 def test_keeping_up_says_nothing_and_reads_zero() -> None:
@@ -54,7 +50,7 @@ def test_the_core_logs_the_backlog_and_shows_it_in_its_counters(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     core = CoordinatorCore(2)
-    caplog.set_level(logging.INFO, logger="trio_dpcoord.core._coordinator")
+    caplog.set_level(logging.INFO, logger="trio_dpcoord.core")
     for tick in range(20):
         core.engine_output_batch_read(drained=False, now=tick * 0.25)
     assert core.counters().engine_output_backlog == 4.75

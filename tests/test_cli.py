@@ -24,13 +24,13 @@ import trio
 import zmq
 
 from trio_dpcoord import cli, protocol
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
     EnginePeer,
     ServeProcess,
     connect_engines,
     expect_broadcast,
     open_serve,
-    rank_identity,
     serve_command,
 )
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
@@ -510,7 +510,7 @@ async def test_sigterm_right_after_2000_engines_leave_at_once() -> None:
                 for index in range(count):
                     sub = context.socket(zmq.XSUB)
                     sub.setsockopt(zmq.LINGER, 0)
-                    sub.setsockopt(zmq.IDENTITY, rank_identity(index))
+                    sub.setsockopt(zmq.IDENTITY, engine_identity(index))
                     sub.connect(coordinator.endpoints["back_pub"])
                     sub.send(protocol.SUBSCRIBE, zmq.NOBLOCK)  # queued: sent once connected
                     push = context.socket(zmq.PUSH)
@@ -569,14 +569,10 @@ async def test_an_event_storm_while_serving_stalls_no_other_socket() -> None:
                             peer.close()
                         # one engine sends both: its messages arrive in order
                         await engines[0].start_wave(wave)
-                        await expect_broadcast(
-                            engines, [b"\x02", protocol.encode_start_dp_wave(wave, None)[1]]
-                        )
+                        await expect_broadcast(engines, protocol.encode_start_dp_wave(wave, 0))
                         await engines[0].wave_complete(wave)
                 await engines[0].start_wave(rounds)  # the wave completions were applied
-                await expect_broadcast(
-                    engines, [b"\x02", protocol.encode_start_dp_wave(rounds, None)[1]]
-                )
+                await expect_broadcast(engines, protocol.encode_start_dp_wave(rounds, 0))
             counters = await stop_cleanly(coordinator)
     assert counters["wave_starts"] == rounds + 1
     assert counters["waves_completed"] == rounds

@@ -12,8 +12,10 @@ import math
 import struct
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import msgpack
@@ -31,14 +33,20 @@ from tests.test_protocol import (
     pack,
 )
 from trio_dpcoord import protocol
-from trio_dpcoord.protocol import ProtocolError
-from trio_dpcoord.protocol import _output_decoder as decoder
+from trio_dpcoord.protocol import (
+    COORDINATOR_OUTPUT_DECODER,
+    CoordinatorOutput,
+    ProtocolError,
+    decode_coordinator_output,
+    decode_coordinator_output_with_msgpack,
+    decode_coordinator_output_with_msgspec,
+)
 
 Outcome = tuple[protocol.OutputKind, int, object] | tuple[str, str]
 
-PATHS: dict[str, Callable[[bytes], decoder.Decoded]] = {
-    "msgpack": decoder.decode_with_msgpack,
-    "msgspec": decoder.decode_with_msgspec,
+PATHS: dict[str, Callable[[bytes], CoordinatorOutput]] = {
+    "msgpack": decode_coordinator_output_with_msgpack,
+    "msgspec": decode_coordinator_output_with_msgspec,
 }
 
 
@@ -53,7 +61,7 @@ def full(frame: bytes) -> Outcome:
     return result
 
 
-def outcome(decode: Callable[[bytes], decoder.Decoded], frame: bytes) -> Outcome:
+def outcome(decode: Callable[[bytes], CoordinatorOutput], frame: bytes) -> Outcome:
     try:
         return decode(frame)
     except ProtocolError as exc:
@@ -323,53 +331,73 @@ def test_both_paths_agree_on_the_edges(frame: bytes, accepted: bool) -> None:
 def test_the_duplicate_key_rule_is_msgpacks(frame: bytes) -> None:
     """The last of repeated keys wins, in both paths as in msgpack-python (checked on
     frames that decode, against a direct read of the stats map)."""
-    result = outcome(decoder.decode_with_msgspec, frame)
+    result = outcome(decode_coordinator_output_with_msgspec, frame)
     if result[0] is protocol.OutputKind.STATS:
         stats = msgpack.unpackb(frame, strict_map_key=False)[2]
         assert isinstance(result[2], protocol.StatsReport)
         assert result[2].load.running == stats.get("num_running_reqs", 0)
 
 
-def test_the_msgspec_path_reads_what_engines_send_by_itself(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@contextmanager
+def calls_of(function: Callable[..., object]) -> Iterator[list[str]]:
+    """The calls of ``function`` made in the block (its callers' names), seen by a trace
+    function: the msgspec path calls the msgpack path by its module's name, out of reach
+    of a test that would swap it."""
+    code = function.__code__
+    calls: list[str] = []
+
+    def trace(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is code:
+            caller = frame.f_back
+            calls.append(caller.f_code.co_name if caller is not None else "?")
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield calls
+    finally:
+        sys.settrace(previous)
+
+
+def test_the_msgspec_path_reads_what_engines_send_by_itself() -> None:
     """vLLM's stats reports (with the stats keys of 0.32.0/0.33.0 or a newer key),
     wave_complete and start_wave never reach the msgpack path: msgspec reads them."""
-
-    def no_msgpack(frame: bytes) -> decoder.Decoded:
-        raise AssertionError(f"the msgpack path was taken for {frame.hex()}")
-
-    monkeypatch.setattr(decoder, "decode_with_msgpack", no_msgpack)
+    decode = decode_coordinator_output_with_msgspec
     report = protocol.StatsReport(protocol.EngineLoad(3, 12, 0.4375), wave=5, step=17)
-    assert decoder.decode_with_msgspec(_REAL_STATS_FRAME) == (protocol.OutputKind.STATS, 2, report)
     newer = write([2, [], {**real_stats(), "new_key": {"a": [1]}}, 1.0, None, None, None, None])
-    assert decoder.decode_with_msgspec(newer) == (protocol.OutputKind.STATS, 2, report)
     wave_complete = write([0, [], None, 1.0, None, None, 5, None, None])
-    assert decoder.decode_with_msgspec(wave_complete) == (protocol.OutputKind.WAVE_COMPLETE, 0, 5)
     start_wave = write([4, [], None, 1.0, None, None, None, 6, None])
-    assert decoder.decode_with_msgspec(start_wave) == (protocol.OutputKind.START_WAVE, 4, 6)
+    with calls_of(decode_coordinator_output_with_msgpack) as msgpack_path:
+        assert decode(_REAL_STATS_FRAME) == (protocol.OutputKind.STATS, 2, report)
+        assert decode(newer) == (protocol.OutputKind.STATS, 2, report)
+        assert decode(wave_complete) == (protocol.OutputKind.WAVE_COMPLETE, 0, 5)
+        assert decode(start_wave) == (protocol.OutputKind.START_WAVE, 4, 6)
+    assert msgpack_path == []
+    # and the trace sees that path when it is taken: a request batch is the msgpack path's
+    with calls_of(decode_coordinator_output_with_msgpack) as msgpack_path:
+        outcome(decode, write([0, [[b"r"]], None, 1.0, None, None, None, None, None]))
+    assert msgpack_path
 
 
 def test_the_service_uses_the_msgspec_path_when_installed_and_msgpack_otherwise() -> None:
     """With msgspec importable the coordinator decodes with it; with the import blocked
     (the ``fast`` extra not installed) it takes the msgpack path and decodes the same."""
-    assert decoder.DECODER == "msgspec"
-    assert decoder.decode_coordinator_output is not decoder.decode_with_msgpack
+    assert COORDINATOR_OUTPUT_DECODER == "msgspec"
+    assert decode_coordinator_output is not decode_coordinator_output_with_msgpack
     script = (
         "import sys; sys.modules['msgspec'] = None\n"
         "import json\n"
-        "from trio_dpcoord import protocol\n"
-        "from trio_dpcoord.protocol import _output_decoder as d\n"
+        "from trio_dpcoord import protocol as p\n"
         f"frame = bytes.fromhex({stats_frame(real_stats()).hex()!r})\n"
-        "assert d.decode_coordinator_output is d.decode_with_msgpack\n"
+        "assert p.decode_coordinator_output is p.decode_coordinator_output_with_msgpack\n"
         "try:\n"
-        "    d.decode_with_msgspec(frame)\n"
+        "    p.decode_coordinator_output_with_msgspec(frame)\n"
         "except RuntimeError:\n"
         "    pass\n"
         "else:\n"
         "    raise AssertionError('msgspec path without msgspec')\n"
-        "kind, engine, report = protocol.decode_coordinator_output(frame)\n"
-        "print(json.dumps([d.DECODER, kind.value, engine, list(report.load)]))\n"
+        "kind, engine, report = p.decode_coordinator_output(frame)\n"
+        "print(json.dumps([p.COORDINATOR_OUTPUT_DECODER, kind.value, engine, list(report.load)]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False

@@ -37,6 +37,7 @@ from trio_dpcoord.core import (
     WaveState,
 )
 from trio_dpcoord.protocol import EngineCoreOutputs, EngineLoad, SchedulerStats
+from trio_dpcoord.testing import core_internals
 
 SUB = protocol.SUBSCRIBE
 UNSUB = protocol.UNSUBSCRIBE
@@ -652,8 +653,9 @@ class HeldStatsRules(RuleBasedStateMachine):
         a, b = self.one_by_one, self.batched
         assert b.snapshot() == a.snapshot()
         assert b.engine_loads() == a.engine_loads()
-        assert b._loads.pending_snapshot == a._loads.pending_snapshot
-        assert b._loads.stats_changed == a._loads.stats_changed
+        inside_a, inside_b = core_internals(a), core_internals(b)
+        assert inside_b.pending_snapshot == inside_a.pending_snapshot
+        assert inside_b.stats_changed == inside_a.stats_changed
         ca, cb = a.counters(), b.counters()
         assert ca.stats_coalesced == 0
         assert cb.stats_coalesced <= cb.stats_applied
@@ -681,7 +683,7 @@ def test_an_expected_shutdown_is_told_at_info_and_a_mass_rejoin_is_summed_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     core, _ = open_core(20)
-    caplog.set_level(logging.DEBUG, logger="trio_dpcoord.core._coordinator")
+    caplog.set_level(logging.DEBUG, logger="trio_dpcoord.core")
 
     def lines(level: int) -> list[str]:
         found = [r.getMessage() for r in caplog.records if r.levelno == level]

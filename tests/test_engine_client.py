@@ -180,7 +180,7 @@ async def test_requests_stream_utility_calls_and_aborts() -> None:
                 with pytest.raises(RequestAbortedError, match="fell 2 outputs behind"):
                     async for _ in slow:
                         pass
-            assert client.in_flight() == [] and client.pending_calls() == 0
+            assert client.in_flight() == [] and client.statistics().calls_pending == 0
 
 
 @pytest.mark.trio
@@ -196,7 +196,7 @@ async def test_prefix_routing_sends_a_conversation_back_to_its_rank() -> None:
             pinned = await client.complete(list(range(900, 964)), params, rank=1 - first.rank)
             again = await client.complete([*range(900, 964), 7], params)
             assert again.rank == pinned.rank == 1 - first.rank
-            counters = client.chooser.router_counters
+            counters = client.chooser.statistics().router
             assert counters is not None and counters.decisions == 5
             assert counters.cached_tokens == 64 + 80 + 0 + 64
 
@@ -217,7 +217,7 @@ async def test_a_dead_engine_fails_only_its_own_work() -> None:
                         pass
                 assert failure.value.rank == 1
                 assert [len(o.new_token_ids) async for o in survivor] == [1] * 50
-            assert client.dead_ranks == {1}
+            assert client.statistics().dead_ranks == {1}
             assert (await client.complete([2], SamplingParams(max_tokens=2))).rank == 0
             with pytest.raises(EngineDeadError, match="rank 1"):
                 await client.call_utility("echo", rank=1)
@@ -231,6 +231,21 @@ async def test_a_silent_engine_is_taken_as_dead() -> None:
             with pytest.raises(EngineDeadError, match=r"engine rank 0 is gone \(silent"):
                 await client.complete([1], SamplingParams(max_tokens=5), rank=0)
             assert (await client.complete([1], SamplingParams(max_tokens=2))).rank == 1
+
+
+@pytest.mark.trio
+async def test_an_engine_idle_longer_than_the_silence_timeout_is_not_taken_as_dead() -> None:
+    """Silence counts only while work waits: a rank idle for longer than the timeout
+    gets its clock restarted by its next request (and by a utility call)."""
+    with trio.fail_after(TIMEOUT):
+        async with _fleet(2, silence_timeout=1.0) as (client, _):
+            assert (await client.complete([1], SamplingParams(max_tokens=2), rank=0)).rank == 0
+            await trio.sleep(1.5)  # idle: nothing in flight, nothing heard
+            again = await client.complete([1], SamplingParams(max_tokens=2), rank=0)
+            assert again.finish_reason == "length"
+            await trio.sleep(1.5)
+            assert await client.call_utility("echo", 7, rank=0) == [7]
+            assert client.statistics().dead_ranks == frozenset()
 
 
 @pytest.mark.trio
@@ -301,8 +316,8 @@ async def test_a_pinned_request_leaves_the_chosen_requests_counts_alone() -> Non
         async with _fleet(2) as (client, _):
             async with client.generate([1], SamplingParams(max_tokens=10**6)) as chosen:
                 await chosen.__anext__()
-                assert client.chooser.inflight[chosen.rank] == 1
+                assert client.chooser.statistics().inflight[chosen.rank] == 1
                 pinned = await client.complete([2], SamplingParams(max_tokens=2), rank=chosen.rank)
                 assert pinned.finish_reason == "length"
-                assert client.chooser.inflight[chosen.rank] == 1
-            assert client.chooser.inflight == (0, 0)
+                assert client.chooser.statistics().inflight[chosen.rank] == 1
+            assert client.chooser.statistics().inflight == (0, 0)

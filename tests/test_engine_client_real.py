@@ -91,7 +91,7 @@ async def _bursts(client: EngineClient) -> dict[tuple[int, ...], tuple[int, ...]
     waves.append(client.coordinator.snapshot().current_wave)
     assert ranks == {0, 1}, "the chooser used both engines"
     assert waves == sorted(set(waves)), f"each burst ran in a wave of its own: {waves}"
-    assert client.coordinator.counters().waves_completed >= 3
+    assert client.coordinator.statistics().waves_completed >= 3
     return seen
 
 
@@ -157,12 +157,12 @@ async def test_engine_client_drives_real_engines(
                         pass
             assert isinstance(failure.value, EngineDeadError), failure.value
             assert failure.value.rank == 1
-            assert 1 in client.dead_ranks
+            assert 1 in client.statistics().dead_ranks
             with pytest.raises(EngineDeadError):
                 await client.call_utility("is_sleeping", rank=1)
             assert client.in_flight(1) == []
         # clean shutdown: nothing in flight, nothing pending, the handshake port free
-        assert client.in_flight() == [] and client.pending_calls() == 0
+        assert client.in_flight() == [] and client.statistics().calls_pending == 0
         with socket.socket() as probe:
             # SO_REUSEADDR: the handshake's closed connections may sit in TIME_WAIT on the
             # port (when ours closed before the engine's); only a socket still bound or

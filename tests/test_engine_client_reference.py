@@ -138,7 +138,7 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
             # (0.33.0: start_wave for any request that finds it idle), its peer joins the
             # forward passes, and nobody goes back to the stale wave
             wave = waves[-1]
-            engine_starts = client.coordinator.counters().wave_starts_by_cause.get(
+            engine_starts = client.coordinator.statistics().wave_starts_by_cause.get(
                 "engine_start_wave", 0
             )
             real_snapshot = client.coordinator.snapshot
@@ -150,7 +150,7 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
             finally:
                 client.coordinator.snapshot = real_snapshot  # type: ignore[method-assign]
             assert await _wait_paused(client) == wave + 1
-            counters = client.coordinator.counters()
+            counters = client.coordinator.statistics()
             assert counters.wave_starts_by_cause.get("engine_start_wave", 0) > engine_starts
 
             # an abort mid-stream: the stream ends with "abort", the engine drops it
@@ -201,7 +201,7 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
                 0,
             )
             assert stats.dead_ranks == frozenset()
-            assert client.coordinator.counters().errors == 0
+            assert client.coordinator.statistics().errors == 0
             assert stats.rejected == {}
 
         # clean shutdown: the client is gone (nothing listens on its port, its ipc
@@ -252,7 +252,7 @@ async def test_a_killed_engine_fails_the_requests_naming_the_rank(
                     async for _ in survivor:
                         pass
                 assert stuck.value.rank == 0
-            assert client.dead_ranks == {0, 1}
+            assert client.statistics().dead_ranks == {0, 1}
             with pytest.raises(EngineDeadError, match="every engine is gone"):
                 await client.complete([3])
             stats = client.statistics()

@@ -7,15 +7,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_dpcoord.core._engine_client import (
-    HandshakeState,
-    RequestState,
-    RequestTable,
-    SilenceWatch,
-)
-
-# private import (documented exception): unit test of the engine client's sans-IO
-# state (handshake, request table, silence watch); the codecs are in trio_dpcoord.engine_protocol
+from trio_dpcoord.core import HandshakeState, RequestState, RequestTable, SilenceWatch
 from trio_dpcoord.protocol import (
     ENGINE_CORE_DEAD,
     EngineDead,

@@ -371,7 +371,7 @@ async def test_a_caller_who_leaves_mid_stream_leaves_nothing_behind(how: str) ->
             again = await client.complete([2], params(4), rank=rank)
             assert again.token_ids == (1, 2, 3, 4) and again.finish_reason == "length"
             assert engine_log.count(dropped) == 1  # and it aborted nothing else
-            assert client.coordinator.counters().errors == 0
+            assert client.coordinator.statistics().errors == 0
 
 
 async def test_cancelled_callers_do_not_disturb_the_others() -> None:

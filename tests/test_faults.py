@@ -26,6 +26,7 @@ from trio_dpcoord import (
     open_coordinator,
     open_frontend,
 )
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.sim import (
     ClusterConfig,
     EmbeddedCoordinator,
@@ -39,7 +40,7 @@ from trio_dpcoord.sim import (
 )
 from trio_dpcoord.sim.collective import AllReduceResult, CollectiveClient, CollectiveHost
 from trio_dpcoord.sim.engine import run_sim_engine
-from trio_dpcoord.testing import ServeProcess, open_serve, rank_identity
+from trio_dpcoord.testing import ServeProcess, open_serve
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 
 
@@ -98,7 +99,7 @@ async def test_a_vanished_engine_shows_in_the_engine_view_and_gets_ready_again(
     """The engine's sockets close (as when its process dies): the coordinator logs the
     unsubscription and counts it; the engine restarted on the same rank subscribes
     late and gets READY."""
-    caplog.set_level(logging.WARNING, logger="trio_dpcoord._shell.coordinator")
+    caplog.set_level(logging.WARNING, logger="trio_dpcoord")
     with trio.fail_after(30):
         async with open_coordinator(2, ready_timeout=10) as coord:
             async with open_sim_frontend(coord, 2) as fe:
@@ -130,7 +131,7 @@ async def test_a_vanished_engine_shows_in_the_engine_view_and_gets_ready_again(
                     await coord.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
                     while not again.ready:  # noqa: ASYNC110 - the engine's own flag
                         await trio.sleep(0.02)
-                    assert coord.counters().ready_broadcasts == 2
+                    assert coord.statistics().ready_broadcasts == 2
                     view = coord.subscriptions()
                     assert (view.current, view.subscribed, view.unsubscribed) == (2, 3, 1)
                     nursery.cancel_scope.cancel()
@@ -195,7 +196,9 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                                 async with open_frontend(
                                     endpoints["front"], engine_count=2, coordinator_timeout=2.0
                                 ) as strict:
-                                    await strict.wait_for(lambda s: s.publishes_received > 0)
+                                    await strict.wait_for(
+                                        lambda s: s.statistics().publishes_received > 0
+                                    )
                                     task_status.started()
                                     await trio.sleep_forever()
                             lost.append(trio.current_time())
@@ -216,10 +219,12 @@ async def test_coordinator_killed_and_restarted_under_live_engines(tmp_path: Pat
                         assert all(e.counters.coordinator_disconnects == 1 for e in engines)
                         await fe.wait_for(lambda f: f.pending == 0)  # the wave finished anyway
 
-                        publishes = view.publishes_received
+                        publishes = view.statistics().publishes_received
                         async with _serve(tmp_path, 2):  # the restart
-                            await view.wait_for(lambda v: v.publishes_received > publishes)
-                            assert view.disconnects() == 1 and view.connected()
+                            await view.wait_for(
+                                lambda v: v.statistics().publishes_received > publishes
+                            )
+                            assert view.statistics().disconnects == 1 and view.connected()
                             while not all(e.counters.coordinator_reconnects == 1 for e in engines):  # noqa: ASYNC110
                                 await trio.sleep(0.02)
                             # The restarted coordinator starts at wave 0; the engines' reports
@@ -262,7 +267,7 @@ async def _collective(
                     context,
                     zmq.DEALER,
                     connect=address,
-                    options={zmq.IDENTITY: rank_identity(rank), zmq.LINGER: 0},
+                    options={zmq.IDENTITY: engine_identity(rank), zmq.LINGER: 0},
                 ) as dealer:
                     yield CollectiveClient(dealer, rank, timeout=round_timeout), dealer
 
@@ -444,7 +449,7 @@ async def test_a_vanished_engine_is_restarted_and_the_cluster_goes_on() -> None:
     ), report.engine_restarts[0]
     assert subscriptions_after_kill == [(2, 1)]
     assert subscriptions_after_restart == [(3, 1, 1)]
-    assert handles[0].counters().ready_broadcasts == 2
+    assert handles[0].statistics().ready_broadcasts == 2
     assert report.resubmitted == 3
     assert report.requests == report.completed == 63
     summary = report.to_json()
@@ -498,5 +503,5 @@ async def test_curve_simulated_engines_work_and_a_keyless_engine_is_kept_out(
                     await fe.submit(max_tokens=3, engine=1)
                     await fe.wait_for(lambda f: f.completed == 1)
                     await coord.wait_for(lambda c: c.snapshot() == WaveSnapshot(1, False))
-                    assert coord.counters().errors == 0
+                    assert coord.statistics().errors == 0
                     nursery.cancel_scope.cancel()

@@ -64,7 +64,7 @@ async def frontend_with_engines(
 async def test_snapshot_follows_wave_changes(front_address: str) -> None:
     with trio.fail_after(GUARD):
         async with frontend_with_engines(3, front_address) as (coordinator, engines, frontend):
-            await frontend.wait_for(lambda f: f.publishes_received > 0)
+            await frontend.wait_for(lambda f: f.statistics().publishes_received > 0)
             assert frontend.snapshot() == WaveSnapshot(0, False)
             await engines[2].start_wave(0)
             await frontend.wait_for(lambda f: f.snapshot() == WaveSnapshot(0, True))
@@ -73,38 +73,38 @@ async def test_snapshot_follows_wave_changes(front_address: str) -> None:
             await engines[1].start_wave(4)
             await frontend.wait_for(lambda f: f.snapshot() == WaveSnapshot(4, True))
             assert frontend.snapshot() == coordinator.snapshot()
-            assert frontend.rejected() == {}
+            assert frontend.statistics().rejected == {}
 
 
 async def test_loads_follow_stats_publishes(front_address: str) -> None:
     with trio.fail_after(GUARD):
         async with frontend_with_engines(3, front_address) as (_coordinator, engines, frontend):
-            await frontend.wait_for(lambda f: f.engine_count() == 3)
+            await frontend.wait_for(lambda f: f.engine_count == 3)
             assert frontend.engine_loads() == (EngineLoad(0, 0, 0.0),) * 3
             await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
             await engines[2].stats(0, 4, 0.1, wave=0, step=1)
             expected = (EngineLoad(0, 0, 0.0), EngineLoad(3, 12, 0.4375), EngineLoad(0, 4, 0.1))
             await frontend.wait_for(lambda f: f.engine_loads() == expected)
-            assert frontend.last_publish_time is not None
+            assert frontend.statistics().last_publish_time is not None
             assert frontend.coordinator_silent_for() >= 0.0
 
 
-async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_after() -> None:
+async def test_choose_spreads_before_any_stats_and_follows_the_score_after() -> None:
     with trio.fail_after(GUARD):
         async with frontend_with_engines(3, engine_count=3) as (_coordinator, engines, frontend):
             # before any publish at all: the in-flight counts spread the requests
-            first = [frontend.choose_engine() for _ in range(6)]
+            first = [frontend.choose() for _ in range(6)]
             assert Counter(first) == {0: 2, 1: 2, 2: 2}, first
-            assert frontend.inflight() == (2, 2, 2)
+            assert frontend.statistics().inflight == (2, 2, 2)
             for engine in first:
-                frontend.request_finished(engine)
-            assert frontend.inflight() == (0, 0, 0)
+                frontend.finished(engine)
+            assert frontend.statistics().inflight == (0, 0, 0)
             # the all-zero publish changes nothing: still no pile-up on rank 0
-            await frontend.wait_for(lambda f: f.publishes_received > 0)
-            second = [frontend.choose_engine() for _ in range(3)]
+            await frontend.wait_for(lambda f: f.statistics().publishes_received > 0)
+            second = [frontend.choose() for _ in range(3)]
             assert sorted(second) == [0, 1, 2]
             for engine in second:
-                frontend.request_finished(engine)
+                frontend.finished(engine)
             # after stats: the score decides
             await engines[0].stats(4, 4, 0.0, wave=0, step=1)
             await engines[1].stats(0, 1, 0.0, wave=0, step=1)
@@ -114,10 +114,10 @@ async def test_choose_engine_spreads_before_any_stats_and_follows_the_score_afte
             assert [
                 vllm_score(ld.waiting, ld.running, ld.kv_cache_usage, 0, 1) for ld in loads
             ] == [8.0, 1.0, 3.0]
-            assert frontend.choose_engine() == 1  # lowest score
-            assert frontend.choose_engine() == 1  # (1+1 waiting) + 1 running = 2 < 3
+            assert frontend.choose() == 1  # lowest score
+            assert frontend.choose() == 1  # (1+1 waiting) + 1 running = 2 < 3
             # engine 1 now scores 3 like engine 2; the scan start has moved past 1
-            assert frontend.choose_engine() == 2
+            assert frontend.choose() == 2
 
 
 async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets() -> None:
@@ -129,20 +129,20 @@ async def test_prefix_routing_keeps_a_conversation_on_its_rank_over_real_sockets
         ):
             assert frontend.routing == "prefix"
             history = list(range(1000, 1256))
-            first = frontend.choose_engine(history)
+            first = frontend.choose(history)
             # The coordinator's next publish shows the request waiting there.
             for rank, engine in enumerate(engines):
                 await engine.stats(int(rank == first), 0, 0.0, wave=0, step=1)
             await frontend.wait_for(lambda f: f.engine_loads()[first] == EngineLoad(1, 0, 0.0))
-            assert frontend.choose_engine([*history, *range(32)]) == first
-            elsewhere = frontend.choose_engine(list(range(5000, 5256)))
+            assert frontend.choose([*history, *range(32)]) == first
+            elsewhere = frontend.choose(list(range(5000, 5256)))
             assert elsewhere != first
             pinned = 3 - first - elsewhere
-            frontend.observe_request(pinned, list(range(7000, 7100)))
-            assert frontend.choose_engine([*range(7000, 7100), 1, 2]) == pinned
-            counters = frontend.router_counters
+            frontend.observe(pinned, list(range(7000, 7100)))
+            assert frontend.choose([*range(7000, 7100), 1, 2]) == pinned
+            counters = frontend.statistics().router
             assert counters is not None and counters.decisions == 5
-            assert frontend.inflight()[first] == 2
+            assert frontend.statistics().inflight[first] == 2
 
 
 async def test_second_client_starts_its_scan_elsewhere() -> None:
@@ -152,25 +152,25 @@ async def test_second_client_starts_its_scan_elsewhere() -> None:
             _engines,
             frontend,
         ):
-            assert frontend.choose_engine() == 2  # (4 engines x client 1) // 2 clients
+            assert frontend.choose() == 2  # (4 engines x client 1) // 2 clients
 
 
 async def test_scale_resizes_the_coordinator_table() -> None:
     with trio.fail_after(GUARD):
         async with frontend_with_engines(3) as (coordinator, engines, frontend):
-            await frontend.wait_for(lambda f: f.engine_count() == 3)
+            await frontend.wait_for(lambda f: f.engine_count == 3)
             frontend.scale(2)
-            await coordinator.wait_for(lambda c: c.engine_count() == 2)
+            await coordinator.wait_for(lambda c: c.engine_count == 2)
             await engines[0].stats(1, 2, 0.25, wave=0, step=1)
             await frontend.wait_for(lambda f: f.engine_loads() == ((1, 2, 0.25), (0, 0, 0.0)))
             frontend.scale(4)
-            await coordinator.wait_for(lambda c: c.engine_count() == 4)
+            await coordinator.wait_for(lambda c: c.engine_count == 4)
             await engines[1].stats(0, 5, 0.5, wave=0, step=2)
             grown = ((1, 2, 0.25), (0, 5, 0.5), (0, 0, 0.0), (0, 0, 0.0))
             await frontend.wait_for(lambda f: f.engine_loads() == grown)
             with pytest.raises(ValueError):
                 frontend.scale(0)
-            assert coordinator.counters().commands == 2
+            assert coordinator.statistics().commands == 2
 
 
 async def test_notify_first_request_wakes_the_engines_with_exact_bytes(
@@ -186,7 +186,7 @@ async def test_notify_first_request_wakes_the_engines_with_exact_bytes(
             # START_DP_WAVE wave 3, exclude engine 1, exactly vLLM's bytes
             await expect_broadcast(engines, vector_frames(vectors, "start_dp_wave_exclude_int"))
             await coordinator.wait_for(lambda c: c.snapshot() == WaveSnapshot(3, True))
-            assert coordinator.counters().commands == 1
+            assert coordinator.statistics().commands == 1
             # the next wave-state publish confirms it; then a marker proves nothing
             # else was broadcast in between
             await engines[0].wave_complete(3)
@@ -213,13 +213,13 @@ async def test_a_bad_publish_is_counted_and_the_next_one_applied() -> None:
                             protocol.FrontPublish((EngineLoad(1, 2, 0.5),), 7, True)
                         )
                     )
-                    await frontend.wait_for(lambda f: f.publishes_received == 1)
+                    await frontend.wait_for(lambda f: f.statistics().publishes_received == 1)
                     assert frontend.snapshot() == WaveSnapshot(7, True)
                     assert frontend.engine_loads() == ((1, 2, 0.5),)
-                    assert frontend.rejected() == {"undecodable_front_publish": 2}
+                    assert frontend.statistics().rejected == {"undecodable_front_publish": 2}
                     # a wave-only publish keeps the counts
                     await xpub.send(b"\x93\xc0\x08\xc2")
-                    await frontend.wait_for(lambda f: f.publishes_received == 2)
+                    await frontend.wait_for(lambda f: f.statistics().publishes_received == 2)
                     assert frontend.snapshot() == WaveSnapshot(8, False)
                     assert frontend.engine_loads() == ((1, 2, 0.5),)
                     # and commands reach the coordinator's side of the socket verbatim
@@ -239,15 +239,15 @@ async def test_silence_grows_when_the_coordinator_is_gone() -> None:
             before = frontend.coordinator_silent_for()
             await trio.sleep(0.2)
             assert frontend.coordinator_silent_for() >= before + 0.2
-            assert frontend.publishes_received == 0
-            assert frontend.choose_engine() == 0
+            assert frontend.statistics().publishes_received == 0
+            assert frontend.choose() == 0
 
 
-async def test_choose_engine_needs_an_engine_count() -> None:
+async def test_choose_needs_an_engine_count() -> None:
     async with open_frontend("tcp://127.0.0.1:1") as frontend:
         assert frontend.engine_loads() == ()
         with pytest.raises(CoordinatorError, match="engine count unknown"):
-            frontend.choose_engine()
+            frontend.choose()
 
 
 async def test_closed_frontend_refuses_commands_and_waits() -> None:
@@ -257,7 +257,7 @@ async def test_closed_frontend_refuses_commands_and_waits() -> None:
     with pytest.raises(CoordinatorClosedError):
         frontend.scale(2)
     with pytest.raises(CoordinatorClosedError):
-        await frontend.wait_for(lambda f: f.publishes_received > 0)
+        await frontend.wait_for(lambda f: f.statistics().publishes_received > 0)
 
 
 async def test_bad_address_fails_at_once() -> None:

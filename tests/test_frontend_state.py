@@ -8,6 +8,8 @@ paused wave, and the engine choice counts this front-end's requests in flight.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,8 +35,8 @@ def test_before_any_publish_the_state_is_paused_wave_zero_and_idle() -> None:
     state = fresh(engine_count=3)
     assert state.snapshot() == WaveSnapshot(0, False)
     assert state.engine_loads() == loads(0, 0, 0)
-    assert state.publishes_received == 0
-    assert state.last_publish_time is None
+    assert state.statistics().publishes_received == 0
+    assert state.statistics().last_publish_time is None
     assert state.silent_since() == 10.0
     assert fresh().engine_loads() == ()
 
@@ -45,8 +47,8 @@ def test_the_latest_publish_of_a_batch_wins_and_counts_survive_a_wave_only_publi
     assert state.receive_publishes(frames, now=11.5) == []
     assert state.snapshot() == WaveSnapshot(2, False)
     assert state.engine_loads() == loads(2, 0)  # the wave-only publishes carry no counts
-    assert state.publishes_received == 3
-    assert state.last_publish_time == 11.5
+    assert state.statistics().publishes_received == 3
+    assert state.statistics().last_publish_time == 11.5
     assert state.silent_since() == 11.5
 
 
@@ -55,12 +57,31 @@ def test_an_undecodable_publish_is_counted_and_the_rest_of_the_batch_kept() -> N
     rejects = state.receive_publishes([b"\xc1", publish(4, True)], now=12.0)
     assert [r.reason for r in rejects] == ["undecodable_front_publish"]
     assert isinstance(rejects[0], Reject)
-    assert state.rejected() == {"undecodable_front_publish": 1}
+    assert state.statistics().rejected == {"undecodable_front_publish": 1}
     assert state.snapshot() == WaveSnapshot(4, True)
     # a batch of nothing but bad frames changes no state, not even the silence
     state.receive_publishes([b"\xc1"], now=13.0)
-    assert state.rejected() == {"undecodable_front_publish": 2}
-    assert state.last_publish_time == 12.0
+    assert state.statistics().rejected == {"undecodable_front_publish": 2}
+    assert state.statistics().last_publish_time == 12.0
+
+
+def test_statistics_is_a_frozen_copy_and_engine_count_a_property() -> None:
+    state = fresh()
+    assert state.engine_count == 0
+    state.receive_publishes([publish(1, True, loads(0, 0, 0))], now=11.0)
+    assert state.engine_count == 3
+    engine = state.choose()
+    before = state.statistics()
+    state.receive_publishes([publish(2, False), b"\xc1"], now=12.0)
+    state.finished(engine)
+    assert (before.publishes_received, before.last_publish_time) == (1, 11.0)
+    assert before.rejected == {} and sum(before.inflight) == 1
+    assert before.router is None and before.disconnects == 0
+    after = state.statistics(disconnects=2)
+    assert (after.publishes_received, after.last_publish_time) == (2, 12.0)
+    assert after.inflight == (0, 0, 0) and after.disconnects == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.publishes_received = 5  # type: ignore[misc]
 
 
 def test_the_first_request_claim_sends_one_first_req_per_paused_wave() -> None:
@@ -110,9 +131,9 @@ def test_bad_construction_arguments_are_rejected() -> None:
         FrontendState(client_index=0, client_count=1, engine_count=0, now=0.0)
 
 
-def test_choose_engine_needs_an_engine_count() -> None:
+def test_choose_needs_an_engine_count() -> None:
     with pytest.raises(CoordinatorError, match="engine count unknown"):
-        fresh().choose_engine()
+        fresh().choose()
 
 
 @given(st.lists(st.sampled_from(["choose", "finish0", "finish1", "finish2"]), max_size=40))
@@ -121,12 +142,12 @@ def test_in_flight_counts_follow_choices_and_finishes(steps: list[str]) -> None:
     expected = [0, 0, 0]
     for step in steps:
         if step == "choose":
-            expected[state.choose_engine()] += 1
+            expected[state.choose()] += 1
         else:
             engine = int(step[-1])
-            state.request_finished(engine)
-            if expected[engine] and state.inflight():
+            state.finished(engine)
+            if expected[engine] and state.statistics().inflight:
                 expected[engine] -= 1
-        if state.inflight():
-            assert list(state.inflight()) == expected
-    assert all(n >= 0 for n in state.inflight())
+        if state.statistics().inflight:
+            assert list(state.statistics().inflight) == expected
+    assert all(n >= 0 for n in state.statistics().inflight)

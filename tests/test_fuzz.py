@@ -279,11 +279,11 @@ async def send(
 
 
 def _front_outcomes(c: Coordinator) -> int:
-    rejected = c.counters().rejected
+    rejected = c.statistics().rejected
     return (
         rejected.get("undecodable_front_message", 0)
         + rejected.get("bad_scale_request", 0)
-        + c.counters().commands
+        + c.statistics().commands
     )
 
 
@@ -293,22 +293,22 @@ async def wait_processed(
     """Wait until the coordinator has taken the ``count`` messages just sent on ``socket``."""
     if socket == BACK_OUT:
         target = before[BACK_OUT] + count
-        await coordinator.wait_for(lambda c: c.counters().engine_messages == target)
+        await coordinator.wait_for(lambda c: c.statistics().engine_messages == target)
     elif socket == FRONT:
         target = before[FRONT] + count
         await coordinator.wait_for(lambda c: _front_outcomes(c) == target)
     else:
         target = before[BACK_PUB] + count
         await coordinator.wait_for(
-            lambda c: c.counters().rejected.get("unexpected_broadcast_socket_frame", 0) == target
+            lambda c: c.statistics().rejected.get("unexpected_broadcast_socket_frame", 0) == target
         )
 
 
 def progress(coordinator: Coordinator) -> dict[str, int]:
     return {
-        BACK_OUT: coordinator.counters().engine_messages,
+        BACK_OUT: coordinator.statistics().engine_messages,
         FRONT: _front_outcomes(coordinator),
-        BACK_PUB: coordinator.counters().rejected.get("unexpected_broadcast_socket_frame", 0),
+        BACK_PUB: coordinator.statistics().rejected.get("unexpected_broadcast_socket_frame", 0),
     }
 
 
@@ -396,17 +396,17 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
             event(f"{oracle.commands} front commands accepted")
             for frames in oracle.broadcasts:
                 await expect_broadcast(engines, frames, skip_ready=True)
-            assert coordinator.counters().rejected == dict(oracle.rejected)
-            assert coordinator.counters().errors == sum(oracle.rejected.values())
-            assert coordinator.counters().commands == oracle.commands
-            assert coordinator.counters().stats_applied == oracle.stats_applied
-            assert coordinator.engine_count() == oracle.engine_count
+            assert coordinator.statistics().rejected == dict(oracle.rejected)
+            assert coordinator.statistics().errors == sum(oracle.rejected.values())
+            assert coordinator.statistics().commands == oracle.commands
+            assert coordinator.statistics().stats_applied == oracle.stats_applied
+            assert coordinator.engine_count == oracle.engine_count
             assert coordinator.snapshot() == oracle.state.snapshot
 
             # back to two engines, then a valid wave sequence, byte-exact
-            commands = coordinator.counters().commands
+            commands = coordinator.statistics().commands
             await front.send(protocol.encode_scale_elastic_ep(ENGINES))
-            await coordinator.wait_for(lambda c: c.counters().commands == commands + 1)
+            await coordinator.wait_for(lambda c: c.statistics().commands == commands + 1)
 
             async def wait_state(snapshot: WaveSnapshot) -> None:
                 await coordinator.wait_for(lambda c: c.snapshot() == snapshot)
@@ -414,7 +414,7 @@ async def test_in_process_coordinator_survives_and_counts_every_bad_frame(
             await valid_wave_sequence(
                 engines, front, coordinator.snapshot().current_wave, wait_state
             )
-            assert coordinator.counters().errors == sum(oracle.rejected.values())
+            assert coordinator.statistics().errors == sum(oracle.rejected.values())
 
 
 async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
@@ -425,14 +425,16 @@ async def test_waves_at_the_top_of_uint64_are_rejected_not_fatal() -> None:
             await engines[0].wave_complete(MAX_WAVE)
             await front.send(protocol.encode_scale_elastic_ep(10**12))
             await coordinator.wait_for(
-                lambda c: c.counters().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
+                lambda c: (
+                    c.statistics().rejected == {"wave_out_of_range": 1, "bad_scale_request": 1}
+                )
             )
             assert coordinator.snapshot() == WaveSnapshot(0, False)
-            assert coordinator.engine_count() == ENGINES
+            assert coordinator.engine_count == ENGINES
             await engines[1].start_wave(MAX_WAVE)  # the last wave still starts
             await expect_broadcast(engines, start_dp_wave(MAX_WAVE, 1))
             await engines[0].wave_complete(MAX_WAVE)  # and can never end
-            await coordinator.wait_for(lambda c: c.counters().errors == 3)
+            await coordinator.wait_for(lambda c: c.statistics().errors == 3)
             assert coordinator.snapshot() == WaveSnapshot(MAX_WAVE, True)
 
 

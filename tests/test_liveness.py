@@ -134,7 +134,7 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
             await coordinator.wait_for(lambda c: c.subscriptions().current == 0)
             noticed_after = trio.current_time() - stopped_at
             await coordinator.wait_for(
-                lambda c: c.counters().connections_lost.get("back_output") == 1
+                lambda c: c.statistics().connections_lost.get("back_output") == 1
             )
             view = coordinator.subscriptions()
             assert (view.unsubscribed, view.connections, view.connections_lost) == (1, 0, 1)
@@ -161,10 +161,10 @@ async def test_a_frozen_engine_is_dropped_then_gets_ready_again(
             os.kill(engine.pid, signal.SIGCONT)
             await coordinator.wait_for(lambda c: c.subscriptions().late_subscriptions == 1)
             assert await _broadcasts(engine, 1) == ["READY"]
-            await coordinator.wait_for(lambda c: c.counters().ready_broadcasts == 2)
+            await coordinator.wait_for(lambda c: c.statistics().ready_broadcasts == 2)
             view = coordinator.subscriptions()
             assert (view.current, view.connections) == (1, 1)
-            assert coordinator.counters().errors == 0
+            assert coordinator.statistics().errors == 0
 
 
 async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
@@ -179,7 +179,7 @@ async def test_a_pause_shorter_than_the_timeout_drops_nothing() -> None:
                 await trio.sleep(0.5)
             view = coordinator.subscriptions()
             assert (view.current, view.unsubscribed, view.connections_lost) == (1, 0, 0)
-            assert not any(coordinator.counters().connections_lost.values())
+            assert not any(coordinator.statistics().connections_lost.values())
 
 
 def test_liveness_settings_become_socket_options() -> None:

@@ -63,7 +63,7 @@ async def test_embedded_collector_shows_what_happened() -> None:
                 registry.register(CoordinatorCollector(coordinator))  # names are described
             await engines[0].stats(3, 5, 0.25, wave=0, step=1)
             await engines[1].stats(0, 2, 0.5, wave=0, step=1)
-            await coordinator.wait_for(lambda c: c.counters().stats_applied == 2)
+            await coordinator.wait_for(lambda c: c.statistics().stats_applied == 2)
             # An engine's start_wave wakes the other; rank 0 completes the wave.
             await engines[1].start_wave(0)
             for engine in engines:
@@ -75,13 +75,13 @@ async def test_embedded_collector_shows_what_happened() -> None:
             coordinator.notify_first_request(0)
             for engine in engines:
                 assert await engine.next_broadcast() == protocol.StartDPWave(1, 0)
-            await coordinator.wait_for(lambda c: c.counters().unconfirmed_expiries == 1)
+            await coordinator.wait_for(lambda c: c.statistics().unconfirmed_expiries == 1)
             await engines[0].send_raw([b"\xc1"])  # not msgpack
-            await coordinator.wait_for(lambda c: c.counters().errors == 1)
+            await coordinator.wait_for(lambda c: c.statistics().errors == 1)
             await engines[1].unsubscribe()
             await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
 
-            counters = coordinator.counters()
+            counters = coordinator.statistics()
             samples = parse(generate_latest(registry).decode())
             assert value(samples, "current_wave") == 1
             assert value(samples, "engines_running") == 0

@@ -21,14 +21,25 @@ the service's interleavings, which also covers an embedder that drives the core 
 and applies its claims later, as the core's contract allows.
 
 The checker reads the core's private decision state (``_observe``) to memoise states, and
-swaps its wave rule for the mutants: a documented exception to "tests use public names
-only", since no public read should expose what only a state-space search needs.
+swaps its wave rule for the mutants, through test hooks of :mod:`trio_dpcoord.testing`
+(``core_internals``, ``replace_wave_rule``, ``force_wave_state``): no public read of the
+core should expose what only a state-space search needs.
 
 Checked in every reachable state: the coordinator's wave never decreases; it never
 broadcasts a wave it already broadcast while that wave runs; engines stepping together
 agree on the wave. Checked in every quiescent state (nothing enabled): no request is left
 unserved, no engine runs while a peer sleeps (it would block in the per-step collectives
 forever), and the coordinator's snapshot agrees with the engines (paused at their wave).
+
+Restarts (docs/protocol.md §16): in the worlds that have them, the coordinator dies at any
+point and a fresh core takes over with ``restarted()``: in place (the same sockets, the
+gate and subscriptions carried over) or as a new process (the engines subscribe again).
+What the dead one had read (a prefix of each engine's reports, of the front socket's
+notices, the handle's claims) it applied but never answered; the rest lives on. Checked
+besides: no START_DP_WAVE for an older wave than the last, no front-end reading an older
+wave than it had, and no START_DP_WAVE repeating the last one's wave but the one recovery
+wake a restart adds (or after a passed wake deadline). Engines there may also send a load
+report when a request reaches them.
 
 Search is breadth-first with every visited state memoised, so a counterexample is a
 shortest one, printed as a numbered trace.
@@ -37,6 +48,7 @@ shortest one, printed as a numbered trace.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -52,11 +64,19 @@ from trio_dpcoord.core import (
     Effect,
     FirstRequest,
     Publish,
+    Recovery,
+    RecoveryRules,
     Reject,
     WaveSnapshot,
     WaveStart,
     WaveStartCause,
     WaveState,
+)
+from trio_dpcoord.testing import (
+    core_internals,
+    force_wave_state,
+    replace_recovery_rules,
+    replace_wave_rule,
 )
 
 # --------------------------------------------------------------------------- the model
@@ -77,6 +97,14 @@ request wakes them, only when the request's wave is already over (R7's older rul
 rank-0 mirror. The coordinator's first-request rule must wake their peers."""
 
 
+IN_PLACE = "in place"
+"""A restart inside the service: the same sockets, so subscriptions and the gate are carried
+over (the XPUB does not report them again), the failed core's wave and state are read."""
+PROCESS = "process"
+"""A new process on the same addresses: engines connect and subscribe again and go through
+the gate; only the wave survives (the file the dead worker kept it in)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     engines: int
@@ -84,12 +112,30 @@ class Config:
     front_ends: tuple[str, ...]
     engine_kind: str
     wave_state: Callable[[], WaveState] = WaveState
+    restarts: int = 0
+    """How many times the coordinator dies and a recovering one takes over (§16)."""
+    restart_kind: str = PROCESS
+    stats: bool = False
+    """Engines send a load report (work waiting) when a request reaches them (§6.6)."""
+    recovery_rules: type[RecoveryRules] = RecoveryRules
+    keep_floor: bool = True
+    """The restarted core is told the dead one's wave (mutant: it is not)."""
+    lost_applied: bool = True
+    """What the dead one read it had applied too (False: read, never applied: a process
+    killed between reading a batch and applying it; see the test of its known gap)."""
 
     def describe(self) -> str:
-        return (
+        text = (
             f"{self.engines} engines ({self.engine_kind}), {self.requests} request(s), "
             f"front-ends {'+'.join(self.front_ends)}, coordinator {self.wave_state.__name__}"
         )
+        if self.restarts:
+            text += f", {self.restarts} {self.restart_kind} restart(s)"
+            text += ", load reports" if self.stats else ""
+            text += "" if self.lost_applied else ", what it read unapplied"
+            if self.recovery_rules is not RecoveryRules or not self.keep_floor:
+                text += f", {self.recovery_rules.__name__}, floor {self.keep_floor}"
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +151,7 @@ class Engine:
     """Rank 0 woke since its last synchronised step and will report start_wave (R8)."""
 
 
-Report = tuple[str, int]  # ("start_wave" | "wave_complete", wave)
+Report = tuple[str, int]  # ("start_wave" | "wave_complete" | "stats", wave)
 Notice = tuple[int, int]  # (request wave, target engine)
 Command = tuple[int, int, bool]  # (request wave, target engine, legacy FIRST_REQ?)
 T = TypeVar("T")
@@ -140,14 +186,18 @@ class World:
     """The wave of the coordinator's latest START_DP_WAVE (-1 before the first)."""
     deadlines: tuple[int, ...]
     """Waves whose wake-confirmation deadline the watchdog holds, in order."""
+    restarts_left: int
+    repeats_allowed: int
+    """START_DP_WAVEs that may repeat the previous one's wave: one per restart (its
+    recovery wake) and one per passed wake deadline (the start was taken back)."""
     core: CoordinatorCore = field(compare=False, hash=False, repr=False)
 
 
 def initial_world(config: Config) -> World:
     core = CoordinatorCore(config.engines, publish_to_front_ends=_viewing_front_end(config))
     # The mutants below are wave rules with a known bug: the checker must catch each one.
-    # Only this test swaps the core's rule object, so the core takes no hook for it.
-    core._wave = config.wave_state()
+    # Only this test swaps the core's rule object: the hook is a test hook, not the core's.
+    replace_wave_rule(core, config.wave_state())
     n = config.engines
     return World(
         coordinator=_observe(core),
@@ -162,6 +212,8 @@ def initial_world(config: Config) -> World:
         requests_left=config.requests,
         last_broadcast_wave=-1,
         deadlines=(),
+        restarts_left=config.restarts,
+        repeats_allowed=0,
         core=core,
     )
 
@@ -169,14 +221,17 @@ def initial_world(config: Config) -> World:
 def _observe(core: CoordinatorCore) -> tuple[object, ...]:
     """Everything in the core that decides what it does next (its counters excepted)."""
     snap = core.snapshot()
+    inside = core_internals(core)
     return (
         snap.current_wave,
         snap.engines_running,
-        core._wave.first_request_pending,
-        core._wave.unconfirmed_wave,
+        inside.first_request_pending,
+        inside.unconfirmed_wave,
         core.gate_open(),
-        repr(core._deferred),
-        repr(core._deferred_commands),
+        core.subscriptions().current,
+        repr(inside.deferred),
+        repr(inside.deferred_commands),
+        inside.recovery_wake_owed,
     )
 
 
@@ -206,11 +261,13 @@ def _coordinator_step(
     act: Callable[[CoordinatorCore], Sequence[Effect]],
     *,
     tag: str | None = None,
+    fresh: CoordinatorCore | None = None,
     **changes: object,
 ) -> Step:
-    """Run one core input on a copy and carry out the effects it returns in the world."""
-    core = copy.deepcopy(world.core)
-    before = core.snapshot()
+    """Run one core input on a copy and carry out the effects it returns in the world;
+    with ``fresh``, on that core instead, which replaces the world's (a restart)."""
+    core = copy.deepcopy(world.core) if fresh is None else fresh
+    before = world.core.snapshot()
     effects = act(core)
     after = core.snapshot()
     violation = None
@@ -230,16 +287,33 @@ def _coordinator_step(
             else:
                 started = True
                 label += f" -> START_DP_WAVE [{start.wave}, {_exclude(start.exclude)}]"
+                if effect.cause == WaveStartCause.RECOVERY:
+                    label += " (recovery)"
                 if effect.cause in _ARMS_A_WAKE_DEADLINE:
                     new = replace(new, deadlines=(*new.deadlines, start.wave))
+                if violation is None and start.wave < new.last_broadcast_wave:
+                    violation = (
+                        f"START_DP_WAVE for wave {start.wave} after one for wave "
+                        f"{new.last_broadcast_wave}: the engines see the wave go back"
+                    )
                 if (
                     violation is None
                     and before.engines_running
+                    and world.core.gate_open()  # decided now, not waiting behind READY
+                    and effect.cause != WaveStartCause.RECOVERY
                     and start.wave == before.current_wave == world.last_broadcast_wave
                 ):
                     violation = (
                         f"START_DP_WAVE for wave {start.wave}, which was already broadcast and runs"
                     )
+                if start.wave == new.last_broadcast_wave:
+                    if new.repeats_allowed:
+                        new = replace(new, repeats_allowed=new.repeats_allowed - 1)
+                    elif violation is None:
+                        violation = (
+                            f"START_DP_WAVE for wave {start.wave} again, with no restart or "
+                            "passed deadline since the last: a wake twice for nothing"
+                        )
                 entry = (start.wave, start.exclude if isinstance(start.exclude, int) else None)
                 new = replace(new, last_broadcast_wave=start.wave)
             new = replace(
@@ -267,7 +341,11 @@ def _coordinator_step(
     return Step(label, new, violation, tag)
 
 
-_ARMS_A_WAKE_DEADLINE = (WaveStartCause.FIRST_REQUEST, WaveStartCause.LEGACY_FIRST_REQUEST)
+_ARMS_A_WAKE_DEADLINE = (
+    WaveStartCause.FIRST_REQUEST,
+    WaveStartCause.LEGACY_FIRST_REQUEST,
+    WaveStartCause.RECOVERY,
+)
 """A start a first-request notice began: the core then expects an engine to confirm it."""
 
 
@@ -276,8 +354,12 @@ def _receives(frames: list[bytes]) -> Callable[[CoordinatorCore], Sequence[Effec
 
 
 def _engine_output(engine: int, what: str, wave: int) -> list[bytes]:
+    stats = None
+    if what == "stats":  # a request is waiting: the engine runs its wave
+        stats = protocol.SchedulerStats(num_waiting_reqs=1, current_wave=wave)
     out = protocol.EngineCoreOutputs(
         engine_index=engine,
+        scheduler_stats=stats,
         wave_complete=wave if what == "wave_complete" else None,
         start_wave=wave if what == "start_wave" else None,
     )
@@ -293,7 +375,10 @@ def _exclude(value: object) -> str:
 
 
 def successors(config: Config, world: World) -> Iterator[Step]:
-    """Every step enabled in ``world``; a wake deadline passes only when nothing else can."""
+    """Every step enabled in ``world``; a wake deadline passes only when nothing else can
+    (a restart aside: one left to happen can happen at any point)."""
+    if world.restarts_left:
+        yield from _restarts(config, world)
     steps = list(_ordinary_successors(config, world))
     if steps or not world.deadlines:
         yield from steps
@@ -306,7 +391,77 @@ def successors(config: Config, world: World) -> Iterator[Step]:
         f"the wake-confirmation deadline of wave(s) {waves} passes",
         lambda core: core.tick(core.wake_confirm_timeout),
         deadlines=(),
+        repeats_allowed=world.repeats_allowed + len(world.deadlines),
     )
+
+
+def _restarts(config: Config, world: World) -> Iterator[Step]:
+    """The coordinator dies and a recovering one takes over (docs/protocol.md §16).
+
+    What the dead one had read when it died is a prefix of each engine's reports and of
+    the front socket's FIRST_REQs, and every claim of the handle (the service applies
+    each at once): it applied them (its wave, the floor handed over, includes them) but
+    nothing it decided went out. Everything else lives on: the engines, what is on its
+    way to them (requests, broadcasts already sent), the publishes already sent, and the
+    reports sent later, which reach the new coordinator (ZeroMQ queues them while no one
+    listens). In a process restart the engines' XSUBs reconnect and subscribe again."""
+    n = config.engines
+    in_place = config.restart_kind == IN_PLACE
+    choices = [range(len(queue) + 1) for queue in world.reports_in_flight]
+    for *lost_reports, lost_notices in itertools.product(
+        *choices, range(len(world.front_notices) + 1)
+    ):
+        dead = copy.deepcopy(world.core)
+        for i, count in enumerate(lost_reports if config.lost_applied else ()):
+            for what, wave in world.reports_in_flight[i][:count]:
+                dead.receive_engine_output(_engine_output(i, what, wave), 0.0)
+        for fwave, ftarget in world.front_notices[: lost_notices if config.lost_applied else 0]:
+            dead.receive_front_frame(protocol.encode_legacy_first_request(ftarget, fwave), 0.0)
+        for wave, target, legacy in world.commands:
+            dead.receive_command(FirstRequest(target, wave, legacy=legacy), 0.0)
+        fresh = CoordinatorCore(n, publish_to_front_ends=_viewing_front_end(config))
+        replace_wave_rule(fresh, config.wave_state())
+        recovery = Recovery(
+            wave=dead.snapshot().current_wave if config.keep_floor else None,
+            subscriptions=dead.subscriptions().current if in_place else 0,
+            gate_open=in_place and dead.gate_open(),
+        )
+
+        def restart(core: CoordinatorCore, recovery: Recovery = recovery) -> Sequence[Effect]:
+            effects = core.restarted(recovery, 0.0)
+            replace_recovery_rules(core, config.recovery_rules)  # the mutants' rules
+            return effects
+
+        lost = [f"{count} report(s) of engine {i}" for i, count in enumerate(lost_reports) if count]
+        if lost_notices:
+            lost.append(f"{lost_notices} FIRST_REQ(s)")
+        if world.commands:
+            lost.append(f"{len(world.commands)} claim(s)")
+        done = "applied, unanswered" if config.lost_applied else "never applied"
+        label = (
+            f"the coordinator dies ({', '.join(lost) or 'nothing'} read, {done});"
+            f" restarted {config.restart_kind} at wave {recovery.wave}"
+        )
+        engines = world.engines
+        if not in_place:
+            engines = tuple(replace(e, subscribed=False) for e in engines)
+        yield _coordinator_step(
+            config,
+            replace(world, core=dead),
+            label,
+            restart,
+            fresh=fresh,
+            engines=engines,
+            reports_in_flight=tuple(
+                queue[count:]
+                for queue, count in zip(world.reports_in_flight, lost_reports, strict=True)
+            ),
+            front_notices=world.front_notices[lost_notices:],
+            commands=(),
+            deadlines=(),
+            restarts_left=world.restarts_left - 1,
+            repeats_allowed=world.repeats_allowed + 1,
+        )
 
 
 def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
@@ -361,10 +516,15 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
     # The viewing front-end drains its publishes and keeps the last one read (§7.1).
     for count in range(1, len(world.publishes) + 1):
         seen = world.publishes[count - 1]
+        waves = [world.view[0], *(wave for wave, _ in world.publishes[:count])]
+        backwards = next((b for a, b in itertools.pairwise(waves) if b < a), None)
         yield Step(
             f"front-end reads {count} publish(es), keeps wave {seen[0]} "
             f"{'running' if seen[1] else 'paused'}",
             replace(world, publishes=world.publishes[count:], view=seen),
+            None
+            if backwards is None
+            else f"a front-end reads wave {backwards} after wave {max(waves)}: it went back",
         )
 
     for i in range(n):
@@ -385,7 +545,9 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                     label += f", wakes, reports start_wave({wave})"
                 else:
                     label += ", wakes itself"
-            new_engine = Engine(True, True, wave, running, engine.work + 1, mirror)
+            if config.stats:
+                reports = (*reports, ("stats", wave))
+            new_engine = Engine(engine.subscribed, True, wave, running, engine.work + 1, mirror)
             yield Step(
                 label,
                 replace(
@@ -411,7 +573,7 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
             elif exclude != i and wave >= engine.wave:
                 woke = not engine.running
                 new_engine = Engine(
-                    True,
+                    engine.subscribed,
                     True,
                     wave,
                     True,
@@ -484,7 +646,7 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
             if first.mirror_owed:
                 outputs = _set(outputs, 0, (*outputs[0], ("start_wave", first.wave)))
                 label += f"; rank 0 mirrors start_wave({first.wave})"
-            stepped = tuple(Engine(True, True, e.wave, True, 0, False) for e in engines)
+            stepped = tuple(Engine(e.subscribed, True, e.wave, True, 0, False) for e in engines)
             yield Step(
                 label,
                 replace(world, engines=stepped, reports_in_flight=outputs),
@@ -496,7 +658,7 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
                 f"all-reduce finds no work: wave {wave} ends, rank 0 reports wave_complete({wave})",
                 replace(
                     world,
-                    engines=tuple(Engine(True, True, e.wave + 1) for e in engines),
+                    engines=tuple(Engine(e.subscribed, True, e.wave + 1) for e in engines),
                     reports_in_flight=_set(
                         world.reports_in_flight,
                         0,
@@ -507,8 +669,11 @@ def _ordinary_successors(config: Config, world: World) -> Iterator[Step]:
             )
 
 
-def quiescent_violation(world: World) -> str | None:
-    """What is wrong in a state where nothing can happen any more, if anything."""
+def quiescent_violation(world: World, *, behind_ok: bool = False) -> str | None:
+    """What is wrong in a state where nothing can happen any more, if anything.
+    ``behind_ok``: the coordinator may settle at an older wave than the engines' (a
+    restart that lost reports it never applied): any engine's next start_wave, of their
+    newer wave, is accepted and catches up."""
     stranded = [i for i, e in enumerate(world.engines) if e.work]
     if stranded:
         return f"request(s) never served on engine(s) {stranded}"
@@ -525,7 +690,9 @@ def quiescent_violation(world: World) -> str | None:
     waves = {e.wave for e in world.engines}
     snap = world.core.snapshot()
     wave, running_flag = snap.current_wave, snap.engines_running
-    if waves != {wave} or running_flag or world.core._wave.first_request_pending:
+    if behind_ok and len(waves) == 1 and wave < min(waves):
+        return None
+    if waves != {wave} or running_flag or core_internals(world.core).first_request_pending:
         return (
             f"coordinator settles at wave {wave} {'running' if running_flag else 'paused'} "
             f"while the engines sleep at wave(s) {sorted(waves)}"
@@ -537,8 +704,9 @@ def render(world: World) -> str:
     snap = world.core.snapshot()
     parts = [
         f"coordinator wave {snap.current_wave} {'running' if snap.engines_running else 'paused'}"
-        + (" (claim pending)" if world.core._wave.first_request_pending else "")
+        + (" (claim pending)" if core_internals(world.core).first_request_pending else "")
         + ("" if world.core.gate_open() else " (gate closed)")
+        + (" (recovering)" if core_internals(world.core).recovering else "")
     ]
     for i, e in enumerate(world.engines):
         parts.append(
@@ -642,7 +810,7 @@ def explore(config: Config, *, max_states: int = 2_000_000) -> Result:
                 frontier.append(step.world)
         if not any_step:
             quiescent += 1
-            problem = quiescent_violation(world)
+            problem = quiescent_violation(world, behind_ok=not config.lost_applied)
             if problem is not None:
                 return finish(trace_to(world, None), problem)
     return finish(None, None)
@@ -672,7 +840,7 @@ class PreFixWaveState(WaveState):
     ) -> WaveStart | None:
         if super().start_wave_for_first_request(request_wave, target_engine_index) is None:
             return None
-        self._snapshot = WaveSnapshot(request_wave, True)  # the rewind under test
+        force_wave_state(self, snapshot=WaveSnapshot(request_wave, True))  # the rewind under test
         return WaveStart(request_wave, target_engine_index)
 
 
@@ -701,7 +869,7 @@ class KeepClaimAfterEngineStartWaveState(WaveState):
     def engine_start_wave(self, wave: int, engine_index: int) -> WaveStart | None:
         pending = self.first_request_pending
         start = super().engine_start_wave(wave, engine_index)
-        self._first_request_pending = pending
+        force_wave_state(self, first_request_pending=pending)
         return start
 
 
@@ -790,3 +958,82 @@ def test_a_claim_outliving_an_engine_start_rebroadcasts_a_running_wave() -> None
     assert trace is not None, "the checker missed the duplicate broadcast"
     print("\n" + trace)
     assert "which was already broadcast and runs" in trace, trace
+
+
+# --------------------------------------------------------------------------- restarts
+
+
+class NoRecoveryWake(RecoveryRules):
+    """A restarted core that never wakes the engines on its own (its floor kept)."""
+
+    __slots__ = ()
+
+    def wake(self, wave_state: WaveState) -> WaveStart | bool:
+        return False
+
+
+RESTART_WORLDS = [
+    Config(2, 1, (PUBLISH,), REPORT_EVERY_WAKE, restarts=1, stats=True),
+    Config(2, 1, (LEGACY,), REPORT_STALE_ONLY, restarts=1, stats=True),
+    Config(2, 2, (HANDLE,), REPORT_STALE_ONLY, restarts=1, restart_kind=IN_PLACE),
+    Config(2, 2, (HANDLE,), REPORT_STALE_ONLY, restarts=1, restart_kind=IN_PLACE, stats=True),
+]
+LARGE_RESTART_WORLDS = [  # 15-300 s each
+    Config(2, 2, (HANDLE,), REPORT_EVERY_WAKE, restarts=1, restart_kind=IN_PLACE, stats=True),
+    Config(2, 2, (PUBLISH,), REPORT_EVERY_WAKE, restarts=1, stats=True),
+    Config(2, 2, (LEGACY,), REPORT_STALE_ONLY, restarts=1, stats=True),
+    Config(2, 2, (LEGACY,), REPORT_EVERY_WAKE, restarts=1, stats=True),
+    Config(2, 2, (PUBLISH,), REPORT_EVERY_WAKE, restarts=2),
+]
+
+
+@pytest.mark.parametrize("config", RESTART_WORLDS, ids=Config.describe)
+def test_a_restarted_coordinator_recovers_in_every_interleaving(config: Config) -> None:
+    """§16: the coordinator dies at any point, what it had read is lost, a recovering one
+    takes over: no request stranded, no engine or front-end sees the wave go back, no
+    wake repeated for nothing, the engines and the coordinator agree in the end."""
+    _check_holds(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", LARGE_RESTART_WORLDS, ids=Config.describe)
+def test_a_restarted_coordinator_recovers_in_larger_worlds(config: Config) -> None:
+    _check_holds(config)
+
+
+def test_without_its_recovery_wake_a_restart_strands_a_request() -> None:
+    """The engine whose start_wave died with the coordinator runs alone: its peers sleep."""
+    config = Config(2, 1, (PUBLISH,), REPORT_EVERY_WAKE, restarts=1, recovery_rules=NoRecoveryWake)
+    result = explore(config)
+    trace = result.counterexample
+    assert trace is not None, "the checker missed the stranded engine"
+    print("\n" + trace)
+    assert "request(s) never served on engine(s) [0]" in trace, trace
+    assert "1 report(s) of engine 0 read, applied, unanswered" in trace, trace
+
+
+def test_without_the_dead_coordinators_wave_a_restart_rewinds() -> None:
+    config = Config(2, 1, (HANDLE,), REPORT_EVERY_WAKE, restarts=1, keep_floor=False)
+    result = explore(config)
+    trace = result.counterexample
+    assert trace is not None, "the checker missed the rewind"
+    print("\n" + trace)
+    assert "decreased: 1 -> 0 (rewind)" in trace, trace
+    assert "restarted process at wave None" in trace, trace
+
+
+@pytest.mark.slow
+def test_a_restart_that_never_applied_what_it_read_can_leave_an_engine_waiting() -> None:
+    """The known gap (docs/protocol.md §16): a process killed after reading, and before
+    applying, both rank 0's wave_complete(W) and a start_wave(W + 1) hands its successor
+    a floor of W; the recovery wake for W is stale for engines at W + 1, and the engine
+    that woke itself waits for its peers until a request reaches one of them (whose
+    start_wave(W + 1) is accepted) or its collective times out. Anything less lost (what
+    was read was applied, as in place, or only one of the two) is covered above."""
+    config = Config(2, 2, (PUBLISH,), REPORT_EVERY_WAKE, restarts=1, lost_applied=False)
+    trace = explore(config).counterexample
+    assert trace is not None
+    print("\n" + trace)
+    assert "report(s) of engine 0 read, never applied" in trace, trace
+    assert "reports wave_complete(0)" in trace and "reports start_wave(1)" in trace, trace
+    assert "request(s) never served" in trace, trace

@@ -6,9 +6,7 @@ import math
 
 import pytest
 
-# private import (documented exception): unit test of _pacing's pacer and burst summary, which
-# the service uses internally
-from trio_dpcoord.core._pacing import BurstSummary, ProgressPacer
+from trio_dpcoord.core import BurstSummary, ProgressPacer
 
 
 def test_first_change_at_once_then_the_newest_at_most_once_per_interval() -> None:

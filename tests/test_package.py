@@ -1,15 +1,29 @@
 """The package's public names, imported on first use (in fresh interpreters: what a
-process that imports only the vLLM plugin pays)."""
+process that imports only the vLLM plugin pays), and the house rules of its layout, read
+from the source with :mod:`ast`: the lazy fronts' three lists agree, every module stays
+under the size limit, imports run one way with no cycle, and nothing outside the package
+(tests, benchmarks, examples) imports a private module."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import Literal, get_origin
 
 import pytest
 
 import trio_dpcoord
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "trio_dpcoord"
+ROOT = "trio_dpcoord"
 
 
 def _fresh(code: str) -> str:
@@ -22,8 +36,8 @@ def _fresh(code: str) -> str:
 def test_the_vllm_plugin_imports_neither_trio_nor_the_service() -> None:
     loaded = _fresh(
         "import sys, trio_dpcoord.vllm\n"
-        "print(sorted(m for m in ('trio', 'zmq', 'msgpack', 'trio_dpcoord._service',"
-        " 'trio_dpcoord._core') if m in sys.modules))"
+        "print(sorted(m for m in ('trio', 'zmq', 'msgpack', 'trio_dpcoord.core',"
+        " 'trio_dpcoord.protocol', 'trio_dpcoord.routing') if m in sys.modules))"
     )
     assert loaded == "[]"
 
@@ -34,10 +48,8 @@ def test_every_public_name_resolves_to_its_module_object() -> None:
         if get_origin(value) is Literal:  # a type alias (Routing) has no module of its own
             continue
         assert value.__module__.startswith("trio_dpcoord"), name
-    # private import (documented exception): the lazy export is the private object itself
-    from trio_dpcoord._shell.coordinator import open_coordinator
-
-    assert trio_dpcoord.open_coordinator is open_coordinator
+        # the lazy export is the defining module's object itself, not a copy
+        assert getattr(sys.modules[value.__module__], name) is value, name
     assert set(trio_dpcoord.__all__) <= set(dir(trio_dpcoord))
 
 
@@ -53,3 +65,344 @@ def test_star_import_and_submodules_work_in_a_fresh_interpreter() -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'open_coordinatr'"):
         getattr(trio_dpcoord, "open_coordinatr")  # noqa: B009 -- the lookup is the test
+
+
+@pytest.mark.parametrize(
+    "front", ["trio_dpcoord.protocol", "trio_dpcoord.core", "trio_dpcoord.routing"]
+)
+def test_every_name_a_front_lists_resolves(front: str) -> None:
+    module = importlib.import_module(front)
+    assert module.__all__, front
+    for name in module.__all__:
+        assert hasattr(module, name), f"{front}.{name}"
+
+
+# --- the house, read from the source --------------------------------------------------
+
+MAX_LINES = 700
+"""No module of the package is longer: past it, a module holds more than one room."""
+
+INTEGRATIONS = 4
+FLOORS: dict[str, int] = {
+    # integrations: they may import each other, and everything below
+    "cli": INTEGRATIONS,
+    "metrics": INTEGRATIONS,
+    "testing": INTEGRATIONS,
+    "vllm": INTEGRATIONS,
+    "sim": INTEGRATIONS,
+    "__main__": INTEGRATIONS,
+    "engine_protocol": INTEGRATIONS,  # the old path of protocol's engine-core codecs
+    "_supervisor": INTEGRATIONS,  # the stdlib-only process supervisor of serve and vLLM
+    "_shell": 3,  # the trio tasks and handles
+    "trio_zmq": 2,  # the trio shim over pyzmq
+    "core": 2,  # sans-IO rooms
+    "routing": 1,  # sans-IO engine choice
+    "protocol": 0,  # bytes only
+}
+"""Each room of the package (its top-level module or sub-package) and its floor: a module
+imports its own room, the rooms of lower floors and the foundations; integrations also
+import each other."""
+
+FOUNDATIONS = frozenset({"_errors", "_lazy"})
+"""Modules anyone may import; they import nothing of the package."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def package_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+@cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def room(module: str) -> str:
+    """The room of ``module`` (its top-level module or sub-package under the package:
+    ``core`` for any module of ``core/``), ``""`` for the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(
+    nodes: Iterable[ast.AST], type_checking: bool = False
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement in ``nodes`` (in functions too), and whether it runs only
+    for type checkers (under ``if TYPE_CHECKING:``)."""
+    for node in nodes:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, type_checking
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _import_nodes(node.body, True)
+            yield from _import_nodes(node.orelse, type_checking)
+        else:
+            yield from _import_nodes(ast.iter_child_nodes(node), type_checking)
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` in ``module`` names."""
+    if not node.level:
+        return node.module or ""
+    is_package = package_modules()[module].name == "__init__.py"
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _string_list(node: ast.expr) -> list[str]:
+    assert isinstance(node, ast.List | ast.Tuple), ast.dump(node)
+    values = [ast.literal_eval(element) for element in node.elts]
+    assert all(isinstance(value, str) for value in values)
+    return values
+
+
+def _assigned(tree: ast.Module, name: str) -> ast.expr | None:
+    """The value assigned to ``name`` at the top of a module (plain or annotated)."""
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == name for target in statement.targets
+        ):
+            return statement.value
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and statement.target.id == name
+        ):
+            return statement.value
+    return None
+
+
+@cache
+def lazy_exports(package: str) -> dict[str, str]:
+    """A lazy front's ``_EXPORTS`` table (name -> relative module), empty if it has none."""
+    path = package_modules().get(package)
+    if path is None or path.name != "__init__.py":
+        return {}
+    table = _assigned(parsed(path), "_EXPORTS")
+    if table is None:
+        return {}
+    assert isinstance(table, ast.Dict)
+    exports = ast.literal_eval(table)
+    assert isinstance(exports, dict)
+    return exports
+
+
+def _resolve_relative(package: str, relative: str) -> str:
+    """The absolute name of a module named relative to ``package`` (``..x`` is a sibling
+    of ``package``'s own package)."""
+    level = len(relative) - len(relative.lstrip("."))
+    base = package.split(".")[: len(package.split(".")) - (level - 1)]
+    return ".".join([*base, relative.lstrip(".")])
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    line: int
+    type_checking: bool
+
+    def __str__(self) -> str:
+        path = package_modules()[self.source].relative_to(REPO)
+        return f"{path}:{self.line}: {self.source} imports {self.target}"
+
+
+@cache
+def import_edges() -> tuple[Edge, ...]:
+    """Every import of a package module by another, resolved: ``from . import x`` of a
+    submodule is that submodule; a name a lazy front exports (``from trio_dpcoord import
+    open_coordinator``) is the front and the module that defines the name, both imported
+    when the statement runs."""
+    modules = package_modules()
+    edges = []
+    for source, path in modules.items():
+        for node, type_checking in _import_nodes(parsed(path).body):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _absolute(source, node)
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    if submodule in modules:
+                        targets.append(submodule)
+                        continue
+                    targets.append(base)
+                    relative = lazy_exports(base).get(alias.name)
+                    if relative is not None:
+                        targets.append(_resolve_relative(base, relative))
+            for target in targets:
+                if target.split(".")[0] == ROOT and target != source:
+                    edges.append(Edge(source, target, node.lineno, type_checking))
+    return tuple(edges)
+
+
+def _allowed(source: str, target: str) -> bool:
+    """Whether ``source`` may import ``target`` (at run time) by the house's floors."""
+    here, there = room(source), room(target)
+    if there in FOUNDATIONS or target == ROOT:
+        return here not in FOUNDATIONS or there in FOUNDATIONS
+    if here not in FLOORS or there not in FLOORS:  # the lazy package, the foundations
+        return False
+    if here == there:
+        return True
+    return FLOORS[there] < FLOORS[here] or FLOORS[here] == FLOORS[there] == INTEGRATIONS
+
+
+def find_cycle(edges: list[tuple[str, str]]) -> list[str] | None:
+    """A cycle of the directed graph ``edges`` (its modules in order, the first repeated
+    last), or None."""
+    graph: dict[str, list[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, []).append(target)
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found is not None:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found is not None:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("front", ["__init__.py", "routing/__init__.py"])
+def test_a_lazy_fronts_all_table_and_type_checking_imports_agree(front: str) -> None:
+    """``__all__``, the ``_EXPORTS`` table and the ``TYPE_CHECKING`` imports (what type
+    checkers read) name the same names, each from the same module."""
+    path = PACKAGE / front
+    tree = parsed(path)
+    listed = _assigned(tree, "__all__")
+    assert listed is not None, f"{front} has no __all__"
+    names = _string_list(listed)
+    assert len(names) == len(set(names)), f"{front}: a name twice in __all__"
+    table = lazy_exports(module_name(path))
+    assert table, f"{front} has no _EXPORTS table"
+    typed: dict[str, str] = {}
+    for node, type_checking in _import_nodes(tree.body):
+        if not (type_checking and isinstance(node, ast.ImportFrom)):
+            continue
+        for alias in node.names:
+            # ``X as X``: the explicit re-export type checkers want
+            where = f"{front}:{node.lineno}: {alias.name}"
+            assert alias.asname == alias.name, f"{where} as {alias.asname}"
+            assert alias.name not in typed, f"{where} imported twice"
+            typed[alias.name] = "." * node.level + (node.module or "")
+    assert set(names) == set(table), f"{front}: __all__ and _EXPORTS differ"
+    assert typed == table, f"{front}: the TYPE_CHECKING imports and _EXPORTS differ"
+
+
+def test_no_module_is_over_the_size_limit() -> None:
+    too_long = {
+        str(path.relative_to(REPO)): lines
+        for path in package_modules().values()
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not too_long, f"over {MAX_LINES} lines: {too_long}"
+
+
+def test_every_module_lives_in_a_known_room() -> None:
+    rooms = {room(module) for module in package_modules()} - {""}
+    assert rooms <= set(FLOORS) | FOUNDATIONS, f"put on a floor: {rooms - set(FLOORS)}"
+
+
+def test_imports_run_downward() -> None:
+    """Integrations -> ``_shell`` -> ``trio_zmq``/``core`` -> ``routing`` -> ``protocol``,
+    the foundations (``_errors``, ``_lazy``) below them all; imports inside functions count,
+    imports for type checkers only do not."""
+    upward = [
+        str(edge)
+        for edge in import_edges()
+        if not edge.type_checking and not _allowed(edge.source, edge.target)
+    ]
+    assert not upward, "imports against the house's floors:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    edges = [(e.source, e.target) for e in import_edges() if not e.type_checking]
+    assert edges, "no imports found: the scan is broken"
+    cycle = find_cycle(edges)
+    assert cycle is None, "an import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
+    """The checks above can fail: the cycle finder finds a cycle, the floors refuse."""
+    assert find_cycle([("a", "b"), ("b", "c"), ("c", "a")]) == ["a", "b", "c", "a"]
+    assert find_cycle([("a", "b"), ("a", "c"), ("b", "c")]) is None
+    assert not _allowed(f"{ROOT}.protocol._codec", f"{ROOT}.core")
+    assert not _allowed(f"{ROOT}.core._wave", f"{ROOT}.trio_zmq")
+    assert _allowed(f"{ROOT}.sim.cluster", f"{ROOT}.cli")
+    assert any(e.target == f"{ROOT}._shell.coordinator" for e in import_edges())
+
+
+# --- outside the package: public names only ---------------------------------------------
+
+OUTSIDE = ("tests", "benchmarks", "examples")
+_DOTTED = re.compile(r"\btrio_dpcoord(?:\.\w+)*")
+
+
+def _private_path(dotted: str) -> bool:
+    """Whether a dotted path of the package has a private part (``_x``, not ``__x__``)."""
+    return any(part.startswith("_") and not part.endswith("__") for part in dotted.split("."))
+
+
+def private_uses(path: Path) -> Iterator[str]:
+    """Where ``path`` names a private module or name of the package: imports, dotted
+    attribute chains from ``trio_dpcoord``, and module paths in strings (scripts run in
+    subprocesses, logger names)."""
+    for node in ast.walk(parsed(path)):
+        found: list[str] = []
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == ROOT:
+                found += [node.module] if _private_path(node.module) else []
+                found += [f"{node.module}.{a.name}" for a in node.names if _private_path(a.name)]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == ROOT]
+            found = [name for name in found if _private_path(name)]
+        elif isinstance(node, ast.Attribute):
+            dotted = ast.unparse(node)
+            if dotted.split(".")[0] == ROOT and _private_path(dotted):
+                found.append(dotted)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [m for m in _DOTTED.findall(node.value) if _private_path(m)]
+        for name in dict.fromkeys(found):
+            yield f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}: {name}"
+
+
+def test_nothing_outside_the_package_imports_a_private_module() -> None:
+    """Tests, benchmarks and examples use the public fronts (``trio_dpcoord``, its
+    ``protocol``, ``core``, ``routing``, ``trio_zmq``, ``testing``, ``sim``): what a test
+    needs that only a private module has is a public name or a test hook of
+    :mod:`trio_dpcoord.testing`."""
+    files = [path for top in OUTSIDE for path in sorted((REPO / top).rglob("*.py"))]
+    assert len(files) > 20, "the scan found too few files"
+    uses = [use for path in files for use in private_uses(path)]
+    assert not uses, "private names of the package used outside it:\n" + "\n".join(uses)

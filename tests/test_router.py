@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Sequence
+from itertools import permutations, product
 
 import msgpack
 import pytest
@@ -11,12 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
-
-# private import (documented exception): unit test of the router's own pieces (the rank
-# index, KV-event decoding, block keys)
 from trio_dpcoord.protocol import KVEventError, decode_event_batch
-from trio_dpcoord.routing import PrefixRouter
-from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
+from trio_dpcoord.routing import PrefixRouter, RankPrefixIndex, block_keys
 
 
 def stored_event(
@@ -46,6 +45,27 @@ def test_block_keys_are_chained_and_full_blocks_only() -> None:
     assert len(a) == 2
     assert a[0] != b[0] and a[1] != b[1]  # a different first block changes every key after it
     assert block_keys(list(range(32)), 16) == a
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_block_keys_tell_reordered_blocks_apart(block_size: int) -> None:
+    """Every sequence of the same few blocks, in every order and of every length up to
+    six, has a key of its own (chained by a sum of the salted block hashes, the 4,096
+    orders of six blocks drawn from four shared 590 keys), and a prompt's keys are its
+    prefixes' keys."""
+    rng = random.Random(block_size)
+    blocks: list[tuple[int, ...]] = []
+    while len(blocks) < 4:
+        block = tuple(rng.randrange(4) for _ in range(block_size))
+        if block not in blocks:
+            blocks.append(block)
+    prompts = [seq for depth in range(1, 7) for seq in product(blocks, repeat=depth)]
+    keys = {block_keys([t for block in seq for t in block], block_size)[-1] for seq in prompts}
+    assert len(keys) == len(prompts)
+    for seq in permutations(blocks, 3):
+        tokens = [t for block in seq for t in block]
+        head = tokens[: 2 * block_size]
+        assert block_keys(tokens, block_size)[:2] == block_keys(head, block_size)
 
 
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
@@ -204,9 +224,9 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def bounded(self) -> None:
         assert len(self.index) <= 8
-        for key in self.index._seen:
+        for key, last in self.index.blocks().items():
             assert self.now - self.last_seen[key] <= 5.0
-            assert self.index._seen[key] == self.last_seen[key]
+            assert last == self.last_seen[key]
 
 
 TestIndexMachine = IndexMachine.TestCase
@@ -468,16 +488,29 @@ class RouterMachine(RuleBasedStateMachine):
     def tick(self, step: float) -> None:
         self.now += step
 
+    @rule(prompt=prompts)
+    def walk(self, prompt: tuple[int, int, int]) -> None:
+        """The walk is every rank's own prefix count, bisecting (own decisions only) or
+        block by block (once KV events came)."""
+        keys = block_keys(family_prompt(*prompt), BLOCK)
+        held: dict[int, int] = {}
+        for rank, index in enumerate(self.router.indexes):
+            depth = next((i for i, key in enumerate(keys) if key not in index), len(keys))
+            if depth:
+                held[depth] = held.get(depth, 0) | 1 << rank
+        assert self.router.prefix_groups(keys) == sorted(held.items())
+
     @invariant()
     def bounded_and_consistent(self) -> None:
         router = self.router
         assert all(len(index) <= self.CAPACITY for index in router.indexes)
         assert router.stored_blocks <= self.RANKS * self.CAPACITY
-        for key, mask in router._owners.items():
+        owners = router.block_owners()
+        for key, mask in owners.items():
             holders = {r for r, index in enumerate(router.indexes) if key in index}
             assert mask and holders == {r for r in range(self.RANKS) if mask >> r & 1}
         for index in router.indexes:
-            assert all(key in router._owners for key in index._seen)
+            assert all(key in owners for key in index.blocks())
 
 
 TestRouterMachine = RouterMachine.TestCase
@@ -497,11 +530,14 @@ class ExactRouterMachine(RouterMachine):
 
     @invariant()
     def beliefs_and_displaced_blocks_apart(self) -> None:
+        owners = self.router.block_owners()
         for rank, index in enumerate(self.router.indexes):
-            assert set(index._provisional) <= set(index._seen)
-            assert len(index._displaced) <= len(index._provisional)
-            assert not set(index._displaced) & set(index._seen)
-            assert all(not self.router._owners.get(key, 0) >> rank & 1 for key in index._displaced)
+            seen, provisional = index.blocks(), index.provisional_blocks()
+            displaced = index.displaced_blocks()
+            assert set(provisional) <= set(seen)
+            assert len(displaced) <= len(provisional)
+            assert not set(displaced) & set(seen)
+            assert all(not owners.get(key, 0) >> rank & 1 for key in displaced)
 
 
 TestExactRouterMachine = ExactRouterMachine.TestCase
@@ -536,7 +572,7 @@ def test_exact_feed_beliefs_push_out_reported_blocks_until_the_events_tell_which
     assert router.receive_kv_events(0, 1, batch(*events), 2.0)
     assert router.cached_tokens(0, new, 2.0) == 8
     assert router.cached_tokens(0, old, 2.0) == 8
-    assert len(router.indexes[0]._displaced) == 0  # nothing left aside
+    assert len(router.indexes[0].displaced_blocks()) == 0  # nothing left aside
 
     router = full_rank_takes_the_new_prompt()
     router.route([7] * 4, [0, 0], 7.0, pinned_rank=1)  # a later decision: the belief is due
@@ -559,17 +595,17 @@ def test_vllm_routing_ignores_prompts_and_stays_the_default() -> None:
         for n in range(4):
             assert plain.choose(table) == given_tokens.choose(table, [n] * 64, now=1.0)
     given_tokens.observe(0, [1] * 64)  # no-op
-    assert plain.inflight == given_tokens.inflight
-    assert given_tokens.router_counters is None
+    assert plain.statistics().inflight == given_tokens.statistics().inflight
+    assert given_tokens.statistics().router is None
     assert not given_tokens.receive_kv_events(0, 0, batch())
     with pytest.raises(ValueError, match="routing must be one of"):
         EngineChooser(2, routing="nope")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="prefix settings need"):
-        EngineChooser(2, prefix=PrefixRouting())
+    with pytest.raises(ValueError, match="prefix_routing settings need"):
+        EngineChooser(2, prefix_routing=PrefixRouting())
 
 
 def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
-    chooser = EngineChooser(4, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    chooser = EngineChooser(4, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     history = family_prompt(2, 1, 10)  # 40 tokens
     first = chooser.choose(idle(4), history, now=0.0)
     # The next report: the first request waits on its rank.
@@ -587,10 +623,26 @@ def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
     assert chooser.choose(loads, [*session, *range(4)], now=2.0) == pinned
     # Without token ids: the load part alone, the least loaded rank.
     assert chooser.choose(loads, now=2.0) not in (first, other, pinned)
-    counters = chooser.router_counters
+    counters = chooser.statistics().router
     assert counters is not None and counters.decisions == 6
     assert 0 < counters.cached_tokens < counters.prompt_tokens
-    assert chooser.inflight[first] == 2 and sum(chooser.inflight) == 6  # 5 chosen, 1 pinned
+    assert chooser.statistics().inflight[first] == 2
+    assert sum(chooser.statistics().inflight) == 6  # 5 chosen, 1 pinned
+
+
+def test_statistics_is_a_frozen_copy_that_later_choices_leave_alone() -> None:
+    chooser = EngineChooser(2, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
+    assert chooser.engine_count == 2 and chooser.routing == "prefix"
+    rank = chooser.choose(idle(2), family_prompt(0, 0, 4), now=0.0)
+    before = chooser.statistics()
+    chooser.choose(idle(2), family_prompt(1, 0, 4), now=1.0)
+    chooser.finished(rank)
+    assert before.inflight[rank] == 1 and sum(before.inflight) == 1
+    assert before.router is not None and before.router.decisions == 1
+    after = chooser.statistics()
+    assert after.router is not None and after.router.decisions == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.inflight = ()  # type: ignore[misc]
 
 
 def test_only_a_counted_pinned_request_is_released_by_finished() -> None:
@@ -600,31 +652,31 @@ def test_only_a_counted_pinned_request_is_released_by_finished() -> None:
     vllm = EngineChooser(2)
     chosen = vllm.choose(idle(2))
     assert vllm.observe(chosen, [1, 2, 3]) is False
-    assert vllm.inflight[chosen] == 1
-    prefix = EngineChooser(2, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    assert vllm.statistics().inflight[chosen] == 1
+    prefix = EngineChooser(2, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     chosen = prefix.choose(idle(2), family_prompt(0, 0, 4), now=0.0)
     assert prefix.observe(chosen, family_prompt(1, 0, 4), now=0.0) is True
-    assert prefix.inflight[chosen] == 2
+    assert prefix.statistics().inflight[chosen] == 2
     prefix.finished(chosen)
     prefix.finished(chosen)
-    assert prefix.inflight[chosen] == 0
+    assert prefix.statistics().inflight[chosen] == 0
 
 
 def test_the_wired_chooser_counts_its_own_work_until_the_next_report() -> None:
-    chooser = EngineChooser(2, routing="prefix", prefix=PrefixRouting(block_size=BLOCK))
+    chooser = EngineChooser(2, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     # No report ever arrives: the work this chooser sent spreads the next requests.
     ranks = [chooser.choose(idle(2), family_prompt(n, 0, 8), now=0.0) for n in range(4)]
     assert sorted(ranks) == [0, 0, 1, 1]
     for rank in ranks:
         chooser.finished(rank)
-    assert chooser.inflight == (0, 0)
+    assert chooser.statistics().inflight == (0, 0)
     # Finished, they weigh nothing: a repeat of the first goes back to its rank.
     assert chooser.choose(idle(2), family_prompt(0, 0, 8), now=0.0) == ranks[0]
 
 
 def test_the_wired_chooser_feeds_exact_events_and_follows_a_resize() -> None:
     routing = PrefixRouting(block_size=BLOCK, feed="exact")
-    chooser = EngineChooser(2, routing="prefix", prefix=routing)
+    chooser = EngineChooser(2, routing="prefix", prefix_routing=routing)
     tokens = [5, 6, 7, 8, 9, 10, 11, 12]
     assert chooser.receive_kv_events(1, 0, batch(stored_event([1, 2], None, tokens, BLOCK)))
     assert not chooser.receive_kv_events(1, 1, b"\xc1")

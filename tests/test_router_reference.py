@@ -1,11 +1,13 @@
 """The decision's fast paths against plain reference implementations of the same rules.
 
 The prefix index keeps its recency order in a plain dict and stores and evicts with
-C-level bulk calls; the walk counts a lone rank's run in its own index; vLLM's score is
-kept per engine instead of recomputed per choice. Each is checked here, on random
-operation sequences, against the straightforward one-item-at-a-time reading of its rule
-(an ``OrderedDict`` LRU, a per-rank prefix count, vLLM's rotated scan): same state,
-same answers, so the optimisations change no routing decision.
+C-level bulk calls; the walk bisects the prompt while the indexes are prefix-closed, and
+otherwise counts a lone rank's run in its own index; a prompt's keys come from a cache
+of its leading chunks; vLLM's score is kept per engine instead of recomputed per choice.
+Each is checked here, on random operation sequences, against the straightforward
+one-item-at-a-time reading of its rule (an ``OrderedDict`` LRU, a per-rank prefix count,
+:func:`block_keys` itself, vLLM's rotated scan): same state, same answers, so the
+optimisations change no routing decision.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
-from trio_dpcoord.routing import PrefixRouter, vllm_score
-
-# private import (documented exception): the index and the walk are compared with their
-# references state by state
-from trio_dpcoord.routing._prefix_index import RankPrefixIndex, block_keys
+from trio_dpcoord.routing import (
+    CHUNK_BLOCKS,
+    ChunkKeys,
+    PrefixRouter,
+    RankPrefixIndex,
+    block_keys,
+    vllm_score,
+)
+from trio_dpcoord.testing import prefix_walks, store_as_the_router, use_chain_mode
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 
@@ -184,14 +190,86 @@ class IndexAgainstReference(RuleBasedStateMachine):
     def same_state(self) -> None:
         assert self.owners == self.ref_owners
         for index, ref in zip(self.indexes, self.refs, strict=True):
-            in_order = [(key, index._seen[key]) for key in index._oldest(len(index))]
-            assert in_order == list(ref.seen.items())  # the recency order included
-            assert index._seen == ref.seen
-            assert list(index._provisional.items()) == list(ref.provisional.items())
-            assert list(index._displaced.items()) == list(ref.displaced.items())
+            # the recency order included
+            assert list(index.blocks().items()) == list(ref.seen.items())
+            assert list(index.provisional_blocks().items()) == list(ref.provisional.items())
+            assert list(index.displaced_blocks().items()) == list(ref.displaced.items())
 
 
 TestIndexAgainstReference = IndexAgainstReference.TestCase
+
+
+CHAINS = [[(base * 5 + i * (base + 2)) % 4 for i in range(2 * 64 + 9)] for base in (0, 1, 2)]
+"""Token streams (block size 1): a prompt is a stream's prefix and a tail of its own, so
+prompts share whole pieces (of 64 blocks), parts of pieces, or nothing."""
+chain_st = st.builds(
+    lambda base, cut, tail: block_keys(CHAINS[base][:cut] + tail, 1),
+    st.integers(0, 2),
+    st.integers(0, len(CHAINS[0])),
+    st.lists(st.integers(0, 3), max_size=20),
+)
+
+
+class ChainIndexAgainstReference(RuleBasedStateMachine):
+    """Indexes in chain mode (the order kept in pieces) beside the plain reference, fed
+    prompts' chains: the same keys, order, times and owners; and the same after an
+    index leaves chain mode (:meth:`RankPrefixIndex._materialize`) and goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: dict[int, int] = {}
+        self.ref_owners: dict[int, int] = {}
+        self.indexes = [
+            RankPrefixIndex(150, 5.0, bit=1 << r, owners=self.owners) for r in range(RANKS)
+        ]
+        for index in self.indexes:
+            use_chain_mode(index)
+        self.refs = [ReferenceIndex(150, 5.0, 1 << r, self.ref_owners) for r in range(RANKS)]
+        self.now = 0.0
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=chain_st, step=st.floats(0, 2), public=st.booleans())
+    def store(self, rank: int, keys: list[int], step: float, public: bool) -> None:
+        self.now += step
+        index = self.indexes[rank]
+        held = index.matched_blocks(keys, self.now)  # expires, as the router's sweep
+        # as the router stores what its walk found, or as the vLLM plugin stores a pinned
+        # request's prompt
+        if public or not store_as_the_router(index, keys, held, self.now):
+            index.store(keys, self.now)
+        self.refs[rank].expire(self.now)
+        self.refs[rank].store(keys, self.now)
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=chain_st, step=st.floats(0, 3))
+    def match(self, rank: int, keys: list[int], step: float) -> None:
+        self.now += step
+        ours = self.indexes[rank].matched_blocks(keys, self.now)
+        assert ours == self.refs[rank].matched_blocks(keys, self.now)
+
+    @rule(rank=st.integers(0, RANKS - 1))
+    def clear(self, rank: int) -> None:
+        self.indexes[rank].clear()
+        self.refs[rank].clear()
+
+    @rule(rank=st.integers(0, RANKS - 1), keys=chain_st)
+    def leave_chain_mode(self, rank: int, keys: list[int]) -> None:
+        gone = keys[-1:] or [0]
+        self.indexes[rank].remove(gone)  # not a chain: the plain order from here
+        self.refs[rank].remove(gone)
+        assert self.indexes[rank]._held is None
+
+    @invariant()
+    def same_state(self) -> None:
+        assert self.owners == self.ref_owners
+        for index, ref in zip(self.indexes, self.refs, strict=True):
+            in_order = list(index.blocks().items())
+            assert in_order == list(ref.seen.items())
+            assert len(index) == len(ref.seen)
+
+
+TestChainIndexAgainstReference = ChainIndexAgainstReference.TestCase
+TestChainIndexAgainstReference.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
 
 
 # --- the walk: every rank's matched prefix, grouped by depth -----------------------------
@@ -231,7 +309,77 @@ def test_the_walk_is_every_ranks_prefix(
     for tokens, rank in learnt:
         router.choose([t for t in tokens for _ in range(BLOCK)], [0.0] * ranks, 0.0, rank % ranks)
     keys = block_keys([t for t in prompt for _ in range(BLOCK)], BLOCK)
-    assert router._walk(keys) == reference_walk(router, keys)
+    assert router.prefix_groups(keys) == reference_walk(router, keys)
+
+
+BASES = [
+    [(base * 7 + i * (base + 1)) % 5 for i in range(3 * CHUNK_BLOCKS + 9)] for base in (0, 1, 2)
+]
+"""Three token streams: prompts are a stream's prefix and a tail of their own, so they
+share leading chunks, blocks and partial blocks in every way."""
+long_prompts = st.builds(
+    lambda base, cut, tail: BASES[base][:cut] + tail,
+    st.integers(0, 2),
+    st.integers(0, len(BASES[0])),
+    st.lists(st.integers(0, 4), max_size=2 * CHUNK_BLOCKS),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ranks=st.integers(1, 9),
+    block=st.sampled_from([1, 2, 3]),
+    capacity=st.integers(1, 3 * CHUNK_BLOCKS),
+    steps=st.lists(
+        st.tuples(long_prompts, st.none() | st.integers(0, 8), st.floats(0, 1.0)), max_size=20
+    ),
+    probes=st.lists(long_prompts, min_size=1, max_size=3),
+)
+def test_the_bisecting_walk_is_the_block_walk(
+    ranks: int,
+    block: int,
+    capacity: int,
+    steps: list[tuple[list[int], int | None, float]],
+    probes: list[list[int]],
+) -> None:
+    """With the approximate feed the indexes stay prefix-closed, whatever prompts, pins,
+    capacities (evictions) and clock readings (expiry) come, so the walk bisects; it
+    finds what the block-by-block walk and every rank's own prefix count find."""
+    routing = PrefixRouting(block_size=block, capacity_blocks=capacity, max_age=2.0)
+    router = PrefixRouter(ranks, routing)
+    now = 0.0
+    for tokens, pin, step in steps:
+        now += step
+        queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
+        router.route(tokens, queued, now, None if pin is None else pin % ranks)
+        for probe in probes:
+            keys = block_keys(probe, block)
+            bisected, walk = prefix_walks(router, keys)
+            assert bisected is not None  # the approximate feed keeps the indexes closed
+            assert bisected == walk == reference_walk(router, keys)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block=st.sampled_from([1, 2, 3]),
+    max_chunks=st.integers(1, 8),
+    prompts=st.lists(long_prompts, max_size=30),
+)
+def test_the_chunk_cache_gives_the_block_keys(
+    block: int, max_chunks: int, prompts: list[list[int]]
+) -> None:
+    """Remembered chunks, new ones, partial last chunks and blocks, evictions from the
+    cache: the keys are :func:`block_keys`' every time, and the cache stays bounded."""
+    keys = ChunkKeys(block, max_chunks)
+    for tokens in prompts:
+        got, want = keys(tokens), block_keys(tokens, block)
+        assert list(got) == want == [got[i] for i in range(len(got))]
+        assert all(len(chunk) <= CHUNK_BLOCKS for chunk in got.chunks)
+        cuts = {0, 1, CHUNK_BLOCKS - 1, CHUNK_BLOCKS, len(want) - 1, len(want), len(want) + 1}
+        for start in cuts:
+            for stop in (*cuts, None):
+                assert got[start:stop] == want[start:stop]
+        assert len(keys) <= max_chunks
 
 
 # --- vLLM's score: the rotated scan, recomputed per choice -------------------------------
@@ -314,4 +462,4 @@ def test_the_vllm_choice_is_the_rotated_scan(
         else:
             ours.finished(arg)
             ref.finished(arg)
-        assert list(ours.inflight) == ref.inflight
+        assert list(ours.statistics().inflight) == ref.inflight

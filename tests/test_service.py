@@ -17,21 +17,21 @@ from trio_dpcoord import (
     Coordinator,
     CoordinatorClosedError,
     CoordinatorError,
+    PrefixRouting,
     ReadyTimeoutError,
+    Route,
     WaveSnapshot,
     open_coordinator,
     protocol,
 )
-
-# private import (documented exception): the publish-order test drives the service's own
-# pumps (the shell, not the core), so that its race is deterministic
-from trio_dpcoord._shell.coordinator import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
+from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
+    CoordinatorPumps,
     connect_engines,
+    coordinator_pumps,
     expect_broadcast,
     open_coordinator_with_engines,
-    rank_identity,
 )
 from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -63,7 +63,7 @@ async def test_gate_then_ready_to_every_engine(engine_addresses: dict[str, Any])
                 ) as last:
                     await coordinator.wait_ready()
                     await expect_broadcast(first_two + last, [protocol.READY])
-                    assert coordinator.counters().ready_broadcasts == 1
+                    assert coordinator.statistics().ready_broadcasts == 1
 
 
 async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, Any]) -> None:
@@ -77,7 +77,7 @@ async def test_late_subscription_gets_ready_again(engine_addresses: dict[str, An
             await coordinator.wait_for(lambda c: c.subscriptions().unsubscribed == 1)
             view = coordinator.subscriptions()
             assert (view.current, view.subscribed, view.gate_open) == (2, 3, True)
-            assert coordinator.counters().ready_broadcasts == 2
+            assert coordinator.statistics().ready_broadcasts == 2
 
 
 async def test_current_first_request_excludes_its_target_over_the_wire(
@@ -137,7 +137,7 @@ async def test_wave_start_leaves_before_the_reports_queued_behind_it() -> None:
     )
     with trio.fail_after(GUARD):
         async with open_coordinator_with_engines(2) as (coordinator, engines):
-            before = coordinator.counters().stats_applied
+            before = coordinator.statistics().stats_applied
             applied_at_start: list[int] = []
 
             async def sender() -> None:
@@ -146,13 +146,13 @@ async def test_wave_start_leaves_before_the_reports_queued_behind_it() -> None:
 
             async def engine_one() -> None:
                 assert await engines[1].next_broadcast() == protocol.StartDPWave(0, 0)
-                applied_at_start.append(coordinator.counters().stats_applied - before)
+                applied_at_start.append(coordinator.statistics().stats_applied - before)
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sender)
                 nursery.start_soon(engine_one)
             assert applied_at_start[0] < behind
-            await coordinator.wait_for(lambda c: c.counters().stats_applied - before == behind)
+            await coordinator.wait_for(lambda c: c.statistics().stats_applied - before == behind)
             assert coordinator.engine_loads()[1].waiting == behind - 1
 
 
@@ -175,7 +175,7 @@ async def test_engine_start_wave_rules_over_the_wire(
             await engines[0].wave_complete(2)  # late report of an older wave: ignored
             await engines[2].wave_complete(3)
             await wave_is(coordinator, 4, False)
-            assert coordinator.counters().wave_starts == 2
+            assert coordinator.statistics().wave_starts == 2
 
 
 async def test_concurrent_first_requests_coalesce_into_one_broadcast() -> None:
@@ -199,8 +199,67 @@ async def test_concurrent_first_requests_coalesce_into_one_broadcast() -> None:
             for peer in engines[1:]:
                 assert await peer.next_broadcast() == first
                 assert await peer.next_broadcast() == protocol.StartDPWave(1, 3)
-            assert coordinator.counters().wave_starts == 2
-            assert coordinator.counters().commands == 1
+            assert coordinator.statistics().wave_starts == 2
+            assert coordinator.statistics().commands == 1
+
+
+async def test_route_wakes_paused_engines_once_with_the_current_wave(
+    engine_addresses: dict[str, Any],
+) -> None:
+    """Coordinator.route, one call: the engine vLLM's score picks from the live loads,
+    the current wave to stamp, and, the engines being paused, one START_DP_WAVE of that
+    wave to the others (the routed engine excluded); while they run, routing sends
+    nothing: the next broadcast the engines see is the next wave's wake."""
+    with trio.fail_after(GUARD):
+        async with open_coordinator_with_engines(3, **engine_addresses) as (coordinator, engines):
+            await engines[0].wave_complete(2)
+            await wave_is(coordinator, 3, False)
+            await engines[0].stats(2, 2, wave=3, step=1)
+            await engines[2].stats(1, 3, wave=3, step=1)
+            await coordinator.wait_for(lambda c: c.statistics().stats_applied == 2)
+            first = [coordinator.route() for _ in range(4)]  # concurrent requests
+            assert first[0] == Route(1, 3)  # engine 1 reported nothing: the idle one
+            assert [route.wave for route in first] == [3, 3, 3, 3]
+            assert coordinator.snapshot() == WaveSnapshot(3, True)
+            await expect_broadcast(engines, [b"\x02", b"\x92\x03\x01"])
+            while_running = [coordinator.route([5, 6, 7]) for _ in range(3)]
+            assert [route.wave for route in while_running] == [3, 3, 3]
+            inflight = coordinator.chooser.statistics().inflight
+            assert sum(inflight) == 7
+            for route in first + while_running:
+                coordinator.finished(route.rank)
+            assert coordinator.chooser.statistics().inflight == (0, 0, 0)
+            await engines[0].wave_complete(3)
+            await wave_is(coordinator, 4, False)
+            last = coordinator.route()
+            assert last.wave == 4
+            # the wave-4 wake is the next broadcast: nothing went out while they ran
+            await expect_broadcast(engines, [b"\x02", msgpack.packb([4, last.rank])])
+            stats = coordinator.statistics()
+            assert (stats.wave_starts, stats.commands) == (2, 2)
+        with pytest.raises(CoordinatorClosedError):
+            coordinator.route()
+
+
+async def test_route_with_the_prefix_policy_follows_the_cached_history() -> None:
+    """``open_coordinator(routing="prefix")``: route() sends a conversation's next turn
+    where its history went, and a pinned request observed there draws its follow-up."""
+    with pytest.raises(ValueError, match='need routing="prefix"'):
+        async with open_coordinator(2, prefix_routing=PrefixRouting()):
+            pass  # pragma: no cover - refused before binding
+    history = list(range(64))
+    with trio.fail_after(GUARD):
+        async with open_coordinator_with_engines(
+            2, routing="prefix", prefix_routing=PrefixRouting(block_size=16)
+        ) as (coordinator, _):
+            first = coordinator.route(history)
+            assert coordinator.route([*history, 99, 100]).rank == first.rank
+            pinned = 1 - first.rank
+            other = list(range(1000, 1064))
+            assert coordinator.observe(pinned, other)
+            assert coordinator.route([*other, 7]).rank == pinned
+            router = coordinator.chooser.statistics().router
+            assert router is not None and router.decisions == 4
 
 
 def _bad_outputs(vectors: dict[str, dict[str, object]]) -> list[tuple[str, list[bytes]]]:
@@ -252,16 +311,16 @@ async def test_bad_engine_input_is_counted_and_the_next_message_still_works(
     with trio.fail_after(GUARD):
         async with open_coordinator_with_engines(2) as (coordinator, engines):
             for wave, (reason, frames) in enumerate(cases):
-                before = coordinator.counters().rejected.get(reason, 0)
+                before = coordinator.statistics().rejected.get(reason, 0)
                 await engines[0].send_raw(frames)
                 await engines[1].start_wave(wave)
                 # the valid report right behind the bad one is handled exactly
                 await expect_broadcast(engines, protocol.encode_start_dp_wave(wave, 1))
-                assert coordinator.counters().rejected[reason] == before + 1, reason
+                assert coordinator.statistics().rejected[reason] == before + 1, reason
                 await engines[0].wave_complete(wave)
                 await wave_is(coordinator, wave + 1, False)
-            assert coordinator.counters().errors == len(cases)
-            assert coordinator.counters().wave_starts == len(cases)
+            assert coordinator.statistics().errors == len(cases)
+            assert coordinator.statistics().wave_starts == len(cases)
 
 
 async def test_unexpected_frame_on_the_broadcast_socket_is_counted() -> None:
@@ -269,7 +328,7 @@ async def test_unexpected_frame_on_the_broadcast_socket_is_counted() -> None:
         async with open_coordinator_with_engines(1) as (coordinator, engines):
             await engines[0].sub.send(b"\x92\x01\x02")  # an upstream payload, not a sub
             await coordinator.wait_for(
-                lambda c: c.counters().rejected.get("unexpected_broadcast_socket_frame") == 1
+                lambda c: c.statistics().rejected.get("unexpected_broadcast_socket_frame") == 1
             )
             await engines[0].start_wave(0)
             await expect_broadcast(engines, protocol.encode_start_dp_wave(0, 0))
@@ -280,7 +339,7 @@ async def test_stats_fill_the_load_table() -> None:
         async with open_coordinator_with_engines(3) as (coordinator, engines):
             await engines[1].stats(3, 12, 0.4375, wave=0, step=1)
             await engines[2].stats(0, 4, 0.1, wave=0, step=1)
-            await coordinator.wait_for(lambda c: c.counters().stats_applied == 2)
+            await coordinator.wait_for(lambda c: c.statistics().stats_applied == 2)
             assert coordinator.engine_loads() == (
                 (0, 0, 0.0),
                 (3, 12, 0.4375),
@@ -371,9 +430,9 @@ async def test_an_error_in_the_block_propagates_unchanged() -> None:
 
 async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
-        async with open_coordinator_with_engines(1) as (coordinator, _engines):
+        async with open_coordinator_with_engines(1, restart=False) as (coordinator, _engines):
             # break an invariant of our own: an empty frame list for the broadcaster
-            coordinator._pumps.outgoing.send_nowait([Broadcast([], None, 0.0)])
+            coordinator_pumps(coordinator).outgoing.send_nowait([Broadcast([], None, 0.0)])
             await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
@@ -427,7 +486,7 @@ async def test_raw_pyzmq_engine_gets_vllm_bytes() -> None:
                 context,
                 zmq.XSUB,
                 connect=coordinator.back_publish_address,
-                options={zmq.IDENTITY: rank_identity(0)},
+                options={zmq.IDENTITY: engine_identity(0)},
             ) as sub:
                 await sub.send(b"\x01")
                 assert await sub.recv_multipart() == [b"READY"]
@@ -462,7 +521,7 @@ async def test_a_due_timed_publish_waits_for_the_publishes_decided_before_it(
     sender is not waiting, with the timed publish already due (the clock is frozen).
     """
     core = CoordinatorCore(2, publish_to_front_ends=True)
-    pumps = _Pumps(core)
+    pumps = CoordinatorPumps(core)
     now = trio.current_time()
     with pumps.lock:
         for _ in range(2):
@@ -553,5 +612,5 @@ async def test_curve_keeps_out_peers_without_the_key() -> None:
                     await expect_broadcast(engines, [b"\x02", b"\x92\x00\x00"])
                     # only the keyed engine was heard: one subscription, one message
                     assert coordinator.subscriptions().subscribed == 1
-                    assert coordinator.counters().engine_messages == 1
+                    assert coordinator.statistics().engine_messages == 1
                     assert coordinator.snapshot() == WaveSnapshot(0, True)

@@ -299,7 +299,7 @@ async def test_two_phase_pause_and_resume_with_a_kept_request(tmp_path: Path) ->
                     await fe.resume_engines([1])  # engine 1 wakes the group
                     await fe.wait_for(lambda f: f.completed == 2)
                     await coord.wait_for(lambda c: c.snapshot() == WaveSnapshot(3, False))
-                    assert coord.counters().errors == 0
+                    assert coord.statistics().errors == 0
                     assert fe.wave_regressions == 0
                     nursery.cancel_scope.cancel()
     assert failures == {}
@@ -363,7 +363,7 @@ class NeverBroadcastingCoordinator:
         self.back_output_address = pull.last_endpoint or ""
         self.start_waves: list[int] = []
 
-    def counters(self) -> _Counters:
+    def statistics(self) -> _Counters:
         return _Counters()
 
     def snapshot(self) -> WaveSnapshot:

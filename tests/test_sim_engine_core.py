@@ -63,9 +63,9 @@ async def wave_ends(client: EngineClient, after: int) -> int:
     """Wait until more than ``after`` waves completed and the fleet is idle."""
     coordinator = client.coordinator
     await coordinator.wait_for(
-        lambda c: c.counters().waves_completed > after and not c.snapshot().engines_running
+        lambda c: c.statistics().waves_completed > after and not c.snapshot().engines_running
     )
-    return coordinator.counters().waves_completed
+    return coordinator.statistics().waves_completed
 
 
 @pytest.mark.parametrize("engines", [2, 4])
@@ -103,8 +103,8 @@ async def test_bursts_stream_tokens_and_waves_advance(engines: int) -> None:
                 outputs = [o async for o in stream]
             assert [o.new_token_ids for o in outputs] == [(1,), (2,), (3,), (4,), (5,)]
             assert [o.finish_reason for o in outputs] == [None] * 4 + ["length"]
-            assert client.coordinator.counters().errors == 0
-            assert client.in_flight() == [] and client.pending_calls() == 0
+            assert client.coordinator.statistics().errors == 0
+            assert client.in_flight() == [] and client.statistics().calls_pending == 0
 
 
 async def test_abort_utility_calls_and_pause() -> None:
@@ -153,7 +153,7 @@ async def test_abort_utility_calls_and_pause() -> None:
             await client.resume_scheduler()
             completion = await client.complete([1], params(2))
             assert completion.token_ids == (1, 2)
-            assert client.in_flight() == [] and client.pending_calls() == 0
+            assert client.in_flight() == [] and client.statistics().calls_pending == 0
 
 
 async def test_a_killed_engine_fails_its_requests_with_the_named_error() -> None:
@@ -184,7 +184,7 @@ async def test_a_killed_engine_fails_its_requests_with_the_named_error() -> None
                     async for _ in peer:
                         pass
                 assert broken.value.rank == 0
-            assert client.dead_ranks == {0, 1}
+            assert client.statistics().dead_ranks == {0, 1}
             with pytest.raises(EngineDeadError, match="every engine is gone"):
                 await client.complete([1], params(2))
             await both_exited.wait()  # the launcher saw both processes go, and how

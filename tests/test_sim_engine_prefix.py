@@ -138,7 +138,7 @@ async def test_engine_prefix_cache_hits_computes_only_uncached_and_stays_bounded
                     # prefill 64 + 1 decode, then prefill 16 + 1 decode
                     assert engine.counters.computed_tokens == 65 + 17
                     await send(other)  # 8 new blocks evict the first prompt's 4
-                    cache = engine._prefix.cache if engine._prefix is not None else None
+                    cache = engine.prefix_cache
                     assert cache is not None and len(cache.blocks) == 8
                     await send(first)
                     assert fe.prefix_hits == [48]
@@ -218,7 +218,7 @@ async def test_kv_events_route_a_sessions_next_turn_to_the_rank_that_holds_it(
     assert any(isinstance(e, BlockRemoved) for b in decoded for e in b.events)
 
     chooser = EngineChooser(
-        2, routing="prefix", prefix=PrefixRouting(feed="exact", capacity_blocks=6)
+        2, routing="prefix", prefix_routing=PrefixRouting(feed="exact", capacity_blocks=6)
     )
     for seq, payload in batches:
         assert chooser.receive_kv_events(1, seq, payload, now=1.0)

@@ -73,7 +73,7 @@ def test_exact_feed_mirrors_the_model_caches_through_vllm_event_batches() -> Non
     assert counters.rejected_event_batches == 0 and counters.event_gaps == 0
     for rank, model in enumerate(seen[0]):
         assert len(model.cache.blocks) == 150  # evictions happened: BlockRemoved was sent
-        assert set(model.cache.blocks) == set(router.indexes[rank]._seen)
+        assert set(model.cache.blocks) == set(router.indexes[rank].blocks())
 
 
 def test_model_loads_count_waiting_running_and_blocks_in_use() -> None:

@@ -9,11 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trio_dpcoord.core import FirstRequest, WaveSnapshot, WaveStart, WaveState
-
-# private import (documented exception): unit test of _state's own pieces (the load
-# table, the publish schedule), which the core keeps behind its public reads
-from trio_dpcoord.core._wave import LoadTable, PublishSchedule, StatsOutcome
+from trio_dpcoord.core import (
+    FirstRequest,
+    LoadTable,
+    PublishSchedule,
+    StatsOutcome,
+    WaveSnapshot,
+    WaveStart,
+    WaveState,
+)
 from trio_dpcoord.protocol import EngineLoad, StatsReport
 
 # --- the two cases of vLLM PR #46833, stated literally -----------------------------------
@@ -440,8 +444,8 @@ def table_state(table: LoadTable) -> tuple[object, ...]:
     """Everything a load table holds (what every later input and publish depends on)."""
     return (
         table.loads(),
-        tuple(table._cursors),
-        table._step_cursor,
+        table.cursors,
+        table.step_cursor,
         table.pending_snapshot,
         table.stats_changed,
     )

@@ -100,7 +100,7 @@ async def test_start_dp_wave_during_a_pause_neither_rearms_nor_latches(tmp_path:
             await fe.wait_for(lambda f: f.completed == 2)
             await coord.wait_for(lambda c: c.snapshot() == WaveSnapshot(3, False))
             assert fe.wave_regressions == 0
-            assert coord.counters().errors == 0
+            assert coord.statistics().errors == 0
 
 
 @pytest.mark.parametrize("wake_path", ["engine", "frontend"])
@@ -163,6 +163,6 @@ async def test_a_remote_front_end_balances_before_any_publish() -> None:
     async with open_coordinator(4, front_address="", ready_timeout=None) as coord:
         assert coord.front_address is not None
         async with open_frontend(coord.front_address, engine_count=4) as front:
-            chosen = Counter(front.choose_engine() for _ in range(8))
-            assert front.publishes_received == 0
+            chosen = Counter(front.choose() for _ in range(8))
+            assert front.statistics().publishes_received == 0
     assert chosen == {0: 2, 1: 2, 2: 2, 3: 2}

@@ -216,9 +216,9 @@ def _assert_logs_name(server: VllmServer) -> None:
         assert len(serving) == 1, serving
         # in vLLM's format, from the coordinator process, naming our file
         assert "(VLLM_DP_Coordinator pid=" in serving[0]
-        assert "[trio_dpcoord/vllm.py:" in serving[0]
+        assert "[trio_dpcoord/vllm/" in serving[0]
         assert not [
-            line for line in logs.splitlines() if "trio_dpcoord" in line and "[vllm.py:" in line
+            line for line in logs.splitlines() if "trio_dpcoord" in line and "[__init__.py:" in line
         ]
         assert "All engine subscriptions received by DP coordinator" not in logs
     else:

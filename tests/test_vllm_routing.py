@@ -73,7 +73,7 @@ def session_engines(choices: dict[str, int], session: int) -> list[int]:
 
 async def test_prefix_routing_keeps_sessions_where_their_history_is(routing_root: Path) -> None:
     report, stderr = await run_routing(routing_root, "prefix")
-    assert report["method"].startswith("trio_dpcoord.vllm._routing."), report
+    assert report["method"].startswith("trio_dpcoord.vllm."), report  # ours, not vLLM's
     assert "prefix-aware engine choice over 2 engines (approximate" in stderr, stderr
     choices = report["choices"]
     for session in range(SESSIONS):

@@ -1,17 +1,18 @@
 """The pure rules of ``TRIO_DPCOORD_VLLM_ROUTING`` (no vLLM): vLLM's score, where to subscribe.
 
-``trio_dpcoord._vllm_routing`` is private; its rules are tested here directly (the
-behaviour inside vLLM's client is ``tests/test_vllm_routing.py``'s).
+The plugin's routing module is private; its rules are tested here directly, through the
+test hooks of :mod:`trio_dpcoord.testing` (the behaviour inside vLLM's client is
+``tests/test_vllm_routing.py``'s).
 """
 
 from __future__ import annotations
 
 import pytest
 
-# private import (documented exception): unit tests of _vllm_routing's rules, which the
-# vLLM plugin applies inside vLLM's client
 from trio_dpcoord.routing import vllm_score
-from trio_dpcoord.vllm._routing import routing_options, routing_setting, subscribe_endpoint
+from trio_dpcoord.testing import vllm_routing_options as routing_options
+from trio_dpcoord.testing import vllm_routing_setting as routing_setting
+from trio_dpcoord.testing import vllm_subscribe_endpoint as subscribe_endpoint
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_routing_options(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapt
         "TRIO_DPCOORD_VLLM_ROUTING_OPTIONS",
         '{"reuse_weight": 2, "imbalance_rel": 0.5, "feed": "exact", "colour": 1}',
     )
-    with caplog.at_level("WARNING", logger="trio_dpcoord.vllm._routing"):
+    with caplog.at_level("WARNING", logger="trio_dpcoord.vllm"):
         assert routing_options() == {"reuse_weight": 2}
     # an invalid value, vLLM's own feed and an unknown field: each named in a warning
     assert [r.getMessage().split("=")[0].split(": ")[-1] for r in caplog.records] == [

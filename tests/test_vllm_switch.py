@@ -34,7 +34,8 @@ from tests.vllm_reference import (
     vllm_env,
 )
 from trio_dpcoord import Frontend, open_frontend, protocol
-from trio_dpcoord.testing import EnginePeer, connect_engines, rank_identity, read_lines
+from trio_dpcoord.protocol import engine_identity
+from trio_dpcoord.testing import EnginePeer, connect_engines, read_lines
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
 from trio_dpcoord.vllm import ENABLE_VARIABLE, verified_vllm_version
 
@@ -196,7 +197,7 @@ async def headless_engines(port: int, count: int) -> AsyncIterator[list[Headless
                     context,
                     zmq.DEALER,
                     connect=f"tcp://127.0.0.1:{port}",
-                    options={zmq.IDENTITY: rank_identity(rank)},
+                    options={zmq.IDENTITY: engine_identity(rank)},
                 )
             )
             engines.append(HeadlessEngine(rank, dealer))
@@ -292,7 +293,7 @@ async def test_switched_on_vllm_launches_our_coordinator_and_shuts_it_down(
     assert "Traceback" not in runner.stderr
     # in vLLM's format, naming our file from the package down (vLLM has a vllm.py too)
     serving = [line for line in runner.stderr.splitlines() if "DP coordinator serving" in line]
-    assert len(serving) == 1 and "[trio_dpcoord/vllm.py:" in serving[0], serving
+    assert len(serving) == 1 and "[trio_dpcoord/vllm/" in serving[0], serving
     # libzmq leaves a closed ipc socket's file behind; ours removes its own
     assert not Path(launched["front"].removeprefix("ipc://")).exists()
 

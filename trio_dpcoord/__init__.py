@@ -52,14 +52,17 @@ if TYPE_CHECKING:
     from ._shell.request_stream import RequestOutput as RequestOutput
     from ._shell.request_stream import RequestStream as RequestStream
     from ._shell.view import CoordinatorView as CoordinatorView
+    from ._shell.view import Route as Route
     from .core._counters import CoordinatorCounters as CoordinatorCounters
     from .core._counters import HistogramSnapshot as HistogramSnapshot
     from .core._counters import SubscriptionView as SubscriptionView
     from .core._effects import WaveStartCause as WaveStartCause
+    from .core._frontend import FrontendStatistics as FrontendStatistics
     from .core._wave import WaveSnapshot as WaveSnapshot
     from .protocol import EngineLoad as EngineLoad
     from .protocol import ProtocolError as ProtocolError
     from .protocol import SamplingParams as SamplingParams
+    from .routing._chooser import ChooserStatistics as ChooserStatistics
     from .routing._chooser import EngineChooser as EngineChooser
     from .routing._chooser import Routing as Routing
     from .routing._prefix_router import PrefixRouting as PrefixRouting
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChooserStatistics",
     "Completion",
     "ConnectionMonitor",
     "Coordinator",
@@ -85,6 +89,7 @@ __all__ = [
     "EngineLoad",
     "EngineStartupError",
     "Frontend",
+    "FrontendStatistics",
     "HistogramSnapshot",
     "Liveness",
     "PrefixRouting",
@@ -94,6 +99,7 @@ __all__ = [
     "RequestAbortedError",
     "RequestOutput",
     "RequestStream",
+    "Route",
     "RouteDecision",
     "RouterCounters",
     "Routing",
@@ -109,6 +115,7 @@ __all__ = [
 ]
 
 _EXPORTS: dict[str, str] = {
+    "ChooserStatistics": ".routing._chooser",
     "Completion": "._shell.request_stream",
     "ConnectionMonitor": "._shell.monitor",
     "Coordinator": "._shell.coordinator",
@@ -125,6 +132,7 @@ _EXPORTS: dict[str, str] = {
     "EngineLoad": ".protocol",
     "EngineStartupError": "._errors",
     "Frontend": "._shell.frontend",
+    "FrontendStatistics": ".core._frontend",
     "HistogramSnapshot": ".core._counters",
     "Liveness": "._shell.endpoints",
     "PrefixRouting": ".routing._prefix_router",
@@ -134,6 +142,7 @@ _EXPORTS: dict[str, str] = {
     "RequestAbortedError": "._errors",
     "RequestOutput": "._shell.request_stream",
     "RequestStream": "._shell.request_stream",
+    "Route": "._shell.view",
     "RouteDecision": ".routing._prefix_router",
     "RouterCounters": ".routing._prefix_router",
     "Routing": ".routing._chooser",

@@ -5,6 +5,11 @@ embedded front-end uses, with the front socket enabled. A launcher reads the end
 from the first line on stdout, points engines at ``back_pub``/``back_out`` and
 front-ends at ``front``, and stops it with SIGINT or SIGTERM; the last line on stdout
 then holds the counters, so the launcher can check that nothing was rejected.
+
+With ``--supervised`` the process is a small supervisor (``_supervisor.py``) and the
+coordinator a worker process it restarts on the same addresses when it dies; the worker
+keeps its wave in a file (the hidden ``--wave-file``) for its successor to take over
+from (docs/protocol.md §16).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
+from urllib.parse import urlsplit
 
 import trio
 
@@ -248,6 +255,16 @@ def _add_process_arguments(serve: argparse.ArgumentParser) -> None:
         'port 0 picks a free port; the endpoints line then holds "metrics": URL',
     )
     serve.add_argument(
+        "--supervised",
+        action="store_true",
+        help="run the coordinator as a worker process and start another on the same "
+        "addresses within a second when it dies (a crash, kill -9): it takes over at the "
+        "wave the dead one had reached and the engines reconnect to it (at most 5 "
+        "restarts a minute). This process only supervises; killing it ends the worker",
+    )
+    serve.add_argument("--wave-file", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
+    serve.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="stop cleanly when standard input reaches end of file, so a launcher that "
@@ -333,6 +350,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 wake_confirm_timeout=args.wake_confirm_timeout,
                 curve_secret_key=args.curve_secret_key_file,
                 liveness=args.liveness,
+                wave_file=args.wave_file,
             ) as coordinator:
                 endpoints: dict[str, object] = {
                     "front": coordinator.front_address,
@@ -361,13 +379,71 @@ async def _serve(args: argparse.Namespace) -> int:
                         logger.info("%s received: stopping", signal.Signals(signum).name)
                         break
                     nursery.cancel_scope.cancel()
-                counters = coordinator.counters()
+                counters = coordinator.statistics()
+                restarts = coordinator.restarts()
         except CoordinatorError as exc:
             print(f"trio-dpcoord: error: {exc}", file=sys.stderr, flush=True)
             return 1 if started else 2
-        _emit({"counters": {**dataclasses.asdict(counters), "errors": counters.errors}})
+        _emit(
+            {
+                "counters": {**dataclasses.asdict(counters), "errors": counters.errors},
+                "restarts": dataclasses.asdict(restarts),
+            }
+        )
         logger.info("stopped cleanly (%d rejected inputs)", counters.errors)
     return 0
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """``serve --supervised``: this process supervises, a worker process coordinates.
+
+    The worker gets the same options, a wave file and ``--exit-on-stdin-eof``; default
+    ``ipc://`` addresses are fixed here (a directory of this process's), so that a
+    restarted worker binds the same ones, and tcp ports as the first worker resolved
+    them. The worker's endpoints line is this process's first line, its counters line
+    its last; the worker logs to the same stderr."""
+    from ._supervisor import supervise_worker
+
+    options = [option for option in argv if option != "--supervised"]
+    with tempfile.TemporaryDirectory(prefix="trio-dpcoord-") as private:
+        first = {
+            "--front": args.front or f"ipc://{private}/front",
+            "--back-pub": args.back_pub or f"ipc://{private}/back-publish",
+            "--back-out": args.back_out or f"ipc://{private}/back-output",
+        }
+        base = [sys.executable, "-m", "trio_dpcoord", *options]
+        base += ["--wave-file", os.path.join(private, "wave"), "--exit-on-stdin-eof"]
+
+        def command(endpoints: Mapping[str, str] | None) -> list[str]:
+            addresses = dict(first)
+            if endpoints is not None:
+                addresses["--front"] = endpoints["front"]
+                addresses["--back-pub"] = endpoints["back_pub"]
+                addresses["--back-out"] = endpoints["back_out"]
+                if "metrics" in endpoints:  # its port as the first worker resolved it
+                    addresses["--metrics-address"] = urlsplit(endpoints["metrics"]).netloc
+            return [*base, *(part for pair in addresses.items() for part in pair)]
+
+        def relay(line: str) -> None:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+        return supervise_worker(
+            command,
+            lambda endpoints: [*command(endpoints), "--standby"],
+            on_endpoints=lambda endpoints: _emit(dict(endpoints)),
+            on_line=relay,
+            stop_on_stdin_eof=args.exit_on_stdin_eof,
+        )
+
+
+def _wait_for_the_go() -> bool:
+    """``--standby`` (a supervisor's next worker): imports done, wait for a line on stdin
+    before binding anything. False at end of file or on SIGTERM: not needed after all."""
+    try:
+        return bool(sys.stdin.buffer.readline())
+    except KeyboardInterrupt:
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -389,6 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # ipc:// socket files (and anything else created) are for this user only
     os.umask(0o077)
+    if args.supervised:
+        return _supervise(args, sys.argv[1:] if argv is None else list(argv))
+    if args.standby and not _wait_for_the_go():
+        return 0
     # Until trio's signal receiver is installed, SIGTERM stops the process like SIGINT:
     # quietly, with status 0, even in the instant before the endpoints line.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -15,8 +15,8 @@ task of the service: no thread, loopback unless ``--allow-remote``. A trio app w
 an HTTP server of its own can do the same with :func:`serve_metrics`.
 
 The collector reads the handle's cheap, thread-safe views (``snapshot()``,
-``engine_loads()``, ``subscriptions()``, ``counters()``) at every scrape; it keeps no state
-of its own, so a scrape always shows the coordinator as it is.
+``engine_loads()``, ``subscriptions()``, ``statistics()``) at every scrape; it keeps no
+state of its own, so a scrape always shows the coordinator as it is.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from ._errors import CoordinatorError
 from ._shell.coordinator import Coordinator
 from ._shell.endpoints import check_bind_address
+from ._shell.supervision import RestartCounters
 from .core._coordinator import (
     CoordinatorCounters,
     HistogramSnapshot,
@@ -64,6 +65,7 @@ _WAVE_START_CAUSES: Final = (
     WaveStartCause.FIRST_REQUEST,
     WaveStartCause.LEGACY_FIRST_REQUEST,
     WaveStartCause.LATE_SUBSCRIPTION,
+    WaveStartCause.RECOVERY,
 )
 _MAX_REQUEST_BYTES: Final = 16 * 1024
 _CONNECTION_TIMEOUT: Final = 30.0
@@ -108,13 +110,31 @@ class CoordinatorCollector(Collector):
     def _families(self) -> Iterator[Metric]:
         """Every family, from one reading of each of the handle's views."""
         coordinator = self._coordinator
-        counters = coordinator.counters()
+        counters = coordinator.statistics()
         view = coordinator.subscriptions()
         yield from self._state_gauges(coordinator.snapshot(), counters, view)
         yield from self._event_counters(counters, view)
         yield from self._labelled_counters(counters)
         yield self._wake_latency(counters.wake_latency)
         yield from self._engine_load_gauges(coordinator.engine_loads())
+        yield from self._restart_counters(coordinator.restarts())
+
+    def _restart_counters(self, restarts: RestartCounters) -> Iterator[Metric]:
+        """Restarts after failures (docs/protocol.md §16): in place, and of the process."""
+        yield _labelled(
+            CounterMetricFamily(
+                self._name("coordinator_restarts"),
+                "Times the coordinator was restarted after a failure of its own: in place "
+                "(a new core on the same sockets) or as a new process (serve --supervised).",
+                labels=["kind"],
+            ),
+            [("in_place", restarts.restarts), ("process", restarts.process_restarts)],
+        )
+        yield CounterMetricFamily(
+            self._name("seconds_without_coordinator"),
+            "Seconds the engines were without a coordinator, over the restarts in place.",
+            value=restarts.seconds_without_coordinator,
+        )
 
     def _state_gauges(
         self, snapshot: WaveSnapshot, counters: CoordinatorCounters, view: SubscriptionView

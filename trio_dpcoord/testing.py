@@ -5,12 +5,21 @@ a vLLM engine's coordinator-facing sockets are (an XSUB with its rank as identit
 PUSH of ``EngineCoreOutputs``), with no scheduler behind them. For engines that run
 waves in lock-step, see :mod:`trio_dpcoord.sim`. :func:`open_coordinator_with_engines`
 is the usual opening of a test of the in-process coordinator (a coordinator, its engines,
-READY received); :func:`expect_broadcast` checks what every engine receives next.
+READY received); :func:`expect_broadcast` checks what every engine receives next;
+:func:`inject_coordinator_failure` makes the service fail from inside (its restart).
 
 :func:`open_serve` runs ``python -m trio_dpcoord serve`` for the duration of a block and
 yields its endpoints; blocking callers build the same command with :func:`serve_command`
 and read its first line with :func:`parse_endpoints`. :func:`open_child` does the same
 for any program (the examples).
+
+Test hooks, for what only a test needs inside the package's rooms (none is for real
+code): :func:`core_internals` reads a :class:`~trio_dpcoord.core.CoordinatorCore`'s
+private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` let a
+model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
+:func:`coordinator_pumps` are the coordinator's shell driven by hand, and
+``vllm_routing_setting``, ``vllm_routing_options``, ``vllm_subscribe_endpoint`` and
+``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing.
 """
 
 from __future__ import annotations
@@ -22,35 +31,52 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 import zmq
 
 from . import protocol
 from ._shell.coordinator import Coordinator, open_coordinator
+from ._shell.coordinator import _Pumps as CoordinatorPumps
+from ._shell.supervision import inject_failure
+from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
+from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .vllm._routing import routing_options as vllm_routing_options
+from .vllm._routing import routing_setting as vllm_routing_setting
+from .vllm._routing import routing_state as vllm_routing_state
+from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
 
 __all__ = [
+    "CoordinatorPumps",
+    "CoreInternals",
     "EnginePeer",
     "ServeProcess",
     "connect_engines",
+    "coordinator_pumps",
+    "core_internals",
     "expect_broadcast",
+    "force_wave_state",
+    "inject_coordinator_failure",
     "open_child",
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
-    "rank_identity",
+    "prefix_walks",
     "read_lines",
+    "replace_recovery_rules",
+    "replace_wave_rule",
     "serve_command",
+    "store_as_the_router",
+    "use_chain_mode",
+    "vllm_routing_options",
+    "vllm_routing_setting",
+    "vllm_routing_state",
+    "vllm_subscribe_endpoint",
 ]
 
 _ENDPOINT_KEYS = ("front", "back_pub", "back_out")
-
-
-def rank_identity(rank: int) -> bytes:
-    """A DP rank's ZeroMQ identity, as vLLM engines set it: 2 bytes little-endian."""
-    return rank.to_bytes(2, "little")
 
 
 class EnginePeer:
@@ -130,7 +156,7 @@ async def connect_engines(
                     zmq.XSUB,
                     connect=input_address,
                     options={
-                        zmq.IDENTITY: rank_identity(index),
+                        zmq.IDENTITY: protocol.engine_identity(index),
                         zmq.LINGER: 0,
                         **security,
                     },
@@ -183,6 +209,19 @@ async def open_coordinator_with_engines(
             await coordinator.wait_ready()
             await expect_broadcast(engines, [protocol.READY])
             yield coordinator, engines
+
+
+def inject_coordinator_failure(coordinator: Coordinator, where: str = "timer") -> None:
+    """Make ``coordinator``'s service fail as a broken invariant of our own would: an
+    ``AssertionError`` raised in one of its pumps, under its lock. ``where``: ``"timer"``
+    (at once) or ``"engine_output"`` (as the listener applies the next batch of engine
+    messages; the batch's first message is lost with the failure, the rest applied).
+
+    With ``open_coordinator(..., restart=True)`` (the default) the service restarts in
+    place and ``coordinator.restarts()`` counts it (docs/protocol.md §16); with
+    ``restart=False`` the block ends with :class:`~trio_dpcoord.CoordinatorError`.
+    """
+    inject_failure(coordinator._pumps, where)
 
 
 # --------------------------------------------------------------------------- serve
@@ -380,3 +419,113 @@ async def open_serve(
         with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
             serve.endpoints = parse_endpoints(await serve.line(0))
         yield serve
+
+
+# --------------------------------------------------------------------------- test hooks
+# What only a test needs to see or change inside the package's rooms. They reach past
+# the rooms' public reads on purpose, here and nowhere else, so that tests need no private
+# module or attribute; real code has no use for them.
+
+
+class CoreInternals(NamedTuple):
+    """What a :class:`~trio_dpcoord.core.CoordinatorCore` decides with beyond its public
+    reads (see :func:`core_internals`): what a model checker memoises states by, and what
+    two cores fed the same inputs two ways must agree on."""
+
+    first_request_pending: bool
+    """A wake-up was claimed and its :class:`~trio_dpcoord.core.FirstRequest` not applied."""
+    unconfirmed_wave: int | None
+    """The wave a first request started that no engine has reported on yet."""
+    deferred: tuple[Effect, ...]
+    """Effects decided before the start-up gate opened: they come out behind READY."""
+    deferred_commands: tuple[Command, ...]
+    """Commands received before the gate opened: applied behind READY."""
+    pending_snapshot: tuple[protocol.EngineLoad, ...] | None
+    """The load table's lock-step snapshot, waiting for the next timed publish."""
+    stats_changed: bool
+    """Whether the load table has news for the next timed publish."""
+    recovering: bool
+    """The core took over from a dead coordinator and the engines have not settled it."""
+    recovery_wake_owed: bool | None
+    """While recovering: whether the recovery wake is still to go out (None otherwise)."""
+
+
+def core_internals(core: CoordinatorCore) -> CoreInternals:
+    """A copy of ``core``'s private decision state (:class:`CoreInternals`); read-only."""
+    wave, loads = core._wave, core._loads
+    return CoreInternals(
+        wave.first_request_pending,
+        wave.unconfirmed_wave,
+        tuple(core._deferred),
+        tuple(core._deferred_commands),
+        loads.pending_snapshot,
+        loads.stats_changed,
+        core._recovery is not None,
+        None if core._recovery is None else core._recovery.wake_owed,
+    )
+
+
+def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
+    """Make ``rule`` ``core``'s wave rule, in place of the :class:`~trio_dpcoord.core.
+    WaveState` it made itself: for a model checker's mutants (a subclass with a known bug
+    the checker must catch). Call it before the core's first input."""
+    core._wave = rule
+
+
+def replace_recovery_rules(core: CoordinatorCore, rules: type[RecoveryRules]) -> None:
+    """Make a recovering ``core`` follow ``rules`` (a subclass of
+    :class:`~trio_dpcoord.core.RecoveryRules` with the same slots, a model checker's mutant
+    with a known bug) from now on; nothing when the core is not recovering."""
+    if core._recovery is not None:
+        core._recovery.__class__ = rules
+
+
+def force_wave_state(
+    rule: WaveState,
+    *,
+    snapshot: WaveSnapshot | None = None,
+    first_request_pending: bool | None = None,
+) -> None:
+    """Overwrite ``rule``'s snapshot and/or pending claim (what is not None), as a broken
+    rule would: the bug of a model checker's mutant. Nothing checks the rule's invariants
+    (the wave may go back)."""
+    if snapshot is not None:
+        rule._snapshot = snapshot
+    if first_request_pending is not None:
+        rule._first_request_pending = first_request_pending
+
+
+def coordinator_pumps(coordinator: Coordinator) -> CoordinatorPumps:
+    """The :class:`CoordinatorPumps` behind a running coordinator's handle: the core, its
+    lock, and the channel to the broadcaster (``outgoing``), for a test that breaks an
+    invariant of the shell on purpose. A test that wants the pumps without sockets makes
+    its own, ``CoordinatorPumps(core)``, and starts the tasks it needs."""
+    return coordinator._pumps
+
+
+# --- the prefix policy's inside, for the tests that compare it with its references --------
+
+
+def prefix_walks(
+    router: PrefixRouter, keys: Sequence[int]
+) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]]]:
+    """The two ways ``router`` finds which ranks hold how much of ``keys``: its bisecting
+    walk (None unless the indexes are prefix-closed, the approximate feed's case, when
+    it is the one used) and the block-by-block walk. They must agree; read-only."""
+    bisected = router._bisect(keys) if router._closed else None
+    return bisected, router._walk_blocks(keys)
+
+
+def use_chain_mode(index: RankPrefixIndex) -> None:
+    """Switch ``index`` to the layout the approximate feed keeps it in (its LRU order in
+    pieces of a chain): for tests that drive an index alone. Before its first store."""
+    index._chain_mode()
+
+
+def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, now: float) -> bool:
+    """Store a prompt's ``keys`` as the router does after its walk found ``held`` of them
+    cached (chain mode only; False, storing nothing, in the plain layout)."""
+    if index._held is None:
+        return False
+    index._store_chain(keys, held, now)
+    return True

@@ -2,7 +2,7 @@
 
 One nursery runs::
 
-    handle.notify_first_request (claim and apply, in the caller's task) ────────────┐
+    handle.route / notify_first_request (claim and apply, in the caller's task) ────┐
     front XPUB ─► command receiver (front-ends' subscriptions, FIRST_REQ, SCALE) ────┤
     engine PUSH ─► PULL ─► engine-output listener (batch receive) ──────────────────┤
     back XPUB subscriptions ─► subscription watcher ────────────────────────────────┤
@@ -25,16 +25,15 @@ waits for the core's next deadline; an input that moves it earlier moves the wai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
-from typing import Final, TypeAlias, final
+from typing import Any, Final, TypeAlias, final
 
 import trio
-import zmq
 
 from .._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
 from ..core._coordinator import (
@@ -46,12 +45,18 @@ from ..core._coordinator import (
     Reject,
     SubscriptionView,
 )
+from ..core._recovery import Recovery
 from ..core._wave import WaveSnapshot
 from ..protocol import EngineLoad
-from ..trio_zmq import AsyncSocket, open_context, open_socket
-from .endpoints import DEFAULT_LIVENESS, Liveness, PrivateIpcDirectory, bind_socket
-from .monitor import PeerMonitor, open_peer_monitor
+from ..routing._chooser import EngineChooser, Routing
+from ..routing._prefix_router import PrefixRouting
+from ..trio_zmq import AsyncSocket
+from .coordinator_sockets import Bound, curve_server, open_bound_sockets, requested_sockets
+from .endpoints import DEFAULT_LIVENESS, Liveness
+from .monitor import PeerMonitor
+from .supervision import RestartCounters, RestartLog, WaveFile, restart_pumps, supervise
 from .tasks import RejectLog, open_task_nursery
+from .view import Route
 
 __all__ = ["Coordinator", "open_coordinator"]
 
@@ -67,44 +72,20 @@ within the noise of interleaved rounds."""
 Outgoing: TypeAlias = Broadcast | Publish
 """What the broadcaster carries out: the core's effects that go out on a socket."""
 
-_XPUB_OPTIONS: Final[dict[int, int | bytes]] = {
-    # Verbose: every engine's subscription reaches the gate (vLLM's setting); verboser:
-    # every unsubscription too, so a vanished peer shows.
-    zmq.XPUB_VERBOSE: 1,
-    zmq.XPUB_VERBOSER: 1,
-    zmq.LINGER: 0,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class _SocketSpec:
-    """How one of the coordinator's sockets is opened, and what the logs call it."""
-
-    socket_type: int
-    options: dict[int, int | bytes]
-    exclusive: bool
-    """One task alone receives on it (see :class:`~trio_dpcoord.trio_zmq.AsyncSocket`)."""
-    ipc_name: str
-    """Its file in the private ``ipc://`` directory."""
-    role: str
-    """What it carries, for the logs and bind errors."""
-
-
-_SOCKETS: Final[dict[str, _SocketSpec]] = {
-    # by key: vLLM's name for the socket, used in counters and the handle's addresses
-    "back_publish": _SocketSpec(zmq.XPUB, _XPUB_OPTIONS, False, "back-publish", "engine broadcast"),
-    "back_output": _SocketSpec(
-        zmq.PULL, {zmq.RCVHWM: 0, zmq.LINGER: 0}, True, "back-output", "engine output"
-    ),
-    "front": _SocketSpec(zmq.XPUB, _XPUB_OPTIONS, False, "front", "front"),
-}
-
 
 class _Pumps:
     """The core, its lock, and the tasks that feed it and carry out what it returns."""
 
-    def __init__(self, core: CoordinatorCore) -> None:
+    def __init__(self, core: CoordinatorCore, max_restarts: int = 0) -> None:
         self.core = core
+        """Replaced, under the lock, when the service restarts in place (supervision.py)."""
+        self.restart_log = RestartLog(max_restarts)
+        self.leftovers: dict[str, list[Any]] = {}
+        """What a pump that failed had read and not handed to the core, by pump: the next
+        one applies it first (but the message being handled, maybe the failure's cause)."""
+        self.fault: str | None = None
+        """The pump in which to raise a failure (``supervision.inject_failure``)."""
+        self.wave_file: WaveFile | None = None
         self.lock = threading.Lock()
         self.closed = False
         self.monitors: list[PeerMonitor] = []
@@ -115,7 +96,7 @@ class _Pumps:
         self.drained = trio.lowlevel.ParkingLot()
         self.reject_log = RejectLog(logger)
         self.outgoing, self._outgoing_queue = trio.open_memory_channel[list[Outgoing]](math.inf)
-        self._timer: trio.CancelScope | None = None
+        self.timer_scope: trio.CancelScope | None = None
         """The timer task's wait, until the core's next deadline."""
 
     def changed(self) -> None:
@@ -135,13 +116,15 @@ class _Pumps:
                 outgoing.append(effect)
                 broadcast = broadcast or type(effect) is Broadcast
         if outgoing:
+            if self.wave_file is not None:  # never behind what goes out
+                self.wave_file.keep(self.core.snapshot().current_wave)
             self.outgoing.send_nowait(outgoing)
         return broadcast
 
     def reschedule(self) -> None:
         """Under the lock, after an input: if it moved the core's next deadline earlier,
         wake the timer task sooner (a later one it finds by itself when it wakes)."""
-        timer = self._timer
+        timer = self.timer_scope
         if timer is not None:
             due = self.core.next_deadline()
             if due < timer.deadline:
@@ -215,13 +198,14 @@ class _Pumps:
             while True:
                 with self.lock:
                     due = self.core.next_deadline()
-                with trio.move_on_at(due) as self._timer:
+                with trio.move_on_at(due) as self.timer_scope:
                     await trio.sleep_forever()
                 with self.lock:
+                    self._injected_failure("timer")
                     self.dispatch(self.core.tick(trio.current_time()))
                 self.changed()
         finally:
-            self._timer = None
+            self.timer_scope = None
             with self.lock:
                 self.core.log_summaries(trio.current_time(), final=True)
 
@@ -230,20 +214,30 @@ class _Pumps:
     ) -> None:
         """Engines (un)subscribing on the broadcast socket: the start-up gate (§5.2)."""
         task_status.started()
-        await self._apply_each_frame(xpub, self.core.receive_engine_subscription)
+        await self._apply_each_frame(xpub, self.core.receive_engine_subscription, "subscriptions")
 
     async def _apply_each_frame(
-        self, socket: AsyncSocket, receive: Callable[[bytes, float], Sequence[Effect]]
+        self,
+        socket: AsyncSocket,
+        receive: Callable[[bytes, float], Sequence[Effect]],
+        pump: str,
     ) -> None:
         """For ever: a batch from ``socket``, each frame given to the core's ``receive``
-        under the lock once per batch, its effects dispatched, the timer rescheduled."""
+        under the lock once per batch, its effects dispatched, the timer rescheduled. A
+        failure leaves the frames after the failing one in ``leftovers[pump]``."""
+        frames: list[bytes] = self.leftovers.pop(pump, [])
         while True:
-            frames = await socket.recv_batch()
+            frames = frames or await socket.recv_batch()
             with self.lock:
                 now = trio.current_time()
-                for frame in frames:
-                    self.dispatch(receive(frame, now))
+                for index, frame in enumerate(frames):
+                    try:
+                        self.dispatch(receive(frame, now))
+                    except BaseException:
+                        self.leftovers[pump] = frames[index + 1 :]
+                        raise
                 self.reschedule()
+            frames = []
             self.changed()
 
     async def engine_output_listener(
@@ -268,30 +262,38 @@ class _Pumps:
         task_status.started()
         core = self.core
         receive = core.receive_engine_output
+        batch: list[list[bytes]] = self.leftovers.pop("engine outputs", [])
         while True:
-            batch = await pull.recv_multipart_batch(_LISTENER_BATCH)
+            batch = batch or await pull.recv_multipart_batch(_LISTENER_BATCH)
             count = len(batch)
             index = 0
-            while index < count:
-                urgent = False
-                with self.lock:
-                    now = trio.current_time()
-                    if index == 0:  # empty before this batch (it waited) or after it
-                        drained = pull.receive_waited or count < _LISTENER_BATCH
-                        core.engine_output_batch_read(drained=drained, now=now)
-                    # Load reports are held and only each engine's newest is written, as
-                    # the lock is let go (the same table as one by one, see the core).
-                    while index < count:
-                        effects = receive(batch[index], now, hold_stats=True)
-                        index += 1
-                        if effects and self.dispatch(effects):
-                            urgent = True
-                            break
-                    self.dispatch(core.apply_held_stats())
-                    self.reschedule()
-                self.changed()
-                if urgent and count > 1:
-                    await self.drained.park()
+            try:
+                while index < count:
+                    urgent = False
+                    with self.lock:
+                        now = trio.current_time()
+                        if index == 0:  # empty before this batch (it waited) or after it
+                            drained = pull.receive_waited or count < _LISTENER_BATCH
+                            core.engine_output_batch_read(drained=drained, now=now)
+                            self._injected_failure("engine_output")
+                        # Load reports are held and only each engine's newest is written,
+                        # as the lock is let go (the same table as one by one, see the core).
+                        while index < count:
+                            effects = receive(batch[index], now, hold_stats=True)
+                            index += 1
+                            if effects and self.dispatch(effects):
+                                urgent = True
+                                break
+                        self.dispatch(core.apply_held_stats())
+                        self.reschedule()
+                    self.changed()
+                    if urgent and count > 1:
+                        await self.drained.park()
+            except BaseException as exc:  # what is left goes to the next listener, but a
+                failed = not isinstance(exc, trio.Cancelled)  # failing message
+                self.leftovers["engine outputs"] = batch[index + failed :]
+                raise
+            batch = []
 
     async def command_receiver(
         self, front: AsyncSocket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -299,7 +301,7 @@ class _Pumps:
         """The front socket: front-ends' subscriptions and their commands, FIRST_REQ and
         SCALE_ELASTIC_EP, applied by the core as they are read (§5.3, §5.8, §4.9)."""
         task_status.started()
-        await self._apply_each_frame(front, self.core.receive_front_frame)
+        await self._apply_each_frame(front, self.core.receive_front_frame, "commands")
 
     async def peer_watcher(
         self, peers: PeerMonitor, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -315,17 +317,33 @@ class _Pumps:
                     self.core.connection_lost(peers.key, now)
             self.changed()
 
-    def notify_first_request(self, engine_index: int) -> None:
-        """The handle's claim, applied in the caller's task (see the handle)."""
+    def notify_first_request(self, engine_index: int) -> int:
+        """The handle's claim, applied in the caller's task (see the handle); returns the
+        wave to stamp on the request, read in the same critical section."""
         with self.lock:
             if self.closed:
                 raise CoordinatorClosedError("the coordinator has stopped")
+            wave = self.core.snapshot().current_wave
             claim = self.core.claim_first_request(engine_index)
             if claim is not None:
                 self.dispatch(self.core.receive_command(claim, trio.current_time()))
                 self.reschedule()
         if claim is not None:
             self.changed()
+        return wave
+
+    def _injected_failure(self, where: str) -> None:
+        if self.fault == where:  # supervision.inject_failure
+            self.fault = None
+            raise AssertionError(f"a failure injected in the coordinator's {where} pump")
+
+    def drop_undelivered(self) -> int:
+        """Drop what the broadcaster has not taken yet (a failed core's decisions)."""
+        dropped = 0
+        with contextlib.suppress(trio.WouldBlock):
+            while True:
+                dropped += len(self._outgoing_queue.receive_nowait())
+        return dropped
 
     def close(self) -> None:
         # The channel stays open: a task that already holds received frames when the
@@ -341,21 +359,24 @@ class Coordinator:
 
     Built complete by :func:`open_coordinator` once every socket is bound. Every method is
     synchronous and cheap, safe from any trio task; :meth:`snapshot`,
-    :meth:`engine_loads`, :meth:`subscriptions` and :meth:`counters` may also be called
-    from other threads.
+    :meth:`engine_loads`, :meth:`subscriptions`, :meth:`statistics` and
+    :attr:`engine_count` may also be called from other threads (:meth:`route`,
+    :meth:`observe` and :meth:`finished` only from trio tasks). Properties are fixed
+    settings; methods read what changes (the README's rule).
     """
 
     def __init__(
         self,
         pumps: _Pumps,
         addresses: dict[str, str | None],
-        *,
+        chooser: EngineChooser,
         curve_public_key: bytes | None,
+        *,
         ready_timeout: float | None,
     ) -> None:
         """``addresses``: the bound address of each socket, by its key in the counters."""
         self._pumps = pumps
-        self._core = pumps.core
+        self._chooser = chooser
         self._lock = pumps.lock
         self._back_publish_address = addresses["back_publish"] or ""
         self._back_output_address = addresses["back_output"] or ""
@@ -393,26 +414,33 @@ class Coordinator:
     @property
     def wave_coordination(self) -> bool:
         """Whether waves are coordinated (fixed at start, as in vLLM)."""
-        return self._core.wave_coordination
+        return self._pumps.core.wave_coordination
 
     @property
     def wake_confirm_timeout(self) -> float:
-        return self._core.wake_confirm_timeout
+        return self._pumps.core.wake_confirm_timeout
 
+    @property
     def engine_count(self) -> int:
-        """How many engines the load table holds (changes with SCALE_ELASTIC_EP)."""
+        """How many engines the load table holds (changes only with SCALE_ELASTIC_EP)."""
         with self._lock:
-            return self._core.engine_count()
+            return self._pumps.core.engine_count()
+
+    @property
+    def chooser(self) -> EngineChooser:
+        """The engine chooser :meth:`route` asks (its policy, :meth:`~EngineChooser.statistics`
+        and, with ``routing="prefix"``, ``receive_kv_events`` for the exact feed)."""
+        return self._chooser
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
         with self._lock:
-            return self._core.snapshot()
+            return self._pumps.core.snapshot()
 
     def engine_loads(self) -> tuple[EngineLoad, ...]:
         """Every engine's latest :class:`EngineLoad`, in rank order."""
         with self._lock:
-            return self._core.engine_loads()
+            return self._pumps.core.engine_loads()
 
     def notify_first_request(self, engine_index: int) -> None:
         """A request is being routed to ``engine_index``: wake the engines if they sleep.
@@ -427,16 +455,39 @@ class Coordinator:
         """
         self._pumps.notify_first_request(engine_index)
 
+    def route(self, prompt_token_ids: Sequence[int] | None = None) -> Route:
+        """Route one new request: the rank :attr:`chooser` picks from the live loads
+        (``prompt_token_ids`` serve ``routing="prefix"``), the wave to stamp on it, and
+        the wake of paused engines (:meth:`notify_first_request`), in one call, in that
+        order and with no checkpoint between. The request counts in flight on that rank
+        until :meth:`finished`. :class:`CoordinatorClosedError` once stopped."""
+        if self._pumps.closed:
+            raise CoordinatorClosedError("the coordinator has stopped")
+        loads = self.engine_loads()
+        rank = self._chooser.choose(loads, prompt_token_ids, now=trio.current_time())
+        return Route(rank, self._pumps.notify_first_request(rank))
+
+    def observe(self, engine_index: int, prompt_token_ids: Sequence[int]) -> bool:
+        """A request went to ``engine_index`` without :meth:`route` (pinned; its wave and
+        wake: :meth:`snapshot`, :meth:`notify_first_request`): the prefix policy learns it
+        (no-op with vLLM's). True if it now counts in flight (then :meth:`finished`)."""
+        return self._chooser.observe(engine_index, prompt_token_ids, now=trio.current_time())
+
+    def finished(self, engine_index: int) -> None:
+        """A request :meth:`route` sent to ``engine_index`` (or :meth:`observe` counted
+        there) finished (vLLM's ``finished_requests``): its in-flight count is released."""
+        self._chooser.finished(engine_index)
+
     def subscriptions(self) -> SubscriptionView:
         """The engines' subscriptions as seen on the broadcast socket."""
         with self._lock:
-            return self._core.subscriptions()
+            return self._pumps.core.subscriptions()
 
     def silent_engines(self) -> list[int]:
         """Ranks that never sent anything on the engine output socket (subscriptions carry
         no identity, so this is how a stuck start-up gate names who is missing)."""
         with self._lock:
-            return self._core.silent_engines()
+            return self._pumps.core.silent_engines()
 
     def expect_shutdown(self) -> None:
         """The engines are being stopped on purpose (call it just before stopping them):
@@ -444,14 +495,14 @@ class Coordinator:
         logged at INFO instead of WARNING (still counted, still summed up in a burst), so
         that a normal shutdown does not read like an outage."""
         with self._lock:
-            self._core.expect_shutdown()
+            self._pumps.core.expect_shutdown()
             for monitor in self._pumps.monitors:
                 monitor.shutdown_expected = True
 
-    def counters(self) -> CoordinatorCounters:
-        """A copy of the counters of received, decided, sent and rejected messages."""
+    def statistics(self) -> CoordinatorCounters:
+        """What was received, decided, sent and rejected since the start: a frozen copy."""
         with self._lock:
-            return self._core.counters()
+            return self._pumps.core.counters()
 
     async def wait_ready(self) -> None:
         """Return once READY has been broadcast (every expected engine subscribed).
@@ -463,7 +514,7 @@ class Coordinator:
             await self._pumps.ready.wait()
             return
         view = self.subscriptions()
-        expected = self._core.expected_engines
+        expected = self._pumps.core.expected_engines
         raise ReadyTimeoutError(
             f"start-up gate still closed after {self._ready_timeout} s: "
             f"{view.current} of {expected} engines subscribed to "
@@ -478,107 +529,58 @@ class Coordinator:
         while not predicate(self):
             await self._pumps.observers.park()
 
-
-def _curve_server(curve_secret_key: bytes | None) -> tuple[bytes | None, dict[int, int | bytes]]:
-    """The public key and socket options of a CURVE server, or no security at all."""
-    if curve_secret_key is None:
-        return None, {}
-    if not zmq.has("curve"):
-        raise CoordinatorError("this libzmq was built without CURVE support")
-    try:
-        public_key = zmq.curve_public(curve_secret_key)
-    except (zmq.ZMQError, ValueError, TypeError) as exc:
-        raise CoordinatorError(f"bad CURVE secret key: {exc}") from exc
-    return public_key, {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: curve_secret_key}
+    def restarts(self) -> RestartCounters:
+        """Restarts in place after failures of our own, and what they cost (§16)."""
+        with self._lock:
+            return self._pumps.restart_log.counters()
 
 
-@dataclass(frozen=True, slots=True)
-class _Bound:
-    """The coordinator's sockets, bound, with the addresses peers connect to."""
-
-    back_publish: AsyncSocket
-    back_output: AsyncSocket
-    front: AsyncSocket | None
-    addresses: dict[str, str | None]
-
-
-def _requested_sockets(
-    back_publish_address: str | None, back_output_address: str | None, front_address: str | None
-) -> dict[str, str | None]:
-    """Each socket's bind address by its key: the engine sockets always (None becomes
-    ``""``, a private ``ipc://`` path), the front socket only when asked for."""
-    return {
-        "back_publish": back_publish_address or "",
-        "back_output": back_output_address or "",
-        "front": front_address,
-    }
+def _take_over(pumps: _Pumps, wave_file: WaveFile) -> None:
+    """Keep the wave in ``wave_file`` and, if a process that ran on it died, start as its
+    successor: the engines connect and subscribe again, the wave starts at its wave."""
+    pumps.wave_file = wave_file
+    pumps.restart_log.process_restarts = wave_file.starts - 1
+    if wave_file.previous_wave is not None:
+        pumps.core.restarted(Recovery(wave=wave_file.previous_wave), trio.current_time())
+        logger.info(
+            "taking over from a coordinator process that died at wave %d (%s; process %d): "
+            "recovering as the engines come back",
+            wave_file.previous_wave,
+            wave_file.path,
+            wave_file.starts,
+        )
 
 
 @asynccontextmanager
-async def _open_bound_sockets(
-    pumps: _Pumps,
-    requested: dict[str, str | None],
-    curve_options: dict[int, int | bytes],
-    liveness: Liveness,
-    allow_remote: bool,
-) -> AsyncIterator[_Bound]:
-    """The sockets bound for the block; the private ``ipc://`` directory goes once every
-    socket is closed."""
-    async with AsyncExitStack() as sockets:
-        private_dir = PrivateIpcDirectory()
-        sockets.callback(private_dir.cleanup)
-        yield await _bind_sockets(
-            sockets, pumps, requested, private_dir, curve_options, liveness, allow_remote
-        )
-
-
-async def _bind_sockets(
-    sockets: AsyncExitStack,
-    pumps: _Pumps,
-    requested: dict[str, str | None],
-    private_dir: PrivateIpcDirectory,
-    curve_options: dict[int, int | bytes],
-    liveness: Liveness,
-    allow_remote: bool,
-) -> _Bound:
-    """Open, monitor and bind each socket ``requested`` names (None: not wanted, ``""``:
-    a private ``ipc://`` path); each monitor is entered before its bind, so that no
-    connection goes unseen. Heartbeats where they help (``Liveness.for_address``)."""
-    context = await sockets.enter_async_context(open_context())
-    bound: dict[str, AsyncSocket] = {}
-    addresses: dict[str, str | None] = dict.fromkeys(requested)
-    for key, address in requested.items():
-        if address is None:
-            continue
-        spec = _SOCKETS[key]
-        address = address or private_dir.address(spec.ipc_name)
-        socket_liveness = liveness.for_address(address)
-        options = {**spec.options, **curve_options, **socket_liveness.socket_options()}
-        socket = await sockets.enter_async_context(
-            open_socket(context, spec.socket_type, options=options, exclusive=spec.exclusive)
-        )
-        monitor = await sockets.enter_async_context(
-            open_peer_monitor(context, socket, key, spec.role, socket_liveness)
-        )
-        pumps.monitors.append(monitor)
-        monitor.address = bind_socket(socket, address, allow_remote=allow_remote, what=spec.role)
-        bound[key], addresses[key] = socket, monitor.address
-    return _Bound(bound["back_publish"], bound["back_output"], bound.get("front"), addresses)
-
-
-@asynccontextmanager
-async def _running_pumps(pumps: _Pumps, bound: _Bound) -> AsyncIterator[None]:
+async def _running_pumps(
+    pumps: _Pumps, bound: Bound, new_core: Callable[[], CoordinatorCore] | None
+) -> AsyncIterator[None]:
     """Every pump running on the bound sockets for the block; their failure comes out as
-    one :class:`CoordinatorError`."""
+    one :class:`CoordinatorError` (with ``new_core``: past the restart budget only)."""
     async with open_task_nursery(
         on_exit=pumps.close,
         failure=lambda group: CoordinatorError(f"coordinator task failed: {group!r}"),
     ) as nursery:
-        await _start_pumps(nursery, pumps, bound)
+        if new_core is None:
+            await _start_pumps(nursery, pumps, bound)
+        else:
+            await nursery.start(
+                supervise,
+                lambda pumps_nursery: _start_pumps(pumps_nursery, pumps, bound),
+                lambda: restart_pumps(pumps, new_core()),
+                pumps.restart_log,
+                lambda: pumps.closed,
+                pumps.changed,
+            )
+        logger.info(
+            "coordinator for %d engines: broadcast %s, outputs %s, front %s",
+            pumps.core.expected_engines,
+            *bound.addresses.values(),
+        )
         yield
 
 
-async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> None:
+async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: Bound) -> None:
     await nursery.start(pumps.broadcaster, bound.back_publish, bound.front)
     await nursery.start(pumps.timer)
     await nursery.start(pumps.subscription_watcher, bound.back_publish)
@@ -587,11 +589,6 @@ async def _start_pumps(nursery: trio.Nursery, pumps: _Pumps, bound: _Bound) -> N
         await nursery.start(pumps.peer_watcher, monitor)
     if bound.front is not None:
         await nursery.start(pumps.command_receiver, bound.front)
-    logger.info(
-        "coordinator for %d engines: broadcast %s, outputs %s, front %s",
-        pumps.core.expected_engines,
-        *bound.addresses.values(),
-    )
 
 
 @asynccontextmanager
@@ -608,6 +605,11 @@ async def open_coordinator(
     wake_confirm_timeout: float = 30.0,
     curve_secret_key: bytes | None = None,
     liveness: Liveness = DEFAULT_LIVENESS,
+    routing: Routing = "vllm",
+    prefix_routing: PrefixRouting | None = None,
+    restart: bool = True,
+    max_restarts: int = 5,
+    wave_file: str | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Run a DP wave coordinator for ``engine_count`` engines for the duration of the block.
 
@@ -629,23 +631,40 @@ async def open_coordinator(
     peers that know :attr:`Coordinator.curve_public_key` connect. ``liveness``: ZMTP
     heartbeats and TCP keepalive, so a silent peer (a partition, a dead node) is dropped
     within about ``liveness.notice_within`` seconds, counted in ``connections_lost``,
-    logged, and given READY again when it comes back and subscribes.
+    logged, and given READY again when it comes back and subscribes. ``routing`` and
+    ``prefix_routing``: the policy of :meth:`Coordinator.route` (see :class:`EngineChooser`).
+
+    ``restart``: a failure inside (a broken invariant of ours) restarts the service in
+    place, a new core on the same sockets (§16; :meth:`Coordinator.restarts`); more than
+    ``max_restarts`` within a minute raise :class:`CoordinatorError` (at once: ``False``).
+    ``wave_file``: keep the wave in this file; if it holds one, a process that ran on it
+    died: start as its successor, with that wave (``serve --supervised`` does this; a
+    file left by another fleet would hand its wave to engines that started at 0).
     """
-    core = CoordinatorCore(
-        engine_count,
-        wave_coordination=wave_coordination,
-        stats_interval=stats_interval,
-        wake_confirm_timeout=wake_confirm_timeout,
-        publish_to_front_ends=front_address is not None,
-    )
-    curve_public_key, curve_options = _curve_server(curve_secret_key)
-    pumps = _Pumps(core)
-    requested = _requested_sockets(back_publish_address, back_output_address, front_address)
-    async with _open_bound_sockets(
-        pumps, requested, curve_options, liveness, allow_remote
-    ) as bound:
-        handle = Coordinator(
-            pumps, bound.addresses, curve_public_key=curve_public_key, ready_timeout=ready_timeout
+
+    def new_core() -> CoordinatorCore:
+        return CoordinatorCore(
+            engine_count,
+            wave_coordination=wave_coordination,
+            stats_interval=stats_interval,
+            wake_confirm_timeout=wake_confirm_timeout,
+            publish_to_front_ends=front_address is not None,
         )
-        async with _running_pumps(pumps, bound):
+
+    chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix_routing)
+    curve_public_key, curve_options = curve_server(curve_secret_key)
+    pumps = _Pumps(new_core(), max_restarts)
+    requested = requested_sockets(back_publish_address, back_output_address, front_address)
+    async with AsyncExitStack() as stack:
+        if wave_file is not None:
+            kept = WaveFile(wave_file)
+            stack.callback(kept.close)
+            _take_over(pumps, kept)
+        bound = await stack.enter_async_context(
+            open_bound_sockets(pumps.monitors, requested, curve_options, liveness, allow_remote)
+        )
+        handle = Coordinator(
+            pumps, bound.addresses, chooser, curve_public_key, ready_timeout=ready_timeout
+        )
+        async with _running_pumps(pumps, bound, new_core if restart else None):
             yield handle

@@ -18,9 +18,7 @@ watcher per rank reads its connection events, so that an engine that dies or goe
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import sys
 import time
 import uuid
@@ -47,7 +45,7 @@ from ..protocol import (
     EngineLoad,
     ProtocolError,
     SamplingParams,
-    decode_engine_frames,
+    decode_client_frames,
     decode_utility_output,
     encode_abort,
     encode_add,
@@ -56,11 +54,11 @@ from ..protocol import (
 )
 from ..routing._chooser import EngineChooser, Routing
 from ..routing._prefix_router import PrefixRouting
-from ..trio_zmq import AsyncSocket, open_context, open_socket, parse_monitor_event
+from ..trio_zmq import open_context, open_socket
 from .coordinator import Coordinator, open_coordinator
 from .endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
+from .engine_io import Outbox, run_client_tasks
 from .engine_startup import (
-    ClientSockets,
     bind_client_sockets,
     handshake_metadata,
     tcp_host,
@@ -69,10 +67,9 @@ from .engine_startup import (
 from .request_stream import (
     Completion,
     EngineClientStatistics,
-    RequestOutput,
     RequestStream,
 )
-from .tasks import RejectLog, open_task_nursery
+from .tasks import RejectLog
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -110,25 +107,26 @@ class _PendingCall:
 
 @final
 class EngineClient:
-    """The handle :func:`open_engine_client` yields once every engine is ready."""
+    """The handle :func:`open_engine_client` yields once every engine is ready.
+
+    Properties are fixed settings; methods read what changes (the README's rule)."""
 
     def __init__(
         self,
         coordinator: Coordinator,
         engine_count: int,
         ready_responses: Mapping[int, Mapping[str, Any]],
-        send_channel: trio.MemorySendChannel[tuple[bytes, list[bytes]]],
+        outbox: Outbox,
         client_index: int,
         silence_timeout: float | None = None,
         chooser: EngineChooser | None = None,
     ) -> None:
-        self.coordinator = coordinator
-        """The embedded wave coordinator (its snapshot, loads and counters)."""
-        self.engine_count = engine_count
-        self.ready_responses: Mapping[int, Mapping[str, Any]] = ready_responses
-        """Each rank's ``EngineCoreReadyResponse`` (``max_model_len``, ``vllm_version``...)."""
-        self.client_index = client_index
-        self._send = send_channel
+        self._coordinator = coordinator
+        self._engine_count = engine_count
+        self._ready_responses = ready_responses
+        self._client_index = client_index
+        self._outbox = outbox
+        self._identities = [engine_identity(rank) for rank in range(engine_count)]
         self._table = RequestTable()
         self._streams: dict[str, RequestStream] = {}
         self._uncounted: set[str] = set()
@@ -137,21 +135,35 @@ class EngineClient:
         self._calls: dict[int, _PendingCall] = {}
         self._chooser = chooser if chooser is not None else EngineChooser(engine_count)
         self._closed = False
-        self._request_ids = (f"trio-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
-        self.reject = _CountedRejectLog(logger)
+        self._request_id_prefix = f"trio-{uuid.uuid4().hex[:12]}-"
+        self._requests_made = 0
+        self._reject = _CountedRejectLog(logger)
         self._silence = SilenceWatch(silence_timeout) if silence_timeout is not None else None
         self._work_sent = trio.Event()
-        self.requests_sent = 0
-        self.requests_aborted = 0
+        self._requests_sent = 0
+        self._requests_aborted = 0
         self._shutdown_expected = False
         self._paused_by_us = False
         """Between a pause call of ours and its resume: no first-request notice then."""
 
     # --- public API -----------------------------------------------------------------
     @property
-    def dead_ranks(self) -> frozenset[int]:
-        """Ranks taken as dead; nothing is sent to them any more."""
-        return frozenset(self._table.dead)
+    def coordinator(self) -> Coordinator:
+        """The embedded wave coordinator (its snapshot, loads and statistics)."""
+        return self._coordinator
+
+    @property
+    def engine_count(self) -> int:
+        return self._engine_count
+
+    @property
+    def client_index(self) -> int:
+        return self._client_index
+
+    @property
+    def ready_responses(self) -> Mapping[int, Mapping[str, Any]]:
+        """Each rank's ``EngineCoreReadyResponse`` (``max_model_len``, ``vllm_version``...)."""
+        return self._ready_responses
 
     def expect_shutdown(self) -> None:
         """The engines are being stopped on purpose (call it just before stopping them):
@@ -159,27 +171,24 @@ class EngineClient:
         the embedded coordinator is told the same, so a normal shutdown does not read
         like an outage."""
         self._shutdown_expected = True
-        self.coordinator.expect_shutdown()
+        self._coordinator.expect_shutdown()
 
     def in_flight(self, rank: int | None = None) -> list[str]:
         """Request ids in flight (on ``rank`` only, if given)."""
         return self._table.in_flight(rank)
 
-    def pending_calls(self) -> int:
-        """Utility calls sent and not answered yet."""
-        return len(self._calls)
-
     def statistics(self) -> EngineClientStatistics:
-        """The client's bookkeeping now (as trio's ``statistics()`` methods: a cheap,
-        synchronous read)."""
+        """The client's bookkeeping now, a frozen copy (as trio's ``statistics()``
+        methods: a cheap, synchronous read): requests and calls in flight, the ranks
+        taken as dead, running totals."""
         return EngineClientStatistics(
             requests_in_flight=len(self._table.in_flight()),
             streams_open=len(self._streams),
             calls_pending=len(self._calls),
-            dead_ranks=self.dead_ranks,
-            requests_sent=self.requests_sent,
-            requests_aborted=self.requests_aborted,
-            rejected=dict(self.reject.counts),
+            dead_ranks=frozenset(self._table.dead),
+            requests_sent=self._requests_sent,
+            requests_aborted=self._requests_aborted,
+            rejected=dict(self._reject.counts),
         )
 
     def generate(
@@ -198,13 +207,16 @@ class EngineClient:
         otherwise the chooser picks the engine from the coordinator's live loads.
         ``buffer``: how many outputs may wait unread before the request is aborted.
         """
-        if rank is not None and not 0 <= rank < self.engine_count:
-            raise ValueError(f"rank must be in [0, {self.engine_count}), got {rank}")
+        if rank is not None and not 0 <= rank < self._engine_count:
+            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
         if buffer < 1:
             raise ValueError("buffer must be at least 1")
+        if request_id is None:
+            request_id = f"{self._request_id_prefix}{self._requests_made}"
+            self._requests_made += 1
         return RequestStream(
             self,
-            request_id if request_id is not None else next(self._request_ids),
+            request_id,
             prompt_token_ids,
             params or SamplingParams(),
             rank,
@@ -219,11 +231,13 @@ class EngineClient:
         *,
         rank: int | None = None,
     ) -> Completion:
-        """Send one request and wait for all of it."""
+        """Send one request and wait for all of it (its token ids are gathered as they
+        come, without waking the caller before the end)."""
+        stream = self.generate(prompt_token_ids, params, rank=rank)
         tokens: list[int] = []
-        async with self.generate(prompt_token_ids, params, rank=rank) as stream:
-            async for output in stream:
-                tokens.extend(output.new_token_ids)
+        stream._collected = tokens
+        async with stream:
+            await stream._until_ended()
         assert stream.finish_reason is not None and stream.rank is not None
         return Completion(stream.request_id, tuple(tokens), stream.finish_reason, stream.rank)
 
@@ -237,9 +251,9 @@ class EngineClient:
             return
         stream = self._streams.get(request_id)
         self._finish(request_id, rank)
-        self.requests_aborted += 1
+        self._requests_aborted += 1
         self._queue(rank, encode_abort([request_id]))
-        if stream is not None and not stream._deliver(RequestOutput(request_id, (), "abort")):
+        if stream is not None and not stream._push((), "abort"):
             stream._fail(RequestAbortedError(f"request {request_id} aborted"))
 
     async def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
@@ -249,15 +263,16 @@ class EngineClient:
         :class:`EngineDeadError` if the engine goes first. Results are decoded msgpack
         (vLLM sends typed results only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
         self._check_usable()
-        if not 0 <= rank < self.engine_count:
-            raise ValueError(f"rank must be in [0, {self.engine_count}), got {rank}")
+        if not 0 <= rank < self._engine_count:
+            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
         if rank in self._table.dead:
             raise EngineDeadError(rank, "taken as dead earlier")
+        self._work_for(rank)
         call_id = self._table.new_call(rank)
         call = _PendingCall(rank, method, trio.Event())
         self._calls[call_id] = call
         try:
-            self._queue(rank, encode_utility(self.client_index, call_id, method, args))
+            self._queue(rank, encode_utility(self._client_index, call_id, method, args))
             await call.done.wait()
         finally:
             if self._calls.pop(call_id, None) is not None:
@@ -268,7 +283,7 @@ class EngineClient:
 
     async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
         """The same utility call on every live rank, results in rank order."""
-        live = [r for r in range(self.engine_count) if r not in self._table.dead]
+        live = [r for r in range(self._engine_count) if r not in self._table.dead]
         results: dict[int, Any] = {}
 
         async def one(rank: int) -> None:
@@ -323,14 +338,24 @@ class EngineClient:
         """Ranks with requests or utility calls in flight."""
         return set(self._table.busy_ranks()) | {call.rank for call in self._calls.values()}
 
-    def _queue(self, rank: int, frames: list[bytes]) -> None:
-        if self._silence is not None and frames[0] != b"\x01":  # aborts expect nothing
-            idle = rank not in self._busy_ranks()
-            self._silence.sent(rank, trio.current_time(), idle)
+    def _work_for(self, rank: int) -> None:
+        """Work (a request, a call) is about to be recorded and sent to ``rank``: a rank
+        that had none starts its silence clock now, and wakes the watch (whose next
+        deadline can only be this one's when no rank was busy)."""
+        silence = self._silence
+        if silence is None:
+            return
+        idle = not self._table.is_busy(rank) and all(
+            call.rank != rank for call in self._calls.values()
+        )
+        silence.sent(rank, trio.current_time(), idle)
+        if idle:
             self._work_sent.set()
+
+    def _queue(self, rank: int, frames: list[bytes]) -> None:
         try:
-            self._send.send_nowait((engine_identity(rank), frames))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self._outbox.put(self._identities[rank], frames)
+        except trio.ClosedResourceError:
             raise EngineClientClosedError("the engine client has stopped") from None
 
     @property
@@ -340,15 +365,16 @@ class EngineClient:
 
     def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         dead = self._table.dead
-        if len(dead) >= self.engine_count:
-            raise EngineDeadError(min(dead), "every engine is gone")
-        loads = list(self.coordinator.engine_loads())
-        loads += [EngineLoad(0, 0, 0.0)] * (self.engine_count - len(loads))
-        for rank in dead:
-            loads[rank] = _UNAVAILABLE
-        return self._chooser.choose(
-            loads[: self.engine_count], prompt_token_ids, now=trio.current_time()
-        )
+        loads: Sequence[EngineLoad] = self._coordinator.engine_loads()
+        if dead or len(loads) != self._engine_count:
+            if len(dead) >= self._engine_count:
+                raise EngineDeadError(min(dead), "every engine is gone")
+            padded = list(loads)
+            padded += [EngineLoad(0, 0, 0.0)] * (self._engine_count - len(padded))
+            for rank in dead:
+                padded[rank] = _UNAVAILABLE
+            loads = padded[: self._engine_count]
+        return self._chooser.choose(loads, prompt_token_ids, now=trio.current_time())
 
     def _add(self, stream: RequestStream) -> None:
         self._check_usable()
@@ -360,10 +386,11 @@ class EngineClient:
                 self._uncounted.add(stream.request_id)
         else:
             rank = self._choose(stream._prompt)
+        self._work_for(rank)
         self._table.add(stream.request_id, rank)
         stream.rank = rank
         self._streams[stream.request_id] = stream
-        snapshot = self.coordinator.snapshot()
+        snapshot = self._coordinator.snapshot()
         self._queue(
             rank,
             encode_add(
@@ -372,15 +399,15 @@ class EngineClient:
                 stream._params,
                 arrival_time=time.time(),
                 current_wave=snapshot.current_wave,
-                client_index=self.client_index,
+                client_index=self._client_index,
                 data_parallel_rank=stream._pinned,
                 priority=stream._priority,
             ),
         )
-        self.requests_sent += 1
+        self._requests_sent += 1
         if not snapshot.engines_running and not self._paused_by_us:
             # as DPAsyncMPClient: the request first, then the first-request notice
-            self.coordinator.notify_first_request(rank)
+            self._coordinator.notify_first_request(rank)
 
     def _release(self, stream: RequestStream) -> None:
         """The caller left the stream: abort the request if it is still live."""
@@ -390,7 +417,7 @@ class EngineClient:
         self._table.finish(stream.request_id, RequestState.ABORTED)
         self._streams.pop(stream.request_id, None)
         self._chooser_finished(stream.request_id, rank)
-        self.requests_aborted += 1
+        self._requests_aborted += 1
         if not self._closed:
             with suppress(EngineClientClosedError):
                 self._queue(rank, encode_abort([stream.request_id]))
@@ -398,47 +425,52 @@ class EngineClient:
 
     # --- what the tasks call --------------------------------------------------------
     def _receive_outputs(self, rank: int, frames: list[bytes]) -> None:
+        """One message of ``rank``'s output socket: each output to its request's stream
+        (outputs of finished, aborted or unknown requests are dropped, as vLLM does), a
+        utility answer to its call, the dead marker to :meth:`_rank_dead`."""
         if self._silence is not None:
             self._silence.heard(rank, trio.current_time())
         try:
-            message = decode_engine_frames(frames)
+            message = decode_client_frames(frames)
         except ProtocolError as exc:
-            self.reject("engine_output", f"rank {rank}: {exc}")
+            self._reject("engine_output", f"rank {rank}: {exc}")
             return
-        if isinstance(message, EngineDead):
+        if type(message) is EngineDead:
             self._rank_dead(rank, "it sent ENGINE_CORE_DEAD")
             return
-        aborted: list[str] = []
-        for out in message.outputs:
-            stream = self._streams.get(out.request_id)
+        assert not isinstance(message, EngineDead)
+        outputs, utility_output = message
+        streams = self._streams
+        aborted: list[str] | None = None
+        for out in outputs:
+            stream = streams.get(out.request_id)
             if stream is None:
-                continue  # finished, aborted or not ours: dropped, as vLLM does
-            reason = None
-            if out.finish_reason is not None:
-                reason = (
-                    FINISH_REASONS[out.finish_reason]
-                    if out.finish_reason < len(FINISH_REASONS)
-                    else str(out.finish_reason)
+                continue
+            finish = out.finish_reason
+            if finish is None:
+                if stream._push(out.new_token_ids, None):
+                    continue
+            else:
+                reason = FINISH_REASONS[finish] if finish < len(FINISH_REASONS) else str(finish)
+                if stream._push(out.new_token_ids, reason):
+                    self._finish(out.request_id, rank)
+                    continue
+            request_id = out.request_id
+            stream._fail(
+                RequestAbortedError(
+                    f"request {request_id} aborted: its reader fell "
+                    f"{stream._capacity} outputs behind"
                 )
-            if not stream._deliver(RequestOutput(out.request_id, out.new_token_ids, reason)):
-                aborted.append(out.request_id)
-                stream._fail(
-                    RequestAbortedError(
-                        f"request {out.request_id} aborted: its reader fell "
-                        f"{stream._send.statistics().max_buffer_size} outputs behind"
-                    )
-                )
-            elif reason is not None:
-                self._finish(out.request_id, rank)
-        for request_id in aborted:
+            )
             self._table.finish(request_id, RequestState.ABORTED)
-            self._streams.pop(request_id, None)
+            streams.pop(request_id, None)
             self._chooser_finished(request_id, rank)
-            self.requests_aborted += 1
-        if aborted:
+            self._requests_aborted += 1
+            aborted = [request_id] if aborted is None else [*aborted, request_id]
+        if aborted is not None:
             self._queue(rank, encode_abort(aborted))
-        if message.utility_output is not None:
-            self._receive_utility(rank, message.utility_output)
+        if utility_output is not None:
+            self._receive_utility(rank, utility_output)
 
     def _finish(self, request_id: str, rank: int) -> None:
         self._table.finish(request_id)
@@ -456,11 +488,11 @@ class EngineClient:
         try:
             answer = decode_utility_output(raw)
         except ProtocolError as exc:
-            self.reject("utility_output", f"rank {rank}: {exc}")
+            self._reject("utility_output", f"rank {rank}: {exc}")
             return
         call = self._calls.pop(answer.call_id, None)
         if call is None:
-            self.reject("utility_output", f"rank {rank}: no call {answer.call_id} pending")
+            self._reject("utility_output", f"rank {rank}: no call {answer.call_id} pending")
             return
         self._table.complete_call(answer.call_id)
         if answer.failure is not None:
@@ -523,7 +555,7 @@ class EngineClient:
             call.error = EngineClientClosedError(f"{call.method}: the client closed")
             call.done.set()
         self._calls.clear()
-        self._send.close()
+        self._outbox.close()
 
 
 @asynccontextmanager
@@ -572,7 +604,7 @@ async def open_engine_client(
     """
     if engine_count < 1:
         raise ValueError("engine_count must be at least 1")
-    chooser = EngineChooser(engine_count, routing=routing, prefix=prefix_routing)
+    chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix_routing)
     host = tcp_host(handshake_address)
     check_bind_address(handshake_address, allow_remote=allow_remote)
     free = f"tcp://{host}:0"
@@ -590,17 +622,16 @@ async def open_engine_client(
             context, zmq.ROUTER, bind=handshake_address, options=tcp_options
         ) as handshake:
             await wait_for_engines(state, handshake, sockets.input, client_index, startup_timeout)
-        send, receive = trio.open_memory_channel[tuple[bytes, list[bytes]]](math.inf)
         client = EngineClient(
             coordinator,
             engine_count,
             dict(state.ready_responses),
-            send,
+            Outbox(sockets.input),
             client_index,
             silence_timeout,
             chooser,
         )
-        async with _run_client(client, sockets, receive):
+        async with run_client_tasks(client, sockets):
             yield client
 
 
@@ -618,70 +649,3 @@ def _embedded_coordinator(
         liveness=liveness,
         wave_coordination=waves,
     )
-
-
-@asynccontextmanager
-async def _run_client(
-    client: EngineClient,
-    sockets: ClientSockets,
-    receive: trio.MemoryReceiveChannel[tuple[bytes, list[bytes]]],
-) -> AsyncIterator[None]:
-    """The client's tasks: the input sender, the silence watch, and per rank its output
-    listener and connection watcher; on the way out, whatever is in flight fails."""
-    async with open_task_nursery(
-        on_exit=client._close,
-        failure=lambda group: EngineClientError(f"engine client task failed: {group!r}"),
-    ) as nursery:
-        await nursery.start(_input_sender, sockets.input, receive)
-        await nursery.start(client._watch_silence)
-        for rank, (pull, monitor, _) in enumerate(sockets.outputs):
-            await nursery.start(_output_listener, client, rank, pull)
-            await nursery.start(_connection_watcher, client, rank, monitor)
-        yield
-
-
-async def _input_sender(
-    socket: AsyncSocket,
-    receive: trio.MemoryReceiveChannel[tuple[bytes, list[bytes]]],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The one task that sends on the request-input socket."""
-    task_status.started()
-    async with receive:
-        async for identity, frames in receive:
-            await socket.send_multipart([identity, *frames])
-
-
-async def _output_listener(
-    client: EngineClient,
-    rank: int,
-    socket: AsyncSocket,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Reads rank ``rank``'s output socket and hands each message to the client."""
-    task_status.started()
-    while True:
-        for frames in await socket.recv_multipart_batch():
-            client._receive_outputs(rank, frames)
-
-
-async def _connection_watcher(
-    client: EngineClient,
-    rank: int,
-    monitor: AsyncSocket,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The rank's output connection closed (the process died) or was dropped by the
-    heartbeats (it went silent): the rank is gone."""
-    task_status.started()
-    while True:
-        try:
-            event = parse_monitor_event(await monitor.recv_multipart())
-        except ValueError as exc:
-            client.reject("monitor", str(exc))
-            continue
-        if event.event == zmq.EVENT_DISCONNECTED:
-            client._rank_dead(rank, "its output connection was lost")

@@ -36,11 +36,11 @@ import zmq
 
 from .. import protocol
 from .._errors import CoordinatorClosedError, CoordinatorError
-from ..core._frontend import FrontendState
+from ..core._frontend import FrontendState, FrontendStatistics
 from ..core._wave import HEARTBEAT_INTERVAL, WaveSnapshot
 from ..protocol import EngineLoad
 from ..routing._chooser import Routing
-from ..routing._prefix_router import PrefixRouting, RouterCounters
+from ..routing._prefix_router import PrefixRouting
 from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from .monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
 from .tasks import RejectLog, open_task_nursery
@@ -59,6 +59,7 @@ class Frontend:
 
     Built complete by :func:`open_frontend` once its socket is connected. Every method is
     synchronous and cheap, for use from trio tasks; only :meth:`wait_for` awaits.
+    Properties are fixed settings; methods read what changes (the README's rule).
     """
 
     def __init__(
@@ -88,14 +89,15 @@ class Frontend:
         return self._state.client_count
 
     @property
-    def publishes_received(self) -> int:
-        """Valid publishes received (each one, even if a later one superseded it)."""
-        return self._state.publishes_received
+    def routing(self) -> Routing:
+        """The engine-choice policy: ``"vllm"`` or ``"prefix"``."""
+        return self._state.routing
 
     @property
-    def last_publish_time(self) -> float | None:
-        """``trio.current_time()`` when the latest publish arrived, or None before any."""
-        return self._state.last_publish_time
+    def engine_count(self) -> int:
+        """How many engines the latest publish listed (``engine_count`` as given to
+        :func:`open_frontend` before one; 0 if unknown yet)."""
+        return self._state.engine_count
 
     # --- reading the coordinator's state ---------------------------------------------
 
@@ -111,13 +113,11 @@ class Frontend:
         """
         return self._state.engine_loads()
 
-    def engine_count(self) -> int:
-        """How many engines the latest publish listed (0 if unknown yet)."""
-        return len(self.engine_loads())
-
-    def rejected(self) -> dict[str, int]:
-        """Publishes that could not be decoded, by reason (logged at WARNING)."""
-        return self._state.rejected()
+    def statistics(self) -> FrontendStatistics:
+        """Publishes received (``last_publish_time`` in ``trio.current_time()``) and
+        rejected by reason (logged at WARNING), connection drops, this front-end's
+        requests in flight per engine and the prefix policy's counters: a frozen copy."""
+        return self._state.statistics(disconnects=self._monitor.disconnects)
 
     def coordinator_silent_for(self) -> float:
         """Seconds since the latest publish (since opening, before the first one).
@@ -130,10 +130,6 @@ class Frontend:
     def connected(self) -> bool:
         """Whether the connection to the coordinator's front socket is up now."""
         return self._monitor.connected
-
-    def disconnects(self) -> int:
-        """How many times the connection to the coordinator dropped."""
-        return self._monitor.disconnects
 
     async def wait_for(self, predicate: Callable[[Frontend], bool]) -> None:
         """Wait until ``predicate(self)`` holds; re-checked after every batch of publishes.
@@ -148,50 +144,36 @@ class Frontend:
 
     # --- routing ----------------------------------------------------------------------
 
-    def choose_engine(self, prompt_token_ids: Sequence[int] | None = None) -> int:
+    def choose(self, prompt_token_ids: Sequence[int] | None = None) -> int:
         """The engine for one new request, by the routing policy with the latest loads.
 
         vLLM 0.33.0's score by default; with ``routing="prefix"``, ``prompt_token_ids``
         lets the choice weigh what each engine has cached (without them, least loaded).
-        Counts the request as in flight on that engine until :meth:`request_finished`.
+        Counts the request as in flight on that engine until :meth:`finished`.
         Before any load report the in-flight counts alone spread requests over the
         engines.
         """
-        return self._state.choose_engine(prompt_token_ids, trio.current_time())
+        return self._state.choose(prompt_token_ids, trio.current_time())
 
-    def observe_request(self, engine_index: int, prompt_token_ids: Sequence[int]) -> bool:
-        """A request went to ``engine_index`` without :meth:`choose_engine` (a pinned
+    def observe(self, engine_index: int, prompt_token_ids: Sequence[int]) -> bool:
+        """A request went to ``engine_index`` without :meth:`choose` (a pinned
         ``data_parallel_rank``): the prefix policy learns it (no-op with vLLM's).
         Returns whether it now counts in flight there: only then must
-        :meth:`request_finished` follow when it ends (otherwise that would release the
+        :meth:`finished` follow when it ends (otherwise that would release the
         count of a request the chooser placed)."""
-        return self._state.observe_request(engine_index, prompt_token_ids, trio.current_time())
+        return self._state.observe(engine_index, prompt_token_ids, trio.current_time())
 
     def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
         """One of ``engine_index``'s vLLM KV-event batches (from its ``--kv-events-config``
         PUB socket: the frame's sequence number and msgpack payload), the prefix policy's
         exact feed. False if rejected (logged at WARNING, counted in
-        :attr:`router_counters`) or when not routing by prefix."""
+        :meth:`statistics`) or when not routing by prefix."""
         return self._state.receive_kv_events(engine_index, seq, payload, trio.current_time())
 
-    @property
-    def routing(self) -> Routing:
-        """The engine-choice policy: ``"vllm"`` or ``"prefix"``."""
-        return self._state.routing
-
-    @property
-    def router_counters(self) -> RouterCounters | None:
-        """The prefix policy's counters (None with vLLM's, or before the first choice)."""
-        chooser = self._state.chooser
-        return chooser.router_counters if chooser is not None else None
-
-    def request_finished(self, engine_index: int) -> None:
-        """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
-        self._state.request_finished(engine_index)
-
-    def inflight(self) -> tuple[int, ...]:
-        """This front-end's unfinished requests per engine."""
-        return self._state.inflight()
+    def finished(self, engine_index: int) -> None:
+        """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``):
+        its in-flight count is released."""
+        self._state.finished(engine_index)
 
     # --- commands to the coordinator -------------------------------------------------
 
@@ -356,8 +338,8 @@ async def open_frontend(
     ``front_address`` is the ``front`` endpoint the standalone coordinator printed (or
     :attr:`Coordinator.front_address`). ``client_index`` of ``client_count`` front-ends
     sets where this one's engine scan starts, as in vLLM; ``engine_count``, if known,
-    lets :meth:`Frontend.choose_engine` work before the first publish arrives.
-    ``routing``: how :meth:`Frontend.choose_engine` chooses, ``"vllm"`` (vLLM 0.33.0's
+    lets :meth:`Frontend.choose` work before the first publish arrives.
+    ``routing``: how :meth:`Frontend.choose` chooses, ``"vllm"`` (vLLM 0.33.0's
     score, the default) or ``"prefix"`` (prefix-cache affinity weighed against the
     busiest rank, settings in ``prefix_routing``); see :class:`EngineChooser`.
     ``curve_server_key``: the coordinator's ``curve_public_key`` when it runs with
@@ -384,7 +366,7 @@ async def open_frontend(
         engine_count=engine_count,
         now=trio.current_time(),
         routing=routing,
-        prefix=prefix_routing,
+        prefix_routing=prefix_routing,
     )
     handle: Frontend | None = None
     try:

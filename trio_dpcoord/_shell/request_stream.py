@@ -4,10 +4,11 @@ the client's :class:`EngineClientStatistics`."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, final
+from typing import Any, Protocol, final
 
 import trio
 
@@ -15,10 +16,17 @@ from ..protocol import (
     SamplingParams,
 )
 
-if TYPE_CHECKING:
-    from .engine_client import EngineClient
-
 __all__ = ["Completion", "EngineClientStatistics", "RequestOutput", "RequestStream"]
+
+
+class StreamOwner(Protocol):
+    """What a stream needs of the client that made it: to send its request when the
+    block is entered and to take it back (abort or forget it) when the block is left. A
+    protocol, so that this module does not import the client that imports it."""
+
+    def _add(self, stream: RequestStream) -> None: ...
+
+    def _release(self, stream: RequestStream) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,27 @@ class Completion:
     rank: int
 
 
+_new = object.__new__
+_output_slots = tuple(getattr(RequestOutput, f).__set__ for f in RequestOutput.__slots__)
+
+
+def _request_output(
+    request_id: str,
+    new_token_ids: tuple[int, ...],
+    finish_reason: str | None,
+    _s: tuple[Any, ...] = _output_slots,
+) -> RequestOutput:
+    """``RequestOutput(request_id, new_token_ids, finish_reason)``, built the way the
+    protocol's hot-path constructors are (one per token: a frozen dataclass's
+    ``__init__`` goes through ``object.__setattr__`` per field, twice the cost)."""
+    output = _new(RequestOutput)
+    _s[0](output, request_id)
+    _s[1](output, new_token_ids)
+    _s[2](output, finish_reason)
+    _s[3](output, None)
+    return output
+
+
 @final
 class RequestStream:
     """One request's outputs, as an async iterator; enter it to send the request.
@@ -58,11 +87,14 @@ class RequestStream:
     :class:`EngineDeadError` if the engine goes, :class:`RequestAbortedError` if the
     request was aborted under it (the caller fell ``buffer`` outputs behind, or the client
     closed).
+
+    Reading is a cancellation point; it waits (a schedule point) only when no output is
+    waiting: outputs that arrived together are read without a task switch each.
     """
 
     def __init__(
         self,
-        client: EngineClient,
+        client: StreamOwner,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
@@ -78,9 +110,21 @@ class RequestStream:
         self._priority = priority
         self.rank: int | None = None
         """The DP rank the request went to (set once entered)."""
-        self._send, self._receive = trio.open_memory_channel[RequestOutput](buffer)
+        self._buffer: deque[RequestOutput] = deque()
+        self._capacity = buffer
+        self._reader: trio.lowlevel.Task | None = None
+        """The task waiting in :meth:`__anext__`, if one is."""
+        self._handed = 0
+        """1 while the output that woke the reader waits for it to run: handed over, not
+        buffered (as a memory channel counts it)."""
+        self._ended = False
+        """No output comes after those buffered (the last one came, or a failure)."""
+        self._left = False
         self._error: BaseException | None = None
         self._entered = False
+        self._collected: list[int] | None = None
+        """:meth:`EngineClient.complete`'s token ids: kept here as they come, no output
+        objects, no wake-up before the end."""
         self.finish_reason: str | None = None
 
     async def __aenter__(self) -> RequestStream:
@@ -97,7 +141,8 @@ class RequestStream:
         tb: TracebackType | None,
     ) -> None:
         self._client._release(self)
-        self._receive.close()
+        self._left = True
+        self._buffer.clear()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -105,33 +150,75 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._entered:
             raise RuntimeError("enter the stream (async with) before reading it")
-        try:
-            output = await self._receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            if self._error is not None:
-                raise self._error from None
-            raise StopAsyncIteration from None
+        buffer = self._buffer
+        if buffer and not self._left:
+            await trio.lowlevel.checkpoint_if_cancelled()  # waiting below is one too
+        while not buffer or self._left:
+            if self._ended or self._left:
+                if self._error is not None:
+                    raise self._error from None
+                raise StopAsyncIteration
+            self._reader = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+            self._handed = 0
+        output = buffer.popleft()
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
         return output
 
+    async def _until_ended(self) -> None:
+        """:meth:`EngineClient.complete`'s wait: until the last output came (its tokens in
+        ``_collected``), or the failure, raised."""
+        if self._ended:
+            await trio.lowlevel.checkpoint()
+        while not self._ended:
+            self._reader = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+        if self._error is not None:
+            raise self._error
+
+    def _stop_waiting(self, raise_cancel: object) -> trio.lowlevel.Abort:
+        self._reader = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     # called by the client's tasks (never block)
-    def _deliver(self, output: RequestOutput) -> bool:
-        """Queue one output; False when the reader is ``buffer`` outputs behind."""
-        try:
-            self._send.send_nowait(output)
-        except trio.WouldBlock:
-            return False
-        except trio.BrokenResourceError:  # the reader left; the release aborts it
+    def _push(self, new_token_ids: tuple[int, ...], finish_reason: str | None) -> bool:
+        """One step's output; False when the reader is ``buffer`` outputs behind."""
+        if self._left or self._ended:  # the reader left: the release aborts it
             return True
-        if output.finished:
-            self._send.close()
+        collected = self._collected
+        if collected is not None:
+            collected += new_token_ids
+            if finish_reason is None:
+                return True
+            self.finish_reason = finish_reason
+            self._ended = True
+            reader = self._reader
+            if reader is not None:
+                self._reader = None
+                trio.lowlevel.reschedule(reader)
+            return True
+        buffer = self._buffer
+        if len(buffer) - self._handed >= self._capacity:
+            return False
+        buffer.append(_request_output(self.request_id, new_token_ids, finish_reason))
+        if finish_reason is not None:
+            self._ended = True
+        reader = self._reader
+        if reader is not None:
+            self._reader = None
+            self._handed = 1
+            trio.lowlevel.reschedule(reader)
         return True
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._send.close()
+        self._ended = True
+        reader = self._reader
+        if reader is not None:
+            self._reader = None
+            trio.lowlevel.reschedule(reader)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,25 @@
-"""What both handles offer a front-end that routes requests: one typing Protocol."""
+"""What both handles offer a front-end that routes requests: one typing Protocol, and the
+:class:`Route` of :meth:`~trio_dpcoord.Coordinator.route`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from ..core._wave import WaveSnapshot
 from ..protocol import EngineLoad
 
-__all__ = ["CoordinatorView"]
+__all__ = ["CoordinatorView", "Route"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request goes (:meth:`~trio_dpcoord.Coordinator.route`): the engine
+    ``rank`` to send it to, and the ``wave`` to stamp on it (vLLM's ``current_wave``)."""
+
+    rank: int
+    wave: int
 
 
 class CoordinatorView(Protocol):

@@ -44,8 +44,12 @@ first-request claim, the engine choice and its in-flight counts.
 :class:`WaveState` is the wave rule on its own (``(current_wave, engines_running)`` and
 vLLM PR #46833's stale-first-request rule), for oracles and model checkers that want to
 compare the whole core against it; :class:`LoadTable` and :class:`PublishSchedule` are
-its load table and publish timing, :class:`IngestBacklog` and :class:`BurstSummary` /
+its load table (a :class:`StatsOutcome` says what it did with each report) and publish
+timing, :class:`IngestBacklog` and :class:`BurstSummary` /
 :class:`ProgressPacer` the ingest backlog's news and the pacing of repeated log lines.
+
+:class:`Recovery` is what a core taking over from one that died is told
+(:meth:`CoordinatorCore.restarted`, the first input of a fresh core; docs/protocol.md §16).
 
 :class:`HandshakeState`, :class:`RequestTable` and :class:`SilenceWatch` are the engine
 client's sans-IO rooms (:class:`~trio_dpcoord.EngineClient` moves bytes around them):
@@ -70,13 +74,15 @@ from ._effects import (
     WaveStartCause,
 )
 from ._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
-from ._frontend import FrontendState
+from ._frontend import FrontendState, FrontendStatistics
 from ._pacing import BurstSummary, ProgressPacer
+from ._recovery import Recovery, RecoveryRules
 from ._wave import (
     HEARTBEAT_INTERVAL,
     FirstRequest,
     LoadTable,
     PublishSchedule,
+    StatsOutcome,
     WaveSnapshot,
     WaveStart,
     WaveState,
@@ -95,6 +101,7 @@ __all__ = [
     "Effect",
     "FirstRequest",
     "FrontendState",
+    "FrontendStatistics",
     "HandshakeState",
     "HistogramSnapshot",
     "IngestBacklog",
@@ -102,11 +109,14 @@ __all__ = [
     "ProgressPacer",
     "Publish",
     "PublishSchedule",
+    "Recovery",
+    "RecoveryRules",
     "Reject",
     "RequestState",
     "RequestTable",
     "ScaleRequest",
     "SilenceWatch",
+    "StatsOutcome",
     "SubscriptionView",
     "WaveSnapshot",
     "WaveStart",

@@ -19,6 +19,7 @@ and one INFO when the queue empties again after a warning.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
@@ -33,6 +34,25 @@ class BacklogNews(NamedTuple):
     caught_up: bool
     behind_for: float
     coalesced: int
+
+    def log(self, logger: logging.Logger) -> None:
+        """Tell it: a WARNING while behind, an INFO once caught up."""
+        if self.caught_up:
+            logger.info(
+                "engine output socket caught up after %.1f s behind (%d load reports "
+                "superseded before they were written meanwhile)",
+                self.behind_for,
+                self.coalesced,
+            )
+        else:
+            logger.warning(
+                "engine output socket behind for %.1f s: its queue has not been empty since "
+                "(%d load reports superseded before they were written meanwhile). Engines "
+                "send faster than the coordinator reads: published loads are that old and "
+                "wave reports wait behind the queue (README: past the limit)",
+                self.behind_for,
+                self.coalesced,
+            )
 
 
 class IngestBacklog:

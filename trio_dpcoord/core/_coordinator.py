@@ -45,6 +45,7 @@ from ._effects import (
     WaveStartCause,
 )
 from ._pacing import BurstSummary
+from ._recovery import Recovery, RecoveryRules
 from ._wave import (
     HEARTBEAT_INTERVAL,
     FirstRequest,
@@ -129,6 +130,7 @@ class CoordinatorCore:
         "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
+        "_recovery",
         "_schedule",
         "_shutdown_expected",
         "_stats_held",
@@ -189,6 +191,7 @@ class CoordinatorCore:
         self._tally = Tally()
         self._coalesced_at_last_read = 0
         self._backlog_at_last_read = 0.0
+        self._recovery: RecoveryRules | None = None
 
     # --- reading it ------------------------------------------------------------------------
 
@@ -304,32 +307,14 @@ class CoordinatorCore:
 
     def engine_output_batch_read(self, *, drained: bool, now: float) -> None:
         """The listener read a batch off the engine-output socket at ``now``; ``drained``:
-        the socket's queue was empty as the batch began (its receive waited) or once it
-        was read (it was short). Logs one WARNING when the coordinator has
-        stayed behind for seconds (then at most one per half minute), one INFO once it
-        has caught up (see ``_backlog.py``)."""
+        its queue was empty as the batch began (the receive waited) or after it (it was
+        short). Logs a backlog lasting seconds, and its end (``_backlog.py``)."""
         coalesced = self._tally.stats_coalesced - self._coalesced_at_last_read
         self._coalesced_at_last_read = self._tally.stats_coalesced
         news = self._backlog.batch_read(drained=drained, coalesced=coalesced, now=now)
         self._backlog_at_last_read = self._backlog.behind_for(now)
-        if news is None:
-            return
-        if news.caught_up:
-            logger.info(
-                "engine output socket caught up after %.1f s behind (%d load reports "
-                "superseded before they were written meanwhile)",
-                news.behind_for,
-                news.coalesced,
-            )
-        else:
-            logger.warning(
-                "engine output socket behind for %.1f s: its queue has not been empty since "
-                "(%d load reports superseded before they were written meanwhile). Engines "
-                "send faster than the coordinator reads: published loads are that old and "
-                "wave reports wait behind the queue (README: past the limit)",
-                news.behind_for,
-                news.coalesced,
-            )
+        if news is not None:
+            news.log(logger)
 
     def engine_output_backlog(self, now: float) -> float:
         """Seconds the engine-output socket's queue has not been empty (0: keeping up)."""
@@ -340,12 +325,9 @@ class CoordinatorCore:
     ) -> Sequence[Effect]:
         """One message from the engine-output socket (a list of frames, §4.5, §5.4, §5.5).
 
-        ``hold_stats``: a valid load report is checked and counted now but written to
-        the load table only by :meth:`apply_held_stats`, which writes the newest of each
-        engine. For a batch read off the socket: call it before any other input and
-        before anyone reads the table (the shell does, under its lock); the table and
-        every publish are then the same as with each report applied at once, and wave
-        reports behind the stats in the batch are not kept waiting for them.
+        ``hold_stats``: a valid load report is checked and counted now, written to the table
+        by :meth:`apply_held_stats` (each engine's newest), called before any other input
+        or read (the shell does): as if applied at once, wave reports behind need not wait.
         """
         self._tally.engine_messages += 1
         if len(frames) != 1:
@@ -360,9 +342,10 @@ class CoordinatorCore:
         self._heard_from.add(engine_index)
         if kind is _STATS:
             assert isinstance(value, protocol.StatsReport)
-            if hold_stats:
-                return self._hold_stats(engine_index, value)
-            return self._apply_stats(engine_index, value)
+            taken = (self._hold_stats if hold_stats else self._apply_stats)(engine_index, value)
+            if self._recovery is None or taken:  # taken: rejected
+                return taken
+            return self._recovered(self._recovery.stats(self._wave, value), now)
         if kind is _WAVE_COMPLETE or kind is _START_WAVE:
             assert isinstance(value, int)
             return self._apply_wave_report(kind, engine_index, value, now)
@@ -523,12 +506,10 @@ class CoordinatorCore:
     def tick(self, now: float) -> Sequence[Effect]:
         """The clock reached ``now``: whatever :meth:`next_deadline` scheduled up to it.
 
-        A first-request start no engine has reported on by its deadline (rank 0 mirrors
-        every start it joins, or a ``wave_complete``) was dropped by paused engines
-        (§6.8): believe them paused rather than leave ``engines_running`` latched (vLLM
-        #51476/#51481), and publish that. Then the timed publish, if due: the counts (or
-        the pending lock-step snapshot) and the wave as they are now, a :class:`Publish`
-        like every other, so it leaves behind whatever was decided before it.
+        A first-request (or recovery) start no engine reported on by its deadline (rank
+        0 mirrors every start it joins) was dropped by paused engines (§6.8): paused
+        again, not latched running (vLLM #51476/#51481), and published. Then the timed
+        publish if due (counts or the lock-step snapshot, and the wave), behind the rest.
         """
         effects: list[Effect] = []
         deadlines = self._wake_deadlines
@@ -648,6 +629,8 @@ class CoordinatorCore:
                 f"wave report from engine {engine_index}, table has "
                 f"{self._loads.engine_count} engines",
             )
+        if self._recovery is not None and wave >= self._wave.snapshot.current_wave:
+            self._recovery = self._recovery.settled()  # the engines' word (_recovery.py)
         if kind is _WAVE_COMPLETE:
             if wave >= MAX_WAVE:
                 return self._reject(
@@ -693,7 +676,24 @@ class CoordinatorCore:
         commands, self._deferred_commands = self._deferred_commands, []
         for command in commands:
             effects.extend(self.receive_command(command, now))
+        if self._recovery is not None:
+            effects.extend(self._recovered(self._recovery.wake(self._wave), now))
         return effects
+
+    def restarted(self, recovery: Recovery, now: float) -> Sequence[Effect]:
+        """Take over from a coordinator that died: a fresh core's first input (_recovery.py)."""
+        if self._recovery is not None or self._subscribed or self._tally.engine_messages:
+            raise ValueError("restarted() must be the first input of a fresh core")
+        rules = RecoveryRules(recovery, self._wave, self._loads, waves=self._wave_coordination)
+        self._recovery, self._gate_open = rules, recovery.gate_open
+        self._subscribed, self._front_ends = recovery.subscriptions, recovery.front_ends
+        return self._recovered(rules.wake(self._wave), now) if self._gate_open else _NOTHING
+
+    def _recovered(self, outcome: WaveStart | bool, now: float) -> Sequence[Effect]:
+        if not isinstance(outcome, WaveStart):
+            return self._emit(self._wave_publish()) if outcome else _NOTHING
+        self._wake_deadlines.append((now + self._wake_confirm_timeout, outcome.wave))
+        return self._emit(self._wave_start(outcome, WaveStartCause.RECOVERY, now))
 
     def _reject(self, reason: str, detail: str) -> tuple[Effect, ...]:
         self._tally.rejected[reason] += 1

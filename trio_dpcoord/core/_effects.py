@@ -38,6 +38,9 @@ class WaveStartCause:
     """A pre-0.33 front-end's FIRST_REQ on the front socket."""
     LATE_SUBSCRIPTION: Final = "late_subscription"
     """An engine (re)subscribed while a wave runs: it missed that wave's START_DP_WAVE."""
+    RECOVERY: Final = "recovery"
+    """A coordinator restarted after a failure woke the engines at the wave it took over,
+    or at the wave an engine's load report showed running (docs/protocol.md §16)."""
 
 
 @dataclass(frozen=True, slots=True)

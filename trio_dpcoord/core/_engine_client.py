@@ -153,6 +153,8 @@ class RequestTable:
     """
 
     _requests: dict[str, int] = field(default_factory=dict)
+    _per_rank: dict[int, int] = field(default_factory=dict)
+    """Live requests per rank (ranks with none left out)."""
     _calls: dict[int, int] = field(default_factory=dict)
     _next_call_id: int = 0
     dead: set[int] = field(default_factory=set)
@@ -163,6 +165,7 @@ class RequestTable:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self._requests[request_id] = rank
+        self._per_rank[rank] = self._per_rank.get(rank, 0) + 1
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank a live request is on, or None if it is not live."""
@@ -172,7 +175,18 @@ class RequestTable:
         """End a live request; True if it was live (so its channel must be closed)."""
         if state is RequestState.RUNNING:
             raise ValueError("finish needs a final state")
-        return self._requests.pop(request_id, None) is not None
+        rank = self._requests.pop(request_id, None)
+        if rank is None:
+            return False
+        self._forget(rank, 1)
+        return True
+
+    def _forget(self, rank: int, count: int) -> None:
+        left = self._per_rank[rank] - count
+        if left:
+            self._per_rank[rank] = left
+        else:
+            del self._per_rank[rank]
 
     def in_flight(self, rank: int | None = None) -> list[str]:
         """Live request ids, on ``rank`` only if given, in the order they were added."""
@@ -180,7 +194,11 @@ class RequestTable:
 
     def busy_ranks(self) -> set[int]:
         """Ranks with live requests."""
-        return set(self._requests.values())
+        return set(self._per_rank)
+
+    def is_busy(self, rank: int) -> bool:
+        """Whether ``rank`` has live requests (in constant time: asked per request)."""
+        return rank in self._per_rank
 
     def new_call(self, rank: int) -> int:
         """A fresh utility call id for a call sent to ``rank``."""
@@ -202,6 +220,8 @@ class RequestTable:
         requests = self.in_flight(rank)
         for rid in requests:
             del self._requests[rid]
+        if requests:
+            self._forget(rank, len(requests))
         calls = self.pending_calls(rank)
         for c in calls:
             del self._calls[c]

@@ -18,31 +18,52 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import final
 
 from .. import protocol
 from .._errors import CoordinatorError
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..routing._chooser import EngineChooser, Routing, check_routing
-from ..routing._prefix_router import PrefixRouting
+from ..routing._prefix_router import PrefixRouting, RouterCounters
 from ._coordinator import Reject
 from ._wave import WaveSnapshot, WaveState, check_engine_index
 
-__all__ = ["FrontendState"]
+__all__ = ["FrontendState", "FrontendStatistics"]
 
 logger = logging.getLogger(__name__)
 
 _UNDECODABLE = "undecodable_front_publish"
 
 
+@dataclass(frozen=True, slots=True)
+class FrontendStatistics:
+    """What :meth:`FrontendState.statistics` (and :meth:`~trio_dpcoord.Frontend.statistics`)
+    read: a copy, unchanged by later publishes and requests."""
+
+    publishes_received: int
+    """Valid publishes received (each one, even if a later one superseded it)."""
+    last_publish_time: float | None
+    """The clock reading when the latest publish arrived, or None before any."""
+    rejected: dict[str, int]
+    """Publishes that could not be decoded, by reason."""
+    inflight: tuple[int, ...]
+    """This front-end's unfinished requests per engine (empty before the first choice)."""
+    router: RouterCounters | None
+    """The prefix policy's counters (a copy); None with vLLM's, or before the first choice."""
+    disconnects: int = 0
+    """How many times the connection to the coordinator dropped (the trio handle's
+    connection monitor counts them; the sans-IO state sees no connection)."""
+
+
 @final
 class FrontendState:
     """A front-end's view of the coordinator, and the requests it routed.
 
-    ``engine_count``, if known before the first publish, lets :meth:`choose_engine` work
-    at once; ``now`` is the clock reading at opening (a silence is measured from it until
-    the first publish arrives). ``routing`` and ``prefix`` choose the engine-choice
-    policy (:class:`~trio_dpcoord.EngineChooser`; vLLM's by default).
+    ``engine_count``, if known before the first publish, lets :meth:`choose` work at
+    once; ``now`` is the clock reading at opening (a silence is measured from it until
+    the first publish arrives). ``routing`` and ``prefix_routing`` choose the
+    engine-choice policy (:class:`~trio_dpcoord.EngineChooser`; vLLM's by default).
     """
 
     __slots__ = (
@@ -53,7 +74,7 @@ class FrontendState:
         "_engine_count",
         "_last_publish_time",
         "_opened_at",
-        "_prefix",
+        "_prefix_routing",
         "_publishes_received",
         "_rejected",
         "_routing",
@@ -68,16 +89,16 @@ class FrontendState:
         engine_count: int | None,
         now: float,
         routing: Routing = "vllm",
-        prefix: PrefixRouting | None = None,
+        prefix_routing: PrefixRouting | None = None,
     ) -> None:
         if client_count < 1 or not 0 <= client_index < client_count:
             raise ValueError("need client_count >= 1 and 0 <= client_index < client_count")
         if engine_count is not None and engine_count < 1:
             raise ValueError(f"engine_count must be positive, got {engine_count!r}")
         self._routing: Routing = check_routing(routing)
-        if prefix is not None and routing != "prefix":
-            raise ValueError('prefix settings need routing="prefix"')
-        self._prefix = prefix
+        if prefix_routing is not None and routing != "prefix":
+            raise ValueError('prefix_routing settings need routing="prefix"')
+        self._prefix_routing = prefix_routing
         self._client_index = client_index
         self._client_count = client_count
         self._engine_count = engine_count
@@ -101,14 +122,10 @@ class FrontendState:
         return self._client_count
 
     @property
-    def publishes_received(self) -> int:
-        """Valid publishes received (each one, even if a later one superseded it)."""
-        return self._publishes_received
-
-    @property
-    def last_publish_time(self) -> float | None:
-        """The clock reading when the latest publish arrived, or None before any."""
-        return self._last_publish_time
+    def engine_count(self) -> int:
+        """How many engines the latest publish listed (``engine_count`` as given before
+        one; 0 if unknown yet)."""
+        return len(self.engine_loads())
 
     def silent_since(self) -> float:
         """The clock reading of the latest publish (of opening, before the first one)."""
@@ -126,13 +143,19 @@ class FrontendState:
             return self._counts
         return (IDLE_LOAD,) * (self._engine_count or 0)
 
-    def rejected(self) -> dict[str, int]:
-        """Publishes that could not be decoded, by reason."""
-        return dict(self._rejected)
-
-    def inflight(self) -> tuple[int, ...]:
-        """This front-end's unfinished requests per engine."""
-        return self._chooser.inflight if self._chooser is not None else ()
+    def statistics(self, *, disconnects: int = 0) -> FrontendStatistics:
+        """Publishes received and rejected, the latest one's time, this front-end's
+        requests in flight and the prefix policy's counters: a frozen copy.
+        ``disconnects``: the connection drops the caller counted (the trio handle's)."""
+        chooser = self._chooser.statistics() if self._chooser is not None else None
+        return FrontendStatistics(
+            publishes_received=self._publishes_received,
+            last_publish_time=self._last_publish_time,
+            rejected=dict(self._rejected),
+            inflight=chooser.inflight if chooser is not None else (),
+            router=chooser.router if chooser is not None else None,
+            disconnects=disconnects,
+        )
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -186,31 +209,31 @@ class FrontendState:
                 client_index=self._client_index,
                 client_count=self._client_count,
                 routing=self._routing,
-                prefix=self._prefix,
+                prefix_routing=self._prefix_routing,
             )
         return self._chooser
 
-    def choose_engine(
+    def choose(
         self, prompt_token_ids: Sequence[int] | None = None, now: float | None = None
     ) -> int:
         """The engine for one new request, by the routing policy with the latest loads
         (``prompt_token_ids`` and the clock reading ``now`` serve the prefix policy);
-        counted in flight there until :meth:`request_finished`. :class:`CoordinatorError`
+        counted in flight there until :meth:`finished`. :class:`CoordinatorError`
         while the engine count is unknown."""
         loads = self.engine_loads()
         if not loads:
             raise CoordinatorError(
                 "engine count unknown: pass engine_count= to open_frontend or wait for "
-                "the first publish (wait_for(lambda f: f.engine_count() > 0))"
+                "the first publish (wait_for(lambda f: f.engine_count > 0))"
             )
         return self._ensure_chooser(len(loads)).choose(loads, prompt_token_ids, now=now)
 
-    def observe_request(
+    def observe(
         self, engine_index: int, prompt_token_ids: Sequence[int], now: float | None = None
     ) -> bool:
-        """A request went to ``engine_index`` without :meth:`choose_engine` (pinned): the
+        """A request went to ``engine_index`` without :meth:`choose` (pinned): the
         prefix policy learns it (no-op with vLLM's). Returns whether it now counts in
-        flight there: only then must :meth:`request_finished` follow when it ends."""
+        flight there: only then must :meth:`finished` follow when it ends."""
         loads = self.engine_loads()
         if not loads:
             return False
@@ -227,7 +250,7 @@ class FrontendState:
         chooser = self._ensure_chooser(len(loads))
         return chooser.receive_kv_events(engine_index, seq, payload, now=now)
 
-    def request_finished(self, engine_index: int) -> None:
+    def finished(self, engine_index: int) -> None:
         """A request routed to ``engine_index`` finished (vLLM's ``finished_requests``)."""
         if self._chooser is not None:
             self._chooser.finished(engine_index)

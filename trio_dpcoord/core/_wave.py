@@ -210,6 +210,43 @@ class WaveState:
         )
         return None
 
+    # --- after a restart (docs/protocol.md §16; the rules are ``_recovery.py``'s) ---------------
+
+    def recover(self, wave: int) -> None:
+        """A fresh state taking over from a coordinator that died at ``wave``: that wave,
+        paused, until the engines say otherwise (what the dead one broadcast or published
+        was never newer, so nobody sees the wave go back)."""
+        self._snapshot = WaveSnapshot(wave, False)
+
+    def recovery_start(self, wave: int) -> WaveStart | None:
+        """After a restart: the engines may run ``wave`` while the coordinator believes
+        otherwise (its one recovery wake, or an engine's load report showing work).
+
+        Accepted as :meth:`engine_start_wave` accepts a start (a newer wave, or the
+        current one while paused), but it excludes nobody (an engine already running
+        the wave ignores it) and, like a first request's, waits for an engine's word:
+        :meth:`expire_unconfirmed_start` takes it back if none comes.
+        """
+        old = self._snapshot
+        if wave < old.current_wave or (wave == old.current_wave and old.engines_running):
+            return None
+        self._snapshot = WaveSnapshot(wave, True)
+        self._first_request_pending = False
+        self._unconfirmed_wave = wave
+        logger.debug("recovery: wave %d -> %d, running", old.current_wave, wave)
+        return WaveStart(wave, None)
+
+    def recovery_paused_at(self, wave: int) -> bool:
+        """After a restart: an engine reports itself idle at ``wave``. A newer wave than
+        the coordinator's is adopted, paused (the engines ended the waves between
+        unobserved); returns whether the snapshot changed."""
+        if wave <= self._snapshot.current_wave:
+            return False
+        logger.debug("recovery: an idle engine at wave %d: adopted, paused", wave)
+        self._confirm(wave)
+        self._snapshot = WaveSnapshot(wave, False)
+        return True
+
     @property
     def unconfirmed_wave(self) -> int | None:
         """The wave a first-request notice started that no engine has reported on yet."""
@@ -376,6 +413,12 @@ class LoadTable:
         self.pending_snapshot = None
         self.stats_changed = True
 
+    def restore(self, loads: Sequence[EngineLoad]) -> None:
+        """Take over the load table of a coordinator that died (its size and loads); the
+        next timed publish carries them."""
+        self.resize(len(loads))
+        self._loads[:] = loads
+
     def take_publish_counts(self) -> tuple[EngineLoad, ...]:
         """The counts a timed publish carries, and the flags that publish clears (§5.6).
 
@@ -389,6 +432,19 @@ class LoadTable:
             return counts
         self.stats_changed = False
         return tuple(self._loads)
+
+    @property
+    def cursors(self) -> tuple[tuple[int, int], ...]:
+        """Each engine's newest ``(wave, step)`` reported, in rank order (``(-1, -1)``
+        before its first report, and always outside lock-step): what a report is checked
+        against to be out of order (R10). Read-only, a copy."""
+        return tuple(self._cursors)
+
+    @property
+    def step_cursor(self) -> tuple[int, int]:
+        """The newest ``(wave, step)`` any engine reported (``(-1, -1)`` before the first
+        and outside lock-step): a report past it takes the lock-step snapshot."""
+        return self._step_cursor
 
 
 class PublishSchedule:

@@ -16,14 +16,33 @@ module                            messages
                                   read from them, their classification
 ``_output_decoder``               the coordinator's fast decoder of the same frames (msgspec
                                   when the ``fast`` extra is installed)
+``_client_decoder``               the engine client's fast decoder of the same frames: the
+                                  request outputs and utility answers (msgspec likewise)
 ``_engine_core``                  the engine-core protocol: identities, handshake, ADD (one
                                   encoder), ABORT, utility calls, engines' answers
 ``_kv_events``                    vLLM's KV-cache event frames and ``EventBatch`` payloads
 ================================  ============================================================
+
+:func:`decode_coordinator_output` takes one of two paths, chosen once per process
+(:data:`COORDINATOR_OUTPUT_DECODER` says which): msgspec's typed decode when the ``fast``
+extra is installed, msgpack-python otherwise. Both are public as
+:func:`decode_coordinator_output_with_msgspec` and
+:func:`decode_coordinator_output_with_msgpack`, so that tests and benchmarks can hold them
+to one contract (the same :data:`CoordinatorOutput` or the same :class:`ProtocolError` as
+:func:`decode_engine_core_outputs` then :func:`classify_output`) and measure each.
+:func:`decode_client_output` (what an engine client reads of the same frames: request
+outputs and the utility answer, :data:`ClientOutput`) has the same two paths
+(:data:`CLIENT_OUTPUT_DECODER`, :func:`decode_client_output_with_msgspec`,
+:func:`decode_client_output_with_msgpack`) under the same contract with
+:func:`decode_engine_core_outputs`.
 """
 
 from __future__ import annotations
 
+from ._client_decoder import DECODER as CLIENT_OUTPUT_DECODER
+from ._client_decoder import ClientOutput, RequestTokens, decode_client_frames, decode_client_output
+from ._client_decoder import decode_with_msgpack as decode_client_output_with_msgpack
+from ._client_decoder import decode_with_msgspec as decode_client_output_with_msgspec
 from ._codec import (
     MAX_CONTROL_FRAME_BYTES,
     MAX_DATA_FRAME_BYTES,
@@ -58,18 +77,27 @@ from ._engine_core import (
     EngineCoreRequest,
     EngineDead,
     EngineHandshakeError,
+    HandshakeMetadata,
     SamplingParams,
+    UtilityCall,
     UtilityResult,
+    decode_abort,
     decode_engine_frames,
     decode_engine_request,
     decode_handshake,
+    decode_handshake_metadata,
     decode_ready_response,
+    decode_utility,
     decode_utility_output,
     encode_abort,
     encode_add,
     encode_add_request,
+    encode_handshake_hello,
     encode_handshake_metadata,
+    encode_handshake_ready,
+    encode_ready_response,
     encode_utility,
+    encode_utility_output,
     engine_identity,
     rank_of_identity,
     request_slots_after_sampling,
@@ -83,8 +111,14 @@ from ._kv_events import (
     KVEventError,
     decode_event_batch,
     decode_kv_event_frames,
+    encode_event_batch,
+    encode_kv_event_frames,
 )
+from ._output_decoder import DECODER as COORDINATOR_OUTPUT_DECODER
+from ._output_decoder import Decoded as CoordinatorOutput
 from ._output_decoder import decode_coordinator_output
+from ._output_decoder import decode_with_msgpack as decode_coordinator_output_with_msgpack
+from ._output_decoder import decode_with_msgspec as decode_coordinator_output_with_msgspec
 from ._outputs import (
     IDLE_LOAD,
     NO_PREFIX_CACHE_STATS,
@@ -101,6 +135,8 @@ from ._outputs import (
 )
 
 __all__ = [
+    "CLIENT_OUTPUT_DECODER",
+    "COORDINATOR_OUTPUT_DECODER",
     "ENGINE_CORE_DEAD",
     "FINISH_REASONS",
     "IDLE_LOAD",
@@ -114,6 +150,8 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "ClientOutput",
+    "CoordinatorOutput",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
@@ -122,12 +160,14 @@ __all__ = [
     "EngineLoad",
     "EventBatch",
     "FrontPublish",
+    "HandshakeMetadata",
     "KVEvent",
     "KVEventError",
     "LegacyFirstRequest",
     "OutputKind",
     "PrefixCacheStats",
     "ProtocolError",
+    "RequestTokens",
     "RequestType",
     "SamplingParams",
     "ScaleElasticEP",
@@ -135,9 +175,17 @@ __all__ = [
     "StartDPWave",
     "StatsReport",
     "Subscription",
+    "UtilityCall",
     "UtilityResult",
     "classify_output",
+    "decode_abort",
+    "decode_client_frames",
+    "decode_client_output",
+    "decode_client_output_with_msgpack",
+    "decode_client_output_with_msgspec",
     "decode_coordinator_output",
+    "decode_coordinator_output_with_msgpack",
+    "decode_coordinator_output_with_msgspec",
     "decode_engine_broadcast",
     "decode_engine_core_outputs",
     "decode_engine_frames",
@@ -146,23 +194,31 @@ __all__ = [
     "decode_front_message",
     "decode_front_publish",
     "decode_handshake",
+    "decode_handshake_metadata",
     "decode_kv_event_frames",
     "decode_ready_response",
     "decode_request_type",
     "decode_start_dp_wave",
     "decode_subscription",
+    "decode_utility",
     "decode_utility_output",
     "encode_abort",
     "encode_add",
     "encode_add_request",
     "encode_engine_core_outputs",
+    "encode_event_batch",
     "encode_front_publish",
     "encode_front_publish_trusted",
+    "encode_handshake_hello",
     "encode_handshake_metadata",
+    "encode_handshake_ready",
+    "encode_kv_event_frames",
     "encode_legacy_first_request",
+    "encode_ready_response",
     "encode_scale_elastic_ep",
     "encode_start_dp_wave",
     "encode_utility",
+    "encode_utility_output",
     "engine_identity",
     "rank_of_identity",
     "request_slots_after_sampling",

@@ -4,7 +4,7 @@ handshake, ADD (one encoder), ABORT, utility calls and what engines answer
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -147,13 +147,7 @@ def encode_add(
     every slot written as vLLM's encoder writes it (it writes the defaults too)."""
     if not prompt_token_ids:
         raise ValueError("a request needs at least one prompt token")
-    # msgspec writes a Struct encoded as a map with a map16 header whatever its size, so
-    # the sampling parameters are packed by hand to keep the bytes vLLM's.
-    sampling = params.to_wire()
-    packed_sampling = b"".join(
-        [b"\xde", len(sampling).to_bytes(2, "big")]
-        + [msgpack.packb(k) + msgpack.packb(v) for k, v in sampling.items()]
-    )
+    packed_sampling = _packed_sampling(params)
     tail = request_slots_after_sampling(
         arrival_time=float(arrival_time),
         data_parallel_rank=data_parallel_rank,
@@ -161,7 +155,28 @@ def encode_add(
         current_wave=current_wave,
         priority=priority,
     )
-    return _add_frames(request_id, [int(t) for t in prompt_token_ids], packed_sampling, tail)
+    return _add_frames(request_id, list(map(int, prompt_token_ids)), packed_sampling, tail)
+
+
+def _packed_sampling(params: SamplingParams) -> bytes:
+    """``params`` as vLLM's msgspec encoder writes a ``SamplingParams``: a map with a map16
+    header whatever its size (so packed by hand: msgpack-python would write a fixmap).
+
+    Kept on ``params`` when it has no ``extra`` fields (a frozen dataclass of immutable
+    values then, the same bytes every time: callers reuse one ``SamplingParams`` for many
+    requests, and its packing was a fifth of an ADD's cost); with ``extra`` (a mapping
+    the caller could change) packed anew each time."""
+    cached: bytes | None = params.__dict__.get("_packed_wire")
+    if cached is not None:
+        return cached
+    sampling = params.to_wire()
+    packed = b"".join(
+        [b"\xde", len(sampling).to_bytes(2, "big")]
+        + [msgpack.packb(k) + msgpack.packb(v) for k, v in sampling.items()]
+    )
+    if not params.extra:
+        object.__setattr__(params, "_packed_wire", packed)
+    return packed
 
 
 def _add_frames(
@@ -170,9 +185,35 @@ def _add_frames(
     """The one writer of an ADD's frames (both encoders end here): msgpack's array16
     header for 22 slots, the first three slots, the sampling parameters as packed, the
     18 slots after them."""
+    if _msgspec_encode is not None:
+        # one call: msgspec writes what msgpack-python writes for these values (the
+        # smallest headers, float64), with the sampling map's bytes as they are
+        try:
+            payload = _msgspec_encode(
+                [request_id, prompt_token_ids, None, _Raw(packed_sampling), *tail]
+            )
+        except (TypeError, ValueError, OverflowError) as exc:  # msgspec.EncodeError too
+            raise ProtocolError(f"EngineCoreRequest: cannot encode ({exc})") from None
+        return [ADD_FRAME, payload]
     head = pack([request_id, prompt_token_ids, None], "EngineCoreRequest")  # mm_features: None
-    payload = b"".join([b"\xdc\x00\x16", head[1:], packed_sampling, *map(msgpack.packb, tail)])
+    # the 18 slots in one call: an array16 (3-byte header) of them, header cut
+    packed_tail = msgpack.packb(tail)
+    assert len(tail) == 18 and packed_tail[:3] == b"\xdc\x00\x12"
+    payload = b"".join((b"\xdc\x00\x16", head[1:], packed_sampling, packed_tail[3:]))
     return [ADD_FRAME, payload]
+
+
+def _msgspec_encoder() -> tuple[Callable[[object], bytes], Callable[[bytes], object]] | None:
+    """msgspec's encoder and its ``Raw`` (bytes written as they are), when the ``fast``
+    extra is installed: an ADD in one C call."""
+    try:
+        import msgspec
+    except ImportError:
+        return None
+    return msgspec.msgpack.Encoder().encode, msgspec.Raw
+
+
+_msgspec_encode, _Raw = _msgspec_encoder() or (None, bytes)
 
 
 def encode_abort(request_ids: Sequence[str]) -> list[bytes]:
@@ -180,11 +221,54 @@ def encode_abort(request_ids: Sequence[str]) -> list[bytes]:
     return [_ABORT, msgpack.packb(list(request_ids))]
 
 
+def decode_abort(frames: Sequence[bytes]) -> tuple[str, ...]:
+    """The request ids of an ABORT as an engine receives it (``01 | [request_id, ...]``);
+    :class:`ProtocolError` for anything else."""
+    frames = frame_list(frames, "ABORT")
+    if len(frames) != 2 or decode_request_type(frames[0]) is not RequestType.ABORT:
+        raise ProtocolError("ABORT must be 2 frames starting with 01")
+    ids = unpack(frames[1], "ABORT", MAX_DATA_FRAME_BYTES)
+    if type(ids) is not list or not all(type(i) is str for i in ids):
+        raise ProtocolError("ABORT payload must be a list of str")
+    return tuple(ids)
+
+
 def encode_utility(
     client_index: int, call_id: int, method: str, args: Sequence[Any]
 ) -> list[bytes]:
     """``[b"\\x03", payload]``: a utility call ``(client_index, call_id, method, args)``."""
     return [_UTILITY, msgpack.packb([client_index, call_id, method, list(args)])]
+
+
+@dataclass(frozen=True, slots=True)
+class UtilityCall:
+    """A utility call as an engine receives it: ``method(*args)`` asked by client
+    ``client_index``, answered under ``call_id``."""
+
+    client_index: int
+    call_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+def decode_utility(frames: Sequence[bytes]) -> UtilityCall:
+    """A utility call as an engine receives it (``03 | [client_index, call_id, method,
+    args]``, the inverse of :func:`encode_utility`); ``args`` that are not an array read as
+    none. :class:`ProtocolError` for anything else."""
+    frames = frame_list(frames, "UTILITY call")
+    if len(frames) != 2 or decode_request_type(frames[0]) is not RequestType.UTILITY:
+        raise ProtocolError("UTILITY call must be 2 frames starting with 03")
+    items = unpack(frames[1], "UTILITY call", MAX_DATA_FRAME_BYTES)
+    if (
+        type(items) is not list
+        or len(items) != 4
+        or type(items[0]) is not int
+        or type(items[1]) is not int
+        or type(items[2]) is not str
+    ):
+        raise ProtocolError(f"UTILITY call: expected [int, int, str, args], got {items!r:.80}")
+    args = tuple(items[3]) if type(items[3]) is list else ()
+    return UtilityCall(items[0], items[1], items[2], args)
 
 
 @dataclass(frozen=True)
@@ -210,6 +294,14 @@ def decode_engine_frames(frames: Sequence[bytes]) -> EngineCoreOutputs | EngineD
     if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
         return EngineDead()
     return decode_engine_core_outputs(frames[0])
+
+
+def encode_utility_output(call_id: int, failure: str | None, result: Any = None) -> list[Any]:
+    """An engine's answer to utility call ``call_id``, for
+    ``EngineCoreOutputs.utility_output``: vLLM's ``UtilityOutput`` ``[call_id,
+    failure_message, [type_info, result]]`` (``type_info`` nil, as without insecure
+    serialization), the result slot nil when the call failed."""
+    return [call_id, failure, None if failure is not None else [None, result]]
 
 
 def decode_utility_output(raw: object) -> UtilityResult:
@@ -251,6 +343,115 @@ def decode_handshake(payload: bytes) -> Mapping[str, Any]:
     if not isinstance(message, dict):
         raise EngineHandshakeError(f"handshake message must be a map, got {message!r:.80}")
     return message
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeMetadata:
+    """vLLM's ``EngineHandshakeMetadata`` as an engine reads it: where it connects."""
+
+    inputs: tuple[str, ...]
+    """The front-ends' request-input ROUTERs, by client index."""
+    outputs: tuple[str, ...]
+    """The front-ends' output PULLs, by client index."""
+    coordinator_input: str | None
+    """The coordinator's broadcast XPUB (None: no coordinator)."""
+    coordinator_output: str | None
+    """The coordinator's output PULL."""
+    parallel_config: Mapping[str, Any]
+
+
+def decode_handshake_metadata(payload: bytes) -> HandshakeMetadata:
+    """The front-end's answer to an engine's HELLO (what :func:`encode_handshake_metadata`
+    writes): :class:`ProtocolError` if it is not msgpack, :class:`EngineHandshakeError`
+    if it is not that map."""
+    message = decode_handshake(payload)
+    addresses = message.get("addresses")
+    if not isinstance(addresses, dict):
+        raise EngineHandshakeError(f"handshake metadata without addresses: {message!r:.80}")
+    inputs, outputs = addresses.get("inputs"), addresses.get("outputs")
+    coordinator = addresses.get("coordinator_input"), addresses.get("coordinator_output")
+    if (
+        type(inputs) is not list
+        or type(outputs) is not list
+        or not all(type(a) is str for a in (*inputs, *outputs))
+        or not all(a is None or type(a) is str for a in coordinator)
+    ):
+        raise EngineHandshakeError(f"handshake addresses malformed: {addresses!r:.120}")
+    parallel_config = message.get("parallel_config") or {}
+    if not isinstance(parallel_config, dict):
+        raise EngineHandshakeError(f"parallel_config must be a map, got {parallel_config!r:.80}")
+    return HandshakeMetadata(tuple(inputs), tuple(outputs), *coordinator, parallel_config)
+
+
+def encode_handshake_hello(*, local: bool = True, headless: bool = True) -> bytes:
+    """An engine's first message on the handshake socket: ``{"status": "HELLO", "local",
+    "headless"}``."""
+    packed: bytes = msgpack.packb({"status": "HELLO", "local": local, "headless": headless})
+    return packed
+
+
+def encode_handshake_ready(
+    *,
+    num_gpu_blocks: int,
+    parallel_config_hash: str | None = None,
+    dp_stats_address: str | None = None,
+    local: bool = True,
+    headless: bool = True,
+) -> bytes:
+    """An engine's READY on the handshake socket, once the coordinator let it in:
+    ``{"status": "READY", "local", "headless", "num_gpu_blocks", "dp_stats_address"}``
+    and, with DP > 1, ``parallel_config_hash``."""
+    message: dict[str, Any] = {
+        "status": "READY",
+        "local": local,
+        "headless": headless,
+        "num_gpu_blocks": num_gpu_blocks,
+        "dp_stats_address": dp_stats_address,
+    }
+    if parallel_config_hash is not None:
+        message["parallel_config_hash"] = parallel_config_hash
+    packed: bytes = msgpack.packb(message)
+    return packed
+
+
+def encode_ready_response(
+    *,
+    max_model_len: int,
+    num_gpu_blocks: int,
+    data_parallel_rank: int,
+    vllm_version: str,
+    data_parallel_size: int = 1,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    block_size: int = 16,
+    dtype: str = "float32",
+    instance_id: str = "",
+) -> bytes:
+    """An engine's ``EngineCoreReadyResponse``, its first message on the request-input
+    DEALER (what :func:`decode_ready_response` reads), with every field vLLM 0.32's
+    front-end requires: it decodes the map into that struct and refuses one missing."""
+    packed: bytes = msgpack.packb(
+        {
+            "max_model_len": max_model_len,
+            "num_gpu_blocks": num_gpu_blocks,
+            "block_size": block_size,
+            "dp_stats_address": None,
+            "dtype": dtype,
+            "vllm_version": vllm_version,
+            "world_size": 1,
+            "data_parallel_size": data_parallel_size,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            "data_parallel_rank": data_parallel_rank,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "instance_id": instance_id,
+            "supports_lora": False,
+            "max_loras": 0,
+        }
+    )
+    return packed
 
 
 # --------------------------------------------------------------------------- EngineCoreRequest

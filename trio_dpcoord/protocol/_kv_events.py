@@ -1,5 +1,6 @@
 """vLLM's KV-cache events as its engines publish them (``vllm/distributed/kv_events.py``):
-the (topic, sequence, payload) frames and the ``EventBatch`` payload (docs/protocol.md §15)."""
+the (topic, sequence, payload) frames and the ``EventBatch`` payload (docs/protocol.md §15),
+read (the prefix router) and written (the simulated engines)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,47 @@ class EventBatch:
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None
+
+
+def encode_kv_event_frames(seq: int, payload: bytes, topic: bytes = b"") -> list[bytes]:
+    """The PUB message of one batch as vLLM's ``ZmqEventPublisher`` sends it: ``topic``
+    (vLLM's default ``KVEventsConfig.topic`` is empty: subscribers get every message),
+    ``seq`` as 8 bytes big-endian, the ``EventBatch`` payload (the inverse of
+    :func:`decode_kv_event_frames`)."""
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+def _event_map(event: KVEvent) -> dict[str, Any]:
+    """One event as vLLM's ``msgspec`` writes it: a map tagged by ``"type"``, its fields
+    in declaration order; a GPU cache without LoRA (``lora_id`` nil, ``medium`` GPU)."""
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": "GPU"}
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_event_batch(batch: EventBatch) -> bytes:
+    """vLLM's msgpack ``EventBatch``, ``[ts, events, data_parallel_rank]`` (the rank left
+    out when None, as ``omit_defaults`` does): what :func:`decode_event_batch` reads.
+    :class:`KVEventError` for a value msgpack cannot write (a hash above 64 bits)."""
+    events = [_event_map(event) for event in batch.events]
+    fields: list[Any] = [batch.ts, events]
+    if batch.data_parallel_rank is not None:
+        fields.append(batch.data_parallel_rank)
+    try:
+        payload: bytes = msgpack.packb(fields)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise KVEventError(f"EventBatch not encodable: {exc}") from None
+    return payload
 
 
 def _hash_ok(value: object) -> bool:

@@ -26,6 +26,7 @@ Two paths, one contract:
   field without building objects; anything else through the full decoder.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Annotated, Any, Final
@@ -131,25 +132,26 @@ _UNREAD_STATS_KEYS: Final = (
 _new_tuple: Final = tuple.__new__
 
 
-def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
-    """msgspec's views of EngineCoreOutputs: the strict one (vLLM's known stats keys,
-    checked as the full decoder checks them) and the open one (any string-keyed stats
-    map, checked in Python)."""
-    from msgspec import Meta, Struct, defstruct
+@functools.cache
+def msgspec_stats_types() -> "tuple[Any, type[Any], Any]":
+    """msgspec's types for what engines send, shared by this decoder and the engine
+    client's (:mod:`._client_decoder`): ``(level3, known_stats, open_stats)``.
+
+    ``level3``: any value a stats map may carry that msgpack-python reads the same way
+    and the full decoder accepts: scalars, and lists and string-keyed maps of them, three
+    levels deep (vLLM's deepest, ``prefix_cache_stats.hits_by_source``, is two). Anything
+    else (bin, ext, non-string keys, deeper nesting) is refused, and judged by the
+    msgpack path. ``known_stats``: vLLM's stats map, the five fields read checked as the
+    full decoder checks them (ints >= 0, no bools; a float or an int for the usage,
+    finiteness checked by the caller), an unknown key (a newer vLLM) refused;
+    ``open_stats``: any string-keyed stats map, its fields checked in Python."""
+    from msgspec import Meta, defstruct
 
     uint = Annotated[int, Meta(ge=0)]
-    # Any value a stats map may carry that msgpack-python reads the same way and the full
-    # decoder accepts: scalars, and lists and string-keyed maps of them, three levels deep
-    # (vLLM's deepest, prefix_cache_stats.hits_by_source, is two). Anything else (bin, ext,
-    # non-string keys, deeper nesting) is refused here and judged by the msgpack path.
     scalar = None | bool | int | float | str
     level1 = scalar | list[scalar] | dict[str, scalar]
     level2 = scalar | list[level1] | dict[str, level1]
     level3 = scalar | list[level2] | dict[str, level2]
-
-    # vLLM's stats map: the five fields read, checked by msgspec as the full decoder checks
-    # them (ints >= 0, no bools; a float or an int for the usage, finiteness below), and
-    # the others; an unknown key (a newer vLLM) is refused, then read by the open view.
     known_stats = defstruct(
         "_KnownStats",
         [
@@ -162,6 +164,17 @@ def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
         ],
         forbid_unknown_fields=True,
     )
+    return level3, known_stats, dict[str, level3]
+
+
+def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
+    """msgspec's views of EngineCoreOutputs: the strict one (vLLM's known stats keys,
+    checked as the full decoder checks them) and the open one (any string-keyed stats
+    map, checked in Python)."""
+    from msgspec import Meta, Struct
+
+    uint = Annotated[int, Meta(ge=0)]
+    _, known_stats, open_stats = msgspec_stats_types()
 
     # (this module does not postpone annotations: msgspec evaluates these at class creation,
     # where the local aliases above are in scope)
@@ -181,7 +194,7 @@ def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
     class _OpenView(_View, array_like=True):
         """The same with any string-keyed stats map, its fields checked in Python."""
 
-        scheduler_stats: dict[str, level3] | None = None  # type: ignore[assignment]
+        scheduler_stats: open_stats | None = None  # type: ignore[valid-type]
 
     return _View, _OpenView
 

@@ -13,7 +13,6 @@ from ._codec import (
     ProtocolError,
     dec_finite_float,
     dec_float,
-    dec_opt_uint,
     dec_uint,
     dec_uint_tuple,
     enc_float,
@@ -222,10 +221,23 @@ _ECO_DEFAULTS: Final[list[object]] = [0, [], None, 0.0, None, None, None, None, 
 
 # Hot-path constructors. A frozen dataclass's __init__ goes through object.__setattr__
 # once per field; setting the slots through their member descriptors is ~2x faster.
-# Equivalent to calling the class (these classes have no __post_init__).
+# Equivalent to calling the class (these classes have no __post_init__). The two
+# constructors below are unrolled on purpose, one line per slot: a loop costs more than
+# the setting it would save writing twice.
 _new = object.__new__
 _eco_set = tuple(getattr(EngineCoreOutputs, f).__set__ for f in EngineCoreOutputs.__slots__)
 _st_set = tuple(getattr(SchedulerStats, f).__set__ for f in SchedulerStats.__slots__)
+_eo_set = tuple(getattr(EngineCoreOutput, f).__set__ for f in EngineCoreOutput.__slots__)
+
+
+def _new_output(
+    a: str, b: tuple[int, ...], c: int | None, _s: tuple[Any, ...] = _eo_set
+) -> EngineCoreOutput:
+    o = _new(EngineCoreOutput)
+    _s[0](o, a)
+    _s[1](o, b)
+    _s[2](o, c)
+    return o
 
 
 def _new_outputs(
@@ -374,9 +386,15 @@ def _decode_outputs(items: list[Any]) -> tuple[EngineCoreOutput, ...]:
         rid = o[0]
         if type(rid) is not str:
             raise ProtocolError(f"outputs[{i}].request_id must be a str, got {type_name(rid)}")
-        tokens = dec_uint_tuple(o[1], f"outputs[{i}].new_token_ids")
-        finish = dec_opt_uint(o[5], f"outputs[{i}].finish_reason") if len(o) > 5 else None
-        result.append(EngineCoreOutput(rid, tokens, finish))
+        tokens = o[1]
+        if type(tokens) is list and all(type(t) is int and t >= 0 for t in tokens):
+            tokens = tuple(tokens)
+        else:
+            tokens = dec_uint_tuple(tokens, f"outputs[{i}].new_token_ids")  # says what is wrong
+        finish = o[5] if len(o) > 5 else None
+        if finish is not None and (type(finish) is not int or finish < 0):
+            dec_uint(finish, f"outputs[{i}].finish_reason")
+        result.append(_new_output(rid, tokens, finish))
     return tuple(result)
 
 

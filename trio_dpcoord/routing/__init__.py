@@ -20,9 +20,12 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._chooser import ROUTINGS as ROUTINGS
+    from ._chooser import ChooserStatistics as ChooserStatistics
     from ._chooser import EngineChooser as EngineChooser
     from ._chooser import Routing as Routing
+    from ._prefix_index import CHUNK_BLOCKS as CHUNK_BLOCKS
     from ._prefix_index import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+    from ._prefix_index import ChunkKeys as ChunkKeys
     from ._prefix_index import RankPrefixIndex as RankPrefixIndex
     from ._prefix_index import block_keys as block_keys
     from ._prefix_router import PrefixRouter as PrefixRouter
@@ -32,8 +35,11 @@ if TYPE_CHECKING:
     from ._score import vllm_score as vllm_score
 
 __all__ = [
+    "CHUNK_BLOCKS",
     "DEFAULT_BLOCK_SIZE",
     "ROUTINGS",
+    "ChooserStatistics",
+    "ChunkKeys",
     "EngineChooser",
     "PrefixRouter",
     "PrefixRouting",
@@ -46,8 +52,11 @@ __all__ = [
 ]
 
 _EXPORTS: dict[str, str] = {
+    "CHUNK_BLOCKS": "._prefix_index",
+    "ChunkKeys": "._prefix_index",
     "DEFAULT_BLOCK_SIZE": "._prefix_index",
     "ROUTINGS": "._chooser",
+    "ChooserStatistics": "._chooser",
     "EngineChooser": "._chooser",
     "PrefixRouter": "._prefix_router",
     "PrefixRouting": "._prefix_router",

@@ -8,6 +8,7 @@ loads, a front-end of the standalone process feeds it the latest publish.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from math import isfinite
 from typing import Literal
 
@@ -15,7 +16,7 @@ from ..protocol import IDLE_LOAD, EngineLoad
 from ._prefix_router import PrefixRouter, PrefixRouting, RouterCounters, first_from
 from ._score import vllm_score
 
-__all__ = ["ROUTINGS", "EngineChooser", "Routing"]
+__all__ = ["ROUTINGS", "ChooserStatistics", "EngineChooser", "Routing"]
 
 Routing = Literal["vllm", "prefix"]
 """How a front-end chooses the engine: ``"vllm"``, vLLM 0.33.0's score (the default), or
@@ -35,6 +36,16 @@ def check_routing(routing: str) -> Routing:
     raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}; got {routing!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class ChooserStatistics:
+    """What :meth:`EngineChooser.statistics` reads: a copy, unchanged by later choices."""
+
+    inflight: tuple[int, ...]
+    """This chooser's unfinished requests per engine (chosen, or observed and counted)."""
+    router: RouterCounters | None
+    """The prefix policy's counters (a copy), or None with vLLM's routing."""
+
+
 class EngineChooser:
     """Chooses the engine for each new request and tracks this front-end's in-flight counts.
 
@@ -49,7 +60,7 @@ class EngineChooser:
     Python-level score per engine (at 256 engines, 100 us a choice).
 
     ``routing="prefix"`` hands the choice to a :class:`~trio_dpcoord.routing.PrefixRouter`
-    (settings: ``prefix``, a :class:`PrefixRouting`). Each rank's queued work, in
+    (settings: ``prefix_routing``, a :class:`PrefixRouting`). Each rank's queued work, in
     tokens, is its latest report's queue (vLLM's score: waiting + running, or
     ``client_count`` times this chooser's requests in flight there if more, plus the
     KV-pressure penalty) times the mean uncached prompt of the requests this chooser
@@ -72,12 +83,12 @@ class EngineChooser:
         client_index: int = 0,
         client_count: int = 1,
         routing: Routing = "vllm",
-        prefix: PrefixRouting | None = None,
+        prefix_routing: PrefixRouting | None = None,
     ) -> None:
         if engine_count < 1 or client_count < 1 or not 0 <= client_index < client_count:
             raise ValueError("need engine_count >= 1 and 0 <= client_index < client_count")
-        self.routing: Routing = check_routing(routing)
-        self.client_count = client_count
+        self._routing: Routing = check_routing(routing)
+        self._client_count = client_count
         self._inflight = [0] * engine_count
         self._start = (engine_count * client_index) // client_count
         self._table: tuple[EngineLoad, ...] = ()
@@ -89,9 +100,9 @@ class EngineChooser:
         """vLLM routing: every score in ``_scores`` is finite (see :meth:`_lowest`)."""
         self._router: PrefixRouter | None = None
         if routing == "prefix":
-            self._router = PrefixRouter(engine_count, prefix, start=self._start)
-        elif prefix is not None:
-            raise ValueError('prefix settings need routing="prefix"')
+            self._router = PrefixRouter(engine_count, prefix_routing, start=self._start)
+        elif prefix_routing is not None:
+            raise ValueError('prefix_routing settings need routing="prefix"')
         self._queued: list[float] = [0.0] * engine_count
         """Prefix routing: each rank's queued work in tokens (see the class docstring)."""
         self._pending: list[float] = [0.0] * engine_count
@@ -101,18 +112,31 @@ class EngineChooser:
         self._now = 0.0
 
     @property
-    def inflight(self) -> tuple[int, ...]:
-        return tuple(self._inflight)
+    def routing(self) -> Routing:
+        """The policy: ``"vllm"`` or ``"prefix"``."""
+        return self._routing
+
+    @property
+    def client_count(self) -> int:
+        return self._client_count
+
+    @property
+    def engine_count(self) -> int:
+        """How many engines it chooses among (follows the length of the loads given)."""
+        return len(self._inflight)
 
     @property
     def router(self) -> PrefixRouter | None:
         """The prefix router (its index and settings), or None with ``routing="vllm"``."""
         return self._router
 
-    @property
-    def router_counters(self) -> RouterCounters | None:
-        """Decisions, guard fallbacks and KV-event batches, or None with vLLM's routing."""
-        return self._router.counters if self._router is not None else None
+    def statistics(self) -> ChooserStatistics:
+        """The in-flight counts per engine and, with the prefix policy, its counters
+        (decisions, guard fallbacks, KV-event batches): a frozen copy."""
+        router = self._router
+        return ChooserStatistics(
+            tuple(self._inflight), replace(router.counters) if router is not None else None
+        )
 
     def _resize(self, engine_count: int) -> None:
         extra = engine_count - len(self._inflight)
@@ -133,7 +157,8 @@ class EngineChooser:
         *,
         now: float | None = None,
     ) -> int:
-        """Pick the engine for one new request given the latest per-engine loads.
+        """Pick the engine for one new request given the latest per-engine loads; the
+        request counts as in flight there until :meth:`finished`.
 
         ``prompt_token_ids`` and ``now`` matter only with ``routing="prefix"``.
         """
@@ -150,7 +175,7 @@ class EngineChooser:
             self._local = list(table)
             self._scores = [
                 vllm_score(
-                    load.waiting, load.running, load.kv_cache_usage, inflight, self.client_count
+                    load.waiting, load.running, load.kv_cache_usage, inflight, self._client_count
                 )
                 for load, inflight in zip(table, self._inflight, strict=True)
             ]
@@ -158,7 +183,7 @@ class EngineChooser:
         start = self._start
         best_index = self._lowest(start)
         chosen = self._local[best_index]
-        self._local[best_index] = chosen._replace(waiting=chosen.waiting + self.client_count)
+        self._local[best_index] = chosen._replace(waiting=chosen.waiting + self._client_count)
         self._inflight[best_index] += 1
         self._rescore(best_index)
         self._start = (start + 1) % count
@@ -189,7 +214,7 @@ class EngineChooser:
             local.running,
             local.kv_cache_usage,
             self._inflight[index],
-            self.client_count,
+            self._client_count,
         )
         self._scores[index] = score
         if not isfinite(score):
@@ -212,7 +237,7 @@ class EngineChooser:
         self._table = table
         if self._mean_uncached is not None:
             self._unit = max(1.0, self._mean_uncached)
-        unit, clients = self._unit, self.client_count
+        unit, clients = self._unit, self._client_count
         self._queued = [
             unit * vllm_score(load.waiting, load.running, load.kv_cache_usage, inflight, clients)
             for load, inflight in zip(table, self._inflight, strict=True)
@@ -239,7 +264,7 @@ class EngineChooser:
             self._mean_uncached = (
                 float(uncached) if mean is None else mean + (uncached - mean) * _UNIT_SMOOTHING
             )
-        cost = self.client_count * (float(uncached) if has_prompt else self._unit)
+        cost = self._client_count * (float(uncached) if has_prompt else self._unit)
         self._queued[rank] += cost
         self._pending[rank] += cost
 
@@ -268,13 +293,14 @@ class EngineChooser:
     ) -> bool:
         """One of ``engine_index``'s vLLM KV-event batches (the PUB frame's ``seq`` and
         msgpack payload): the exact feed. False when rejected (logged, counted in
-        :attr:`router_counters`) or when the routing is not ``"prefix"``."""
+        :meth:`statistics`) or when the routing is not ``"prefix"``."""
         if self._router is None:
             return False
         return self._router.receive_kv_events(engine_index, seq, payload, self._clock(now))
 
     def finished(self, engine_index: int) -> None:
-        """A request on ``engine_index`` finished (``finished_requests``)."""
+        """A request :meth:`choose` placed on ``engine_index`` (or :meth:`observe` counted
+        there) finished (vLLM's ``finished_requests``): its in-flight count is released."""
         if 0 <= engine_index < len(self._inflight) and self._inflight[engine_index] > 0:
             if self._router is not None:
                 share = self._pending[engine_index] / self._inflight[engine_index]

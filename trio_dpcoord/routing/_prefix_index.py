@@ -11,9 +11,10 @@ prompt before its parents) and by ``max_age`` (a block not seen for that long is
 forgotten), so a lost event batch cannot leave blocks believed cached for ever; a gap or
 a step back in a rank's event sequence also forgets that rank's exact knowledge at once.
 
-One decision hashes the prompt's blocks once and walks a block -> ranks map from the
-first block, stopping at the first block no rank holds: its cost grows with the prompt
-and the matched depth, not with the number of ranks times the prompt.
+One decision hashes the prompt's blocks once (its leading chunks' keys come from
+:class:`ChunkKeys`' cache) and bisects a block -> ranks map (or walks it from the first
+block, once KV events may have left a rank holding a block without its parent): its
+cost grows with the prompt, not with the number of ranks times the prompt.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
-from operator import add, and_, is_, or_
-from typing import Literal
+from operator import and_, is_, or_, xor
+from typing import Literal, overload
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,19 @@ def block_keys(
 ) -> list[int]:
     """Chained keys of the full blocks of ``token_ids`` (a partial last block has none).
 
-    Key ``i`` is ``parent`` plus the sum, over blocks ``j <= i``, of the hash of block
-    ``j``'s tokens together with the salt of its position ``depth + j``: a running sum,
-    so that hashing and chaining a prompt take one C-level pass each (Python's hash of a
-    tuple of ints does not depend on the process's hash seed). ``parent``/``depth``
-    continue a chain (a vLLM ``BlockStored`` whose parent block is known). Distinct
-    prefixes collide about as often as random 64-bit values do; a collision only
-    misroutes one request.
+    Key ``i`` is ``parent`` xor, over blocks ``j <= i``, the hash of block ``j``'s tokens
+    together with the salt of its position ``depth + j``: a running xor, so that hashing
+    and chaining a prompt take one C-level pass each (Python's hash of a tuple of ints
+    does not depend on the process's hash seed). ``parent``/``depth`` continue a chain
+    (a vLLM ``BlockStored`` whose parent block is known). Distinct prefixes collide
+    about as often as random 64-bit values do (none among 320,000 sequences of a few
+    blocks in every order, measured); a collision only misroutes one request.
+
+    Xor, not a sum: the tuple hash's last round adds its last item, the salt, and
+    multiplies, so a block's hash is nearly its own part plus its position's; summed,
+    the positions nearly cancel out and a key hardly depends on its blocks' order (the
+    same two blocks in swapped places shared a key a third of the time; the 4,096
+    orders of six blocks drawn from four, 590 keys).
     """
     blocks = len(token_ids) // block_size
     if blocks == 0:
@@ -74,10 +81,135 @@ def block_keys(
     # (zip stops at the tokens' end before it takes a salt).
     hashes = map(hash, zip(*(iter(token_ids),) * block_size, salts, strict=False))
     if not parent:
-        return list(accumulate(hashes, add))
-    keys = list(accumulate(hashes, add, initial=parent))
+        return list(accumulate(hashes, xor))
+    keys = list(accumulate(hashes, xor, initial=parent))
     del keys[0]
     return keys
+
+
+CHUNK_BLOCKS = 16
+"""Blocks per chunk of :class:`ChunkKeys`' cache (256 tokens at vLLM's block size)."""
+
+
+class ChunkedKeys(Sequence[int]):
+    """A prompt's keys in lists of :data:`CHUNK_BLOCKS` (the last may be shorter), as
+    :class:`ChunkKeys` gives them: the cached chunks are its own lists, not copied, so
+    a prompt's keys cost one reference a chunk rather than one a key (each a write to
+    the key's int object, out of the CPU's caches at 256 ranks)."""
+
+    __slots__ = ("_length", "chunks")
+
+    def __init__(self, chunks: list[list[int]], length: int) -> None:
+        self.chunks = chunks
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self.chunks)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            if step != 1 or stop <= start:
+                return list(self)[index]
+            first, offset = divmod(start, CHUNK_BLOCKS)
+            if stop - start <= CHUNK_BLOCKS - offset:  # within one chunk
+                return self.chunks[first][offset : offset + stop - start]
+            return list(islice(self, start, stop))
+        if index < 0:
+            index += self._length
+        return self.chunks[index // CHUNK_BLOCKS][index % CHUNK_BLOCKS]
+
+
+class ChunkKeys:
+    """:func:`block_keys` from ``ROOT_KEY``, with the keys of prompts' leading chunks of
+    :data:`CHUNK_BLOCKS` blocks remembered (at most ``max_chunks`` of them, oldest out
+    first).
+
+    Hashing every block is the costliest step of a decision in pure Python (a 17-item
+    tuple per block, about 10 ns a token) and prompts repeat their leading tokens (a
+    conversation's earlier turns, a shared document or system prompt). A chunk is looked
+    up by its parent key (the last key before it, standing for every token before it) and
+    Python's hash of its tokens as one tuple (about 3 ns a token); its keys are the same
+    list every time, so a repeated prefix costs a hash and a lookup per 256 tokens, and
+    its keys are the very int objects the indexes hold (a lookup matches them by
+    identity). A prompt's chunks from its first miss on are hashed block by block and
+    remembered (only the first, if no chunk of the prompt was known). Two chunks with
+    the same parent and tuple hash would share keys: as likely as two 64-bit hashes
+    colliding, and like a key collision it misroutes only.
+    """
+
+    def __init__(self, block_size: int, max_chunks: int) -> None:
+        self.block_size = block_size
+        self.max_chunks = max(1, max_chunks)
+        self._span = CHUNK_BLOCKS * block_size
+        self._chunks: dict[tuple[int, int], list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __call__(self, token_ids: Sequence[int]) -> ChunkedKeys:
+        """``block_keys(token_ids, block_size)``, in chunks."""
+        span, size = self._span, self.block_size
+        total = len(token_ids)
+        chunks = self._chunks
+        out: list[list[int]] = []
+        parent = ROOT_KEY
+        start = 0
+        token_hash = 0
+        full = total - total % span
+        while start < full:
+            token_hash = hash(tuple(token_ids[start : start + span]))
+            known = chunks.get((parent, token_hash))
+            if known is None:
+                break
+            out.append(known)
+            parent = known[-1]
+            start += span
+        rest = block_keys(token_ids[start:] if start else token_ids, size, parent, start // size)
+        out.extend(rest[at : at + CHUNK_BLOCKS] for at in range(0, len(rest), CHUNK_BLOCKS))
+        # Remember the new full chunks (the first one's tokens are hashed already): all of
+        # them if the prompt's first chunk was known (a conversation or a document coming
+        # back), else only the first (a prompt of its own may never come back: it costs
+        # one tuple hash, not one a chunk; if it does come back, the rest is learnt then).
+        learn = full if start else min(full, span)
+        for number, at in enumerate(range(start, learn, span), start=start // span):
+            if at > start:
+                token_hash = hash(tuple(token_ids[at : at + span]))
+            chunks[parent, token_hash] = out[number]
+            parent = out[number][-1]
+        excess = len(chunks) - self.max_chunks
+        if excess > 0:
+            for old in list(islice(chunks, excess)):
+                del chunks[old]
+        return ChunkedKeys(out, total // size)
+
+
+PIECE_BLOCKS = 64
+"""Blocks per piece of a chain-mode index at most (see :class:`_Piece`)."""
+
+
+class _Piece:
+    """Keys of one chain that were stored together, hence equally recent: ``keys`` from
+    depth ``lo`` on, within one stretch of :data:`PIECE_BLOCKS` (so at most that many).
+
+    Larger pieces are fewer objects to make and move; a smaller one is fewer keys to
+    point at a new piece when a prompt's cached prefix ends inside one (it splits)."""
+
+    __slots__ = ("keys", "lo", "time")
+
+    def __init__(self, keys: list[int], lo: int, time: float) -> None:
+        self.keys = keys
+        self.lo = lo
+        self.time = time
 
 
 class RankPrefixIndex:
@@ -93,6 +225,14 @@ class RankPrefixIndex:
     A plain dict cannot put a key first: the displaced blocks that come back as the
     least recently used (exact feed) are listed in ``_front``, which the order reads
     before the dict's own.
+
+    In chain mode (:meth:`_chain_mode`, which a router with the approximate feed uses),
+    every store is a prompt's whole chain, root first, and the index keeps the same
+    order in pieces instead (see ``_held``): refreshing a prompt's cached prefix moves
+    one piece per 64 blocks (:data:`PIECE_BLOCKS`), not every key, so a decision's cost
+    no longer touches every block the rank holds of the prompt (at 256 ranks, each such
+    touch is a cache miss). Anything but chains and expiry (:meth:`remove`, beliefs)
+    turns the pieces back into the plain order first (:meth:`_materialize`).
     """
 
     def __init__(
@@ -122,6 +262,11 @@ class RankPrefixIndex:
         they count against ``capacity_blocks``, as the engine makes room for a prompt by
         evicting (a belief beyond the capacity would send requests to blocks the engine
         has already evicted)."""
+        self._held: dict[int, _Piece] | None = None
+        """Chain mode (not None): key -> the piece holding it, instead of ``_seen``."""
+        self._pieces: dict[_Piece, None] = {}
+        """Chain mode: the pieces, least recently used first; within a piece, its keys
+        deepest first (a store's order: see :meth:`store`). The plain order, in pieces."""
         self._displaced: OrderedDict[int, float] = OrderedDict()
         """Blocks the engine's events reported, pushed out of the capacity by
         provisional ones -> last seen, oldest first. Not believed (absent from
@@ -131,21 +276,31 @@ class RankPrefixIndex:
         many as there are provisional blocks."""
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._seen if self._held is None else self._held)
 
     def __contains__(self, key: int) -> bool:
-        return key in self._seen
+        return key in (self._seen if self._held is None else self._held)
 
     def knows(self, key: int) -> bool:
         """Whether ``key`` is believed cached here or was reported and only displaced
         (a ``BlockStored`` chained on it can still be followed)."""
-        return key in self._seen or key in self._displaced
+        return key in self or key in self._displaced
 
     def last_seen(self, key: int) -> float | None:
-        return self._seen.get(key)
+        if self._held is None:
+            return self._seen.get(key)
+        piece = self._held.get(key)
+        return None if piece is None else piece.time
 
     def _oldest(self, count: int) -> list[int]:
         """The ``count`` least recently used keys (fewer if there are not as many)."""
+        if self._held is not None:
+            oldest: list[int] = []
+            for piece in self._pieces:
+                if len(oldest) >= count:
+                    break
+                oldest.extend(reversed(piece.keys))
+            return oldest[:count]
         front = self._front
         if not front:
             return list(islice(self._seen, count))
@@ -162,6 +317,10 @@ class RankPrefixIndex:
         prompt's last blocks before the blocks every longer prompt needs first. A key
         that repeats in ``keys`` ends where its first occurrence puts it.
         """
+        if self._held is not None:
+            held = sum(1 for _ in takewhile(self._held.__contains__, keys))
+            self._store_chain(keys, held, now)
+            return
         if self._displaced:
             deque(map(self._displaced.pop, keys, repeat(None)), maxlen=0)
         if self._front:
@@ -186,13 +345,106 @@ class RankPrefixIndex:
             fresh: Sequence[int] = keys[first_new:]
             if repeats or was[first_new:].count(None) != new:
                 fresh = list(compress(keys, map(is_, was, repeat(None))))
-            # Own the new keys: one setdefault each; if other ranks hold some too (their
-            # setdefault returned their mask), or this rank's bit into every mask.
-            owners, bit = self._owners, self._bit
-            masks = list(map(owners.setdefault, fresh, repeat(bit)))
-            if masks.count(bit) != len(masks):
-                owners.update(zip(fresh, map(or_, masks, repeat(bit)), strict=True))
+            self._own_new(fresh)
         self._evict_over_capacity()
+
+    def _own_new(self, fresh: Sequence[int]) -> None:
+        """This rank's bit for keys new here: one setdefault each; if other ranks hold
+        some too (their setdefault returned their mask), or the bit into every mask."""
+        owners, bit = self._owners, self._bit
+        masks = list(map(owners.setdefault, fresh, repeat(bit)))
+        if masks.count(bit) != len(masks):
+            owners.update(zip(fresh, map(or_, masks, repeat(bit)), strict=True))
+
+    def _chain_mode(self) -> None:
+        """Keep the order in pieces from now on (see the class docstring); the index
+        must be empty. Only a router whose stores are all prompts' chains sets it."""
+        if len(self):
+            raise ValueError("chain mode starts empty")
+        self._held = {}
+
+    def _store_chain(self, keys: Sequence[int], held: int, now: float) -> None:
+        """:meth:`store` in chain mode, ``keys`` being a chain from the root of which the
+        first ``held`` are held here (as :meth:`_walk` found). The same order results:
+        the new keys in pieces of their own, each chunk's deepest first, then the held
+        prefix's pieces (split where the prefix ends inside one), deepest first, all at
+        the recent end; then the least recent keys go beyond the capacity."""
+        pieces, by_key = self._pieces, self._held
+        assert by_key is not None
+        # keys[k] is chunks[k // span][k % span], without a Python-level call per key
+        chunks: Sequence[Sequence[int]] = [keys]
+        span = max(1, len(keys))
+        if isinstance(keys, ChunkedKeys):
+            chunks, span = keys.chunks, CHUNK_BLOCKS
+        refreshed: list[_Piece] = []
+        depth = 0
+        while depth < held:  # the held prefix's pieces, root first
+            piece = by_key.get(chunks[depth // span][depth % span])
+            if piece is None or piece.lo != depth:  # not a chain here (a key collision)
+                self._materialize()
+                self.store(keys, now)
+                return
+            refreshed.append(piece)
+            depth += len(piece.keys)
+        count = len(keys)
+        fresh = list(keys[held:])
+        # The new keys, a piece per stretch of PIECE_BLOCKS (or the part of one from ``held``).
+        starts = [held, *range((held // PIECE_BLOCKS + 1) * PIECE_BLOCKS, count, PIECE_BLOCKS)]
+        ends = [*starts[1:], count]
+        runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
+        new = list(map(_Piece, runs, starts, repeat(now))) if fresh else []
+        owner = chain.from_iterable(map(repeat, new, map(len, runs)))
+        by_key.update(zip(fresh, owner, strict=True))
+        if refreshed and depth > held:  # the last piece runs past the prefix: split it
+            last = refreshed[-1]
+            cut = held - last.lo
+            part = _Piece(last.keys[:cut], last.lo, now)
+            del last.keys[:cut]
+            last.lo = held
+            by_key.update(zip(part.keys, repeat(part)))
+            refreshed[-1] = part
+        pieces.update(zip(reversed(new), repeat(None)))
+        for piece in reversed(refreshed):
+            pieces.pop(piece, None)  # (the split-off part is not in yet)
+            piece.time = now
+            pieces[piece] = None
+        if fresh:
+            self._own_new(fresh)
+        excess = len(by_key) - self.capacity_blocks
+        if excess > 0:
+            self._evict_pieces(excess)
+
+    def _evict_pieces(self, count: int) -> None:
+        """Chain mode: forget the ``count`` least recently used keys."""
+        pieces, by_key = self._pieces, self._held
+        assert by_key is not None
+        victims: list[int] = []
+        emptied: list[_Piece] = []
+        # One pass from the front (a dict skips its deleted entries at every new iter)
+        for piece in pieces:
+            keys, need = piece.keys, count - len(victims)
+            if len(keys) > need:
+                victims += keys[len(keys) - need :]
+                del keys[len(keys) - need :]
+                break
+            victims += keys
+            emptied.append(piece)
+            if len(keys) == need:
+                break
+        deque(map(pieces.__delitem__, emptied), maxlen=0)
+        gone = list(map(by_key.pop, victims, repeat(None)))
+        self._disown(list(compress(victims, gone)))
+
+    def _materialize(self) -> None:
+        """Leave chain mode: the pieces become the plain order (same keys, times, order)."""
+        if self._held is None:
+            return
+        seen: dict[int, float] = {}
+        for piece in self._pieces:
+            seen.update(zip(reversed(piece.keys), repeat(piece.time)))
+        self._seen = seen
+        self._held = None
+        self._pieces = {}
 
     def _evict_over_capacity(self) -> None:
         excess = len(self._seen) - self.capacity_blocks
@@ -237,6 +489,10 @@ class RankPrefixIndex:
         deque(map(self._seen.__delitem__, keys), maxlen=0)
         if self._front:
             deque(map(self._front.pop, keys, repeat(None)), maxlen=0)
+        self._disown(keys)
+
+    def _disown(self, keys: list[int]) -> None:
+        """This rank's bit out of the masks of ``keys`` (distinct, no longer held)."""
         # Out of the owners map with one pop each; back with the other ranks' bits for
         # those that other ranks hold too (a mask other than this rank's bit alone).
         owners, bit = self._owners, self._bit
@@ -247,6 +503,11 @@ class RankPrefixIndex:
 
     def remove(self, keys: Iterable[int]) -> None:
         """Forget ``keys`` (the engine evicted them, or a belief ended)."""
+        if self._held is not None:
+            keys = list(keys)
+            if not keys:
+                return
+            self._materialize()
         seen, provisional, displaced = self._seen, self._provisional, self._displaced
         held = []
         for key in dict.fromkeys(keys):
@@ -261,6 +522,11 @@ class RankPrefixIndex:
             self._restore_displaced()
 
     def clear(self) -> None:
+        if self._held is not None:
+            self._disown(list(self._held))
+            self._held.clear()
+            self._pieces.clear()
+            return
         self._forget(list(self._seen))
         self._provisional.clear()
         self._displaced.clear()
@@ -268,6 +534,7 @@ class RankPrefixIndex:
     def store_provisionally(self, keys: Sequence[int], now: float, until: float) -> None:
         """:meth:`store` ``keys`` on belief: those not already known from events are
         forgotten at ``until`` unless :meth:`confirm` comes first."""
+        self._materialize()
         self.expire_provisional(now)
         provisional, displaced = self._provisional, self._displaced
         for key in keys:
@@ -297,6 +564,15 @@ class RankPrefixIndex:
 
     def expire(self, now: float) -> None:
         """Forget blocks last seen more than ``max_age`` before ``now`` (oldest first)."""
+        if self._held is not None:
+            due = 0
+            for piece in self._pieces:
+                if now - piece.time <= self.max_age:
+                    break
+                due += len(piece.keys)
+            if due:
+                self._evict_pieces(due)
+            return
         displaced = self._displaced
         while displaced and now - next(iter(displaced.values())) > self.max_age:
             displaced.popitem(last=False)
@@ -315,4 +591,24 @@ class RankPrefixIndex:
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
-        return len(list(takewhile(self._seen.__contains__, keys)))
+        held = self._seen if self._held is None else self._held
+        return len(list(takewhile(held.__contains__, keys)))
+
+    # --- read-only views (tests, diagnostics): copies, never the index's own state ---------
+
+    def blocks(self) -> dict[int, float]:
+        """Every block believed cached here -> when it was last seen, least recently used
+        first (the order eviction takes them in). A copy."""
+        last_seen = self.last_seen
+        return {key: last_seen(key) or 0.0 for key in self._oldest(len(self))}
+
+    def provisional_blocks(self) -> dict[int, float]:
+        """The blocks of :meth:`blocks` held on belief only (the exact feed's routed
+        prompts) -> when the belief ends unless an event confirms it, oldest first. A copy."""
+        return dict(self._provisional)
+
+    def displaced_blocks(self) -> dict[int, float]:
+        """Blocks the engine reported, pushed out of the capacity by provisional ones and
+        not believed cached -> when last seen, oldest first; they come back as room
+        returns. A copy."""
+        return dict(self._displaced)

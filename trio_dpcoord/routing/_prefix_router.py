@@ -15,7 +15,16 @@ from ..protocol import (
     KVEventError,
     decode_event_batch,
 )
-from ._prefix_index import DEFAULT_BLOCK_SIZE, ROOT_KEY, Feed, RankPrefixIndex, block_keys
+from ._prefix_index import (
+    CHUNK_BLOCKS,
+    DEFAULT_BLOCK_SIZE,
+    ROOT_KEY,
+    ChunkedKeys,
+    ChunkKeys,
+    Feed,
+    RankPrefixIndex,
+    block_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +183,11 @@ class PrefixRouter:
     returned as is. Every routed or pinned prompt is learnt on its rank with
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
     (and, until they are due, believes its own decisions provisionally).
+
+    ``indexes`` are the router's own: outside code may store whole prompts in them
+    (``store(block_keys(tokens, block_size), now)``, as the vLLM plugin does for pinned
+    requests) and nothing else, since with the approximate feed the walk relies on every
+    index holding a prompt's blocks from the first one on (it bisects the prompt).
     """
 
     def __init__(self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0) -> None:
@@ -188,6 +202,14 @@ class PrefixRouter:
         self._byte_ranks: list[list[tuple[int, ...]]] = []
         self.indexes: list[RankPrefixIndex] = []
         self._exact: list[_ExactRank] = []
+        self._keys = ChunkKeys(self.block_size, 0)
+        self._closed = self.feed == "approximate"
+        """Every rank's index is prefix-closed: a rank holding a prompt's block holds the
+        blocks before it. True while the indexes learn only the router's own decisions
+        (every one a prompt's whole chain, root first, stored deepest first so that a
+        parent is always more recent than its child: evictions and expiry take the child
+        first); KV events (a chain continued from a reported parent, evictions of the
+        engine's choosing) end it. :meth:`_walk` bisects while it holds."""
         self.ranks = 0
         self.resize(ranks)
         self._rotation = start % ranks
@@ -204,14 +226,17 @@ class PrefixRouter:
         del self.indexes[ranks:], self._exact[ranks:]
         routing = self.routing
         for rank in range(len(self.indexes), ranks):
-            self.indexes.append(
-                RankPrefixIndex(
-                    routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
-                )
+            index = RankPrefixIndex(
+                routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
             )
+            if self._closed:
+                index._chain_mode()  # every store a prompt's chain: the order in pieces
+            self.indexes.append(index)
             self._exact.append(_ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
+        # At most half the chunks the indexes can hold (about 15 bytes a block at most).
+        self._keys.max_chunks = max(64, ranks * routing.capacity_blocks // (2 * CHUNK_BLOCKS))
         width = (ranks + 7) // 8
         self._byte_ranks = [
             [tuple(8 * offset + i for i in range(8) if byte >> i & 1) for byte in range(256)]
@@ -252,7 +277,9 @@ class PrefixRouter:
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
             raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
-        keys = block_keys(token_ids, self.block_size)
+        keys: Sequence[int] = self._keys(token_ids)
+        if not self._closed:
+            keys = list(keys)  # the plain indexes and the walk block by block take a list
         if now >= self._next_sweep:
             for index in self.indexes:
                 index.expire(now)
@@ -273,7 +300,11 @@ class PrefixRouter:
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
             if self.feed == "approximate":
-                self.indexes[decision.rank].store(keys, now)
+                index = self.indexes[decision.rank]
+                if index._held is not None:  # chain mode: the held prefix is the walk's
+                    index._store_chain(keys, decision.cached_tokens // self.block_size, now)
+                else:
+                    index.store(keys, now)
             elif self.routing.provisional_age > 0:
                 # the exact feed's belief in a prompt just routed, until events are due
                 until = now + min(self.routing.provisional_age, self.routing.max_age)
@@ -282,7 +313,53 @@ class PrefixRouter:
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
-        the ranks holding exactly that many), deepest last; ranks holding none omitted.
+        the ranks holding exactly that many), deepest last; ranks holding none omitted."""
+        if self._closed:
+            return self._bisect(keys)
+        return self._walk_blocks(keys)
+
+    def _bisect(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`_walk` over prefix-closed indexes (:attr:`_closed`): the ranks holding
+        block ``k`` then hold every block before it, so the holders' mask can only shrink
+        along the prompt, and a stretch whose two ends have the same holders has them
+        throughout. Bisecting the stretches whose ends differ finds every depth where
+        ranks drop out in about (depths where some do) x log2(blocks) lookups instead of
+        one a block: 2 for a prompt held whole by the same ranks."""
+        count = len(keys)
+        if not count:
+            return []
+        # keys[k] is chunks[k // span][k % span], without a Python-level call per key
+        chunks: Sequence[Sequence[int]] = [keys]
+        span = count
+        if isinstance(keys, ChunkedKeys):
+            chunks, span = keys.chunks, CHUNK_BLOCKS
+        owners = self._owners.get
+        everyone = self._all
+        first = owners(keys[0], 0) & everyone
+        if not first:
+            return []
+        last = owners(keys[-1], 0) & first
+        groups: list[tuple[int, int]] = []
+        # Stretches (low, high, holders at low, holders at high), leftmost on top.
+        stack = [(0, count - 1, first, last)]
+        pop, push = stack.pop, stack.append
+        while stack:
+            low, high, at_low, at_high = pop()
+            if at_low == at_high:
+                continue
+            if high - low == 1:
+                groups.append((high, at_low ^ at_high))  # held to ``low``, not ``high``
+                continue
+            middle = (low + high) >> 1
+            at_middle = owners(chunks[middle // span][middle % span], 0) & at_low
+            push((middle, high, at_middle, at_high))
+            push((low, middle, at_low, at_middle))
+        if last:
+            groups.append((count, last))
+        return groups
+
+    def _walk_blocks(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`_walk` block by block, from the first block to the first no rank holds.
 
         Once one rank is left (:data:`_FEW_RANKS`), the rest of its run is counted in its
         own index (a small dict, C-level) rather than key by key in the shared map of
@@ -315,7 +392,8 @@ class PrefixRouter:
         rest = keys[held:]
         masks: dict[int, int] = {}
         for rank in self._members(ranks):
-            contains = self.indexes[rank]._seen.__contains__
+            index = self.indexes[rank]
+            contains = (index._seen if index._held is None else index._held).__contains__
             depth = held + len(list(takewhile(contains, rest)))
             masks[depth] = masks.get(depth, 0) | 1 << rank
         groups.extend(sorted(masks.items()))
@@ -457,6 +535,10 @@ class PrefixRouter:
             state.vllm_to_ours.clear()
         state.last_seq = seq
         self.counters.event_batches += 1
+        if self._closed:  # chains continued from a parent, evictions in any order
+            self._closed = False
+            for each in self.indexes:
+                each._materialize()
         for event in batch.events:
             if isinstance(event, BlockStored):
                 if event.block_size != self.block_size:
@@ -483,3 +565,17 @@ class PrefixRouter:
                 h: known for h, known in state.vllm_to_ours.items() if index.knows(known[0])
             }
         return True
+
+    # --- read-only views (tests, diagnostics): copies, never the router's own state --------
+
+    def block_owners(self) -> dict[int, int]:
+        """Block key -> bit mask of the ranks believed to hold it (bit ``r``: rank ``r``),
+        every rank's index together. A copy."""
+        return dict(self._owners)
+
+    def prefix_groups(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """Which ranks hold how much of ``keys`` (a prompt's :func:`block_keys`): one
+        ``(leading blocks held, bit mask of the ranks holding exactly that many)`` per
+        depth, deepest last, ranks holding none omitted. What one decision weighs; it
+        changes nothing (not even the indexes' recency or ages)."""
+        return self._walk(keys)

@@ -7,12 +7,15 @@ users get.
 
 * :mod:`.engine` — one DP rank (``python -m trio_dpcoord.sim engine --rank R ...``),
   faithful to docs/protocol.md §6, stepping in lock-step with its peers through a real
-  collective between processes (:mod:`.collective`);
+  collective between processes (:mod:`.collective`); what it is told and counts in
+  :mod:`.engine_config`, its sockets in :mod:`.engine_sockets`;
 * :mod:`.frontend` — the front-end (wave stamp, engine choice, optional
-  ``notify_first_request``), wake-latency measurement and the bursty load generator;
+  ``notify_first_request``) and wake-latency measurement; :mod:`.load` — the bursty
+  load generator;
 * :mod:`.cluster` — :func:`run_cluster`: coordinator + front-end + N engine processes
   + load, as ``examples/launch_cluster.py`` runs it; :func:`open_engine_fleet` for
-  other front-ends (``examples/http_frontend.py``);
+  other front-ends (``examples/http_frontend.py``); its configuration and report in
+  :mod:`.cluster_config`;
 * :mod:`.fleet` — process supervision: the engine processes and the standalone
   coordinator process, watched, restarted when asked, always reaped;
 * :mod:`.engine_core` — the same rank speaking vLLM's engine-core protocol (handshake,
@@ -23,24 +26,11 @@ users get.
 
 from __future__ import annotations
 
-from .cluster import (
-    ClusterConfig,
-    ClusterReport,
-    EmbeddedCoordinator,
-    Mode,
-    Progress,
-    open_engine_fleet,
-    run_cluster,
-)
+from .cluster import EmbeddedCoordinator, open_engine_fleet, run_cluster
+from .cluster_config import ClusterConfig, ClusterReport, Mode, Progress
 from .collective import AllReduceResult, CollectiveTimeoutError
-from .engine import (
-    CoordinatorLostError,
-    EngineConfig,
-    EngineProtocolError,
-    SimEngine,
-    run_engine,
-    run_sim_engine,
-)
+from .engine import SimEngine, run_engine, run_sim_engine
+from .engine_config import CoordinatorLostError, EngineConfig, EngineProtocolError
 from .engine_core import (
     ENGINE_CLIENT_MODE,
     EngineCoreFleet,
@@ -49,14 +39,8 @@ from .engine_core import (
     open_sim_engine_client,
     run_engine_core_cluster,
 )
-from .frontend import (
-    LoadPlan,
-    SimFrontend,
-    TokenListener,
-    WakePath,
-    generate_load,
-    open_sim_frontend,
-)
+from .frontend import SimFrontend, TokenListener, WakePath, open_sim_frontend
+from .load import LoadPlan, generate_load
 from .timeline import Timeline, plot_timeline
 
 __all__ = [

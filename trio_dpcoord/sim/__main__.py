@@ -24,15 +24,14 @@ import trio
 
 from ..cli import cancel_at_stdin_eof
 from .collective import CollectiveTimeoutError
-from .engine import (
+from .engine import run_engine, run_sim_engine
+from .engine_config import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_COORDINATOR_LOST,
     EXIT_PROTOCOL_ERROR,
     CoordinatorLostError,
     EngineConfig,
     EngineProtocolError,
-    run_engine,
-    run_sim_engine,
 )
 from .engine_core import SimEngineCore
 

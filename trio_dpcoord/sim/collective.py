@@ -1,5 +1,10 @@
 """The lock-step collective of simulated DP ranks, for real, between processes.
 
+Its messages are this simulation's own protocol (vLLM's ranks meet in torch.distributed
+collectives, not over ZeroMQ), so they are written and read here, not in
+:mod:`trio_dpcoord.protocol`; only the ranks' identities are vLLM's
+(:func:`~trio_dpcoord.protocol.engine_identity`).
+
 MoE DP ranks run every forward pass as a collective (all-to-all plus a token-count
 all-reduce) and every ``dp_sync_interval`` steps an all-reduce of
 ``[has_unfinished, pending_pause]`` (docs/protocol.md §6.5). A rank that is asleep while its
@@ -43,7 +48,7 @@ from typing import Any
 import msgpack
 import trio
 
-from ..testing import rank_identity
+from ..protocol import engine_identity
 from ..trio_zmq import AsyncSocket
 
 __all__ = [
@@ -250,7 +255,7 @@ class CollectiveHost:
                 await self._reply(peer, [wave, step, None, list(missing), wave, step])
 
     async def _reply(self, rank: int, payload: list[Any]) -> None:
-        await self._socket.send_multipart([rank_identity(rank), msgpack.packb(payload)])
+        await self._socket.send_multipart([engine_identity(rank), msgpack.packb(payload)])
 
 
 class CollectiveClient:

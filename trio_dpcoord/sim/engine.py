@@ -1,16 +1,13 @@
 """A simulated MoE DP engine (one DP rank), faithful to docs/protocol.md §6 (checklist §6.9).
 
-Sockets, as a vLLM ``DPEngineCoreProc`` has them:
-
-* XSUB to the coordinator's broadcast socket, identity = rank (2 bytes LE), sends ``01``
-  and blocks until ``READY``; then handles ``START_DP_WAVE [W, exclude]``;
-* PUSH to the coordinator's output socket: stats-only, ``start_wave`` and (rank 0)
-  ``wave_complete`` ``EngineCoreOutputs`` frames from the codec;
-* DEALER (identity = rank) to the front-end's request ROUTER: ``ADD`` requests (wave stamp
-  at index 12), sim commands (UTILITY, see :mod:`.messages`);
-* PUSH to the front-end's completion PULL: per-step ``EngineCoreOutputs`` with outputs,
-  ``finish_reason`` and ``finished_requests``, plus status events;
-* the per-step collective with every other rank (:mod:`.collective`), rank 0 hosting it.
+Its sockets are those of a vLLM ``DPEngineCoreProc`` (:mod:`.engine_sockets`): the
+coordinator's broadcast (``01`` subscription, then ``READY`` and ``START_DP_WAVE [W,
+exclude]``) and output (stats-only, ``start_wave`` and, on rank 0, ``wave_complete``
+``EngineCoreOutputs``), the front-end's requests (``ADD`` with the wave stamp at index
+12, ``ABORT``, UTILITY commands, see :mod:`.messages`) and completions (per-step
+``EngineCoreOutputs`` with outputs, ``finish_reason`` and ``finished_requests``, plus
+status events), and the per-step collective with every other rank (:mod:`.collective`),
+rank 0 hosting it.
 
 The busy loop follows §6.5 step by step; the scheduler is a toy: a waiting queue, at
 most ``max_running`` running requests, one token per running request per step, a request
@@ -44,146 +41,34 @@ import math
 import sys
 import time
 from collections import deque
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Final, TypeAlias
 
-import msgpack
 import trio
-import zmq
 
-from .. import ConnectionMonitor, Liveness, open_connection_monitor, protocol
-from ..testing import rank_identity
-from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .. import ConnectionMonitor, protocol
+from ..trio_zmq import AsyncSocket
 from . import messages
 from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError
-from .kv_events import EventBatchEncoder, kv_event_frames
-from .prefix import DEFAULT_BLOCK_SIZE, RankCache, RankModel
-from .traces import Request as _TraceRequest
+from .engine_config import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    CoordinatorLostError,
+    EngineConfig,
+    EngineCounters,
+    EngineProtocolError,
+    RequestState,
+)
+from .engine_sockets import open_engine_sockets
+from .kv_events import EventBatchEncoder
+from .prefix import RankCache, RankModel
+from .traces import Request as TraceRequest
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = [
-    "DIAGNOSED_EXIT_STATUSES",
-    "EXIT_COLLECTIVE_TIMEOUT",
-    "EXIT_COORDINATOR_LOST",
-    "EXIT_PROTOCOL_ERROR",
-    "CoordinatorLostError",
-    "EngineConfig",
-    "EngineCounters",
-    "EngineProtocolError",
-    "SimEngine",
-    "run_engine",
-    "run_sim_engine",
-]
+__all__ = ["SimEngine", "run_engine", "run_sim_engine"]
 
 logger = logging.getLogger(__name__)
-
-_Context: TypeAlias = zmq.Context[zmq.Socket[bytes]]
-
-HEARTBEAT_OPTIONS: Final = Liveness().socket_options()
-"""The coordinator's own heartbeat and keepalive options, on the engine's side."""
-
-_FINISH_LENGTH = 1
-_FINISH_ABORT = 2
-
-
-# Exit statuses of ``python -m trio_dpcoord.sim engine`` for the failures it diagnoses
-# itself; a launcher never restarts such a rank (its DP group is broken).
-EXIT_COLLECTIVE_TIMEOUT: Final = 3  # CollectiveTimeoutError
-EXIT_PROTOCOL_ERROR: Final = 4  # EngineProtocolError
-EXIT_COORDINATOR_LOST: Final = 5  # CoordinatorLostError
-DIAGNOSED_EXIT_STATUSES: Final = frozenset(
-    {EXIT_COLLECTIVE_TIMEOUT, EXIT_PROTOCOL_ERROR, EXIT_COORDINATOR_LOST}
-)
-
-
-class EngineProtocolError(Exception):
-    """The coordinator sent something a vLLM engine would die on (docs/protocol.md §4.1)."""
-
-
-class CoordinatorLostError(Exception):
-    """The connection to the coordinator stayed down for ``coordinator_timeout`` s."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything one simulated DP rank needs to know."""
-
-    rank: int
-    engine_count: int
-    back_publish_address: str
-    """The coordinator's back-publish socket (XPUB: READY, START_DP_WAVE)."""
-    back_output_address: str
-    """The coordinator's back-output socket (PULL: stats, wave reports)."""
-    request_address: str
-    """The front-end's request ROUTER."""
-    completion_address: str
-    """The front-end's completion PULL."""
-    collective_address: str
-    """Where rank 0 binds the collective ROUTER and every rank connects."""
-    step_time: float = 0.002
-    """Seconds one forward pass (real or dummy) takes."""
-    tokens_per_request: int = 8
-    """Tokens generated for a request that carries no ``max_tokens``."""
-    max_running: int = 8
-    """Per-step capacity: how many requests one step advances."""
-    sync_interval: int = 16
-    """``dp_sync_interval``: the all-reduce runs on step 1 and every multiple of this."""
-    collective_timeout: float = 10.0
-    report_start_wave: bool = True
-    """vLLM >= 0.33 behaviour: report ``start_wave`` for every request reaching an idle
-    engine. False emulates older engines (report only for stale-wave requests), which
-    rely on the front-end to wake the other ranks."""
-    coordinator_timeout: float | None = None
-    """Exit (:class:`CoordinatorLostError`) when the coordinator stays unreachable this
-    long; None: log the loss and keep waiting for it to come back."""
-    curve_server_key: bytes | None = None
-    """The coordinator's CURVE public key when it runs with CURVE (off by default):
-    both coordinator sockets then connect as CURVE clients."""
-    prefix_cache_blocks: int = 0
-    """0 (the default): the toy scheduler, one token per running request per step, every
-    step ``step_time`` long. N > 0: the prefix-cache engine (see :class:`SimEngine`):
-    an LRU prefix cache of N blocks of ``block_size`` tokens, chunked prefill of the
-    uncached prompt tokens, steps of ``step_time + step_per_token * tokens``."""
-    block_size: int = DEFAULT_BLOCK_SIZE
-    """Tokens per KV-cache block (vLLM's ``--block-size``, 16)."""
-    token_budget: int = 2048
-    """Tokens one step may process (vLLM's ``max_num_batched_tokens``; 2048 is one of
-    its defaults): decodes first, then prefill chunks."""
-    step_per_token: float = 0.0
-    """Seconds each processed token adds to a step (the lock-step model's ``b``,
-    :data:`~trio_dpcoord.sim.prefix.STEP_PER_TOKEN_S`, is 2e-5); with the prefix cache only."""
-    kv_events_address: str | None = None
-    """Publish KV-cache events here (a ZeroMQ PUB socket this rank binds), as vLLM does
-    with ``--kv-events-config``; needs the prefix cache."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.engine_count:
-            raise ValueError(f"rank {self.rank} out of range for {self.engine_count} engines")
-        if self.step_time < 0 or self.collective_timeout <= 0:
-            raise ValueError("step_time must be >= 0 and collective_timeout > 0")
-        if self.coordinator_timeout is not None and self.coordinator_timeout <= 0:
-            raise ValueError("coordinator_timeout must be positive")
-        if self.tokens_per_request < 1 or self.max_running < 1 or self.sync_interval < 1:
-            raise ValueError("tokens_per_request, max_running and sync_interval must be >= 1")
-        if self.prefix_cache_blocks < 0 or self.block_size < 1 or self.token_budget < 1:
-            raise ValueError("need prefix_cache_blocks >= 0, block_size and token_budget >= 1")
-        if not self.step_per_token >= 0:
-            raise ValueError("step_per_token must be >= 0")
-        if self.kv_events_address is not None and not self.prefix_cache_blocks:
-            raise ValueError("kv_events_address needs a prefix cache (prefix_cache_blocks > 0)")
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    remaining: int
-    generated: int = 0
-    prompt: tuple[int, ...] = ()
-    prefill_left: int = 0
-    """Prompt tokens still to compute (the prefix-cache engine; 0 for the toy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,33 +82,13 @@ class _Announce:
 
 
 _Input = (
-    protocol.EngineCoreRequest | protocol.StartDPWave | messages.UtilityCall | _Abort | _Announce
+    protocol.EngineCoreRequest | protocol.StartDPWave | protocol.UtilityCall | _Abort | _Announce
 )
 
 
-@dataclass(slots=True)
-class EngineCounters:
-    steps: int = 0
-    dummy_steps: int = 0
-    waves: int = 0
-    requests_finished: int = 0
-    start_waves_sent: int = 0
-    broadcasts_dropped: int = 0
-    bad_requests: int = 0
-    stats_sent: int = 0
-    coordinator_disconnects: int = 0
-    coordinator_reconnects: int = 0
-    prefix_queries: int = 0
-    """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_stats.queries``)."""
-    prefix_hits: int = 0
-    """Of those, tokens found cached (``prefix_cache_stats.hits``)."""
-    computed_tokens: int = 0
-    """Tokens processed by real steps (prefill chunks plus decodes; the prefix cache)."""
-    kv_event_batches: int = 0
-
-
 class SimEngine:
-    """One DP rank's state machine and busy loop; sockets are handed in by :func:`run_engine`."""
+    """One DP rank's state machine and busy loop; :meth:`run` opens its sockets
+    (:mod:`.engine_sockets`) and runs it."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -235,8 +100,8 @@ class SimEngine:
         self.pending_pause = False
         self.ignore_start_dp_wave = False
         self.scheduler_paused = False
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
         self.counters = EngineCounters()
         self._last_counts: tuple[int, int] | None = None
         self._pause_calls: list[int] = []
@@ -261,6 +126,12 @@ class SimEngine:
                 cache.changes = []
                 self._kv_events = EventBatchEncoder(config.block_size)
             self._prefix = RankModel(cache)
+
+    @property
+    def prefix_cache(self) -> RankCache | None:
+        """The simulated prefix cache (its blocks and capacity), or None for the toy engine
+        without one. Read-only by contract: the engine alone changes it."""
+        return None if self._prefix is None else self._prefix.cache
 
     @property
     def ready(self) -> bool:
@@ -303,15 +174,12 @@ class SimEngine:
                 if kind is protocol.RequestType.ADD:
                     self._input_send.send_nowait(protocol.decode_engine_request(frames))
                 elif kind is protocol.RequestType.UTILITY:
-                    self._input_send.send_nowait(messages.decode_utility_call(frames))
-                elif kind is protocol.RequestType.ABORT and len(frames) == 2:
-                    ids = msgpack.unpackb(frames[1])
-                    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                        raise protocol.ProtocolError("ABORT payload must be a list of str")
-                    self._input_send.send_nowait(_Abort(tuple(ids)))
+                    self._input_send.send_nowait(protocol.decode_utility(frames))
+                elif kind is protocol.RequestType.ABORT:
+                    self._input_send.send_nowait(_Abort(protocol.decode_abort(frames)))
                 else:
                     raise protocol.ProtocolError(f"unexpected {kind.name} on the request socket")
-            except (protocol.ProtocolError, ValueError, msgpack.UnpackException) as exc:
+            except protocol.ProtocolError as exc:
                 self.counters.bad_requests += 1
                 logger.warning(
                     "rank %d: dropping a bad front-end message at wave %d: %s",
@@ -369,7 +237,7 @@ class SimEngine:
             await self._on_add(item)
         elif isinstance(item, protocol.StartDPWave):
             self._on_start_dp_wave(item)
-        elif isinstance(item, messages.UtilityCall):
+        elif isinstance(item, protocol.UtilityCall):
             await self._on_utility(item)
         elif isinstance(item, _Announce):
             self._last_counts = None  # force a report of the current counts
@@ -380,7 +248,7 @@ class SimEngine:
     async def _on_add(self, request: protocol.EngineCoreRequest) -> None:
         tokens = request.max_tokens or self.config.tokens_per_request
         self.waiting.append(
-            _Request(request.request_id, max(1, tokens), prompt=request.prompt_token_ids)
+            RequestState(request.request_id, max(1, tokens), prompt=request.prompt_token_ids)
         )
         stamped = request.current_wave
         if stamped > self.current_wave:
@@ -420,7 +288,7 @@ class SimEngine:
         self.current_wave = start.wave
         self.engines_running = True
 
-    async def _on_utility(self, call: messages.UtilityCall) -> None:
+    async def _on_utility(self, call: protocol.UtilityCall) -> None:
         if call.method == messages.PAUSE_SCHEDULER:
             self.scheduler_paused = True
             if self.ignore_start_dp_wave:  # already paused: nothing to agree on
@@ -444,7 +312,7 @@ class SimEngine:
         else:
             await self._other_utility(call)
 
-    async def _other_utility(self, call: messages.UtilityCall) -> None:
+    async def _other_utility(self, call: protocol.UtilityCall) -> None:
         """A utility call the simulation has no rule for (a hook: the engine-core
         engine answers vLLM's other calls here)."""
         self.counters.bad_requests += 1
@@ -461,19 +329,19 @@ class SimEngine:
         self.running = [r for r in self.running if r.request_id not in ids]
         await self._report_aborted(dropped)
 
-    async def _report_aborted(self, dropped: list[_Request]) -> None:
+    async def _report_aborted(self, dropped: list[RequestState]) -> None:
         """Tell the front-end which requests an ABORT removed (a hook: vLLM's engines
         send nothing for a request their client aborted)."""
-        await self._send_outputs([(r, _FINISH_ABORT) for r in dropped])
+        await self._send_outputs([(r, FINISH_ABORT) for r in dropped])
 
     async def _send_outputs(
         self,
-        items: list[tuple[_Request, int | None]],
+        items: list[tuple[RequestState, int | None]],
         stats: protocol.SchedulerStats | None = None,
     ) -> None:
         outputs = tuple(
             protocol.EngineCoreOutput(
-                r.request_id, (r.generated,) if reason != _FINISH_ABORT else (), reason
+                r.request_id, (r.generated,) if reason != FINISH_ABORT else (), reason
             )
             for r, reason in items
         )
@@ -504,15 +372,15 @@ class SimEngine:
         self.running = [r for r in self.running if r.remaining > 0]
         await self._send_outputs(items)
 
-    def _sample(self, requests: list[_Request]) -> list[tuple[_Request, int | None]]:
+    def _sample(self, requests: list[RequestState]) -> list[tuple[RequestState, int | None]]:
         """One new token for each of ``requests``: the outputs to send, a request
         finishing (length) when it has all its tokens."""
-        items: list[tuple[_Request, int | None]] = []
+        items: list[tuple[RequestState, int | None]] = []
         for request in requests:
             request.generated += 1
             request.remaining -= 1
             if request.remaining <= 0:
-                items.append((request, _FINISH_LENGTH))
+                items.append((request, FINISH_LENGTH))
                 self.counters.requests_finished += 1
             else:
                 items.append((request, None))
@@ -554,7 +422,7 @@ class SimEngine:
         await self._publish_kv_events(ledger.cache)
 
     @staticmethod
-    def _prefill_chunk(request: _Request, budget: int, stepped: list[_Request]) -> int:
+    def _prefill_chunk(request: RequestState, budget: int, stepped: list[RequestState]) -> int:
         """Compute up to ``budget`` of the request's prompt tokens; returns how many. A
         request whose prompt is done joins ``stepped`` (it samples a token)."""
         chunk = min(request.prefill_left, budget)
@@ -573,7 +441,7 @@ class SimEngine:
         held = sum(-(-(len(r.prompt) + r.generated) // size) for r in self.running)
         return min(1.0, held / self._prefix.cache.capacity_blocks)
 
-    def _look_up(self, ledger: RankModel, request: _Request) -> None:
+    def _look_up(self, ledger: RankModel, request: RequestState) -> None:
         """Match the prompt's cached blocks, cache its blocks, set what is left to compute
         (the model's own rule, :meth:`RankModel.admit`: whole blocks, the last prompt
         token always computed, as vLLM). Only the ledger's cache and tallies serve here:
@@ -582,7 +450,7 @@ class SimEngine:
             self._kv_events.remember(request.prompt)
         hits = ledger.hits
         ledger.admit(
-            _TraceRequest(0.0, request.prompt, request.remaining, 0), self.config.block_size
+            TraceRequest(0.0, request.prompt, request.remaining, 0), self.config.block_size
         )
         ledger.queue.clear()
         request.prefill_left = len(request.prompt) - (ledger.hits - hits)
@@ -618,7 +486,7 @@ class SimEngine:
         changes.clear()
         if len(encoder) > 4 * cache.capacity_blocks:  # blocks of prompts too long to cache
             encoder.retain(cache.blocks)
-        await publisher.send_multipart(kv_event_frames(self._kv_seq, payload))
+        await publisher.send_multipart(protocol.encode_kv_event_frames(self._kv_seq, payload))
         self._kv_seq += 1
         self.counters.kv_event_batches += 1
 
@@ -745,32 +613,28 @@ class SimEngine:
         await dealer.send(messages.encode_hello(self.config.rank))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect every socket, wait for READY, say hello, then step forever."""
+        """Open every socket, wait for READY, say hello, then step forever."""
         cfg = self.config
-        async with AsyncExitStack() as stack:
-            context = await stack.enter_async_context(open_context())
-            router = await self._open_collective(stack, context)
-            sub, monitor = await self._connect_coordinator(stack, context)
-            dealer = await self._connect_frontend(stack, context)
-            if cfg.kv_events_address is not None:
-                self._kv_publisher = await stack.enter_async_context(
-                    # vLLM's KVEventsConfig.hwm default; a PUB drops beyond it.
-                    open_socket(
-                        context, zmq.PUB, bind=cfg.kv_events_address, options={zmq.SNDHWM: 100_000}
-                    )
+        # The nursery is entered last and exited first: tasks stop before their sockets close.
+        async with open_engine_sockets(cfg) as sockets, trio.open_nursery() as nursery:
+            self._coordinator = sockets.coordinator
+            self._frontend = sockets.completions
+            self._kv_publisher = sockets.kv_events
+            self._collective = CollectiveClient(
+                sockets.collective, cfg.rank, timeout=cfg.collective_timeout
+            )
+            if sockets.collective_host is not None:
+                host = CollectiveHost(
+                    sockets.collective_host, cfg.engine_count, timeout=cfg.collective_timeout
                 )
-            # Entered last, exited first: tasks stop before their sockets close.
-            nursery = await stack.enter_async_context(trio.open_nursery())
-            if router is not None:
-                host = CollectiveHost(router, cfg.engine_count, timeout=cfg.collective_timeout)
                 await nursery.start(host.run)
-            await nursery.start(self._broadcast_receiver, sub)
+            await nursery.start(self._broadcast_receiver, sockets.broadcast)
             await self._announce()
-            await nursery.start(monitor.run)
-            nursery.start_soon(self._watch_coordinator, monitor)
+            await nursery.start(sockets.monitor.run)
+            nursery.start_soon(self._watch_coordinator, sockets.monitor)
             await self._ready.wait()
-            await nursery.start(self._request_receiver, dealer)
-            await self._greet_frontend(dealer)
+            await nursery.start(self._request_receiver, sockets.requests)
+            await self._greet_frontend(sockets.requests)
             logger.info("rank %d of %d ready", cfg.rank, cfg.engine_count)
             task_status.started()
             try:
@@ -783,77 +647,6 @@ class SimEngine:
                     self.step_counter,
                 )
                 raise
-
-    async def _open_collective(
-        self, stack: AsyncExitStack, context: _Context
-    ) -> AsyncSocket | None:
-        """This rank's link to the step collective; rank 0 also hosts it (the ROUTER it
-        returns, None on the other ranks)."""
-        cfg = self.config
-        router: AsyncSocket | None = None
-        if cfg.rank == 0:
-            router = await stack.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.ROUTER,
-                    bind=cfg.collective_address,
-                    # A restarted rank reconnects with the same identity: route to it.
-                    options={zmq.RCVHWM: 0, zmq.SNDHWM: 0, zmq.ROUTER_HANDOVER: 1},
-                )
-            )
-        collective = await stack.enter_async_context(
-            open_socket(
-                context,
-                zmq.DEALER,
-                connect=cfg.collective_address,
-                options={zmq.IDENTITY: rank_identity(cfg.rank), zmq.RCVHWM: 0, zmq.SNDHWM: 0},
-            )
-        )
-        self._collective = CollectiveClient(collective, cfg.rank, timeout=cfg.collective_timeout)
-        return router
-
-    async def _connect_coordinator(
-        self, stack: AsyncExitStack, context: _Context
-    ) -> tuple[AsyncSocket, ConnectionMonitor]:
-        """The coordinator's broadcast (XSUB, watched from before it connects, so the
-        first handshake counts) and its output (PUSH, kept for sending)."""
-        cfg = self.config
-        security = curve_client_options(cfg.curve_server_key)
-        sub = await stack.enter_async_context(
-            open_socket(
-                context,
-                zmq.XSUB,
-                options={zmq.IDENTITY: rank_identity(cfg.rank), **HEARTBEAT_OPTIONS, **security},
-            )
-        )
-        monitor = await stack.enter_async_context(
-            open_connection_monitor(context, sub, f"rank {cfg.rank} coordinator link")
-        )
-        sub.connect(cfg.back_publish_address)
-        self._coordinator = await stack.enter_async_context(
-            open_socket(
-                context,
-                zmq.PUSH,
-                connect=cfg.back_output_address,
-                options={zmq.SNDHWM: 0, **HEARTBEAT_OPTIONS, **security},
-            )
-        )
-        return sub, monitor
-
-    async def _connect_frontend(self, stack: AsyncExitStack, context: _Context) -> AsyncSocket:
-        """The front-end's completion PUSH (kept for sending) and its request DEALER."""
-        cfg = self.config
-        self._frontend = await stack.enter_async_context(
-            open_socket(context, zmq.PUSH, connect=cfg.completion_address, options={zmq.SNDHWM: 0})
-        )
-        return await stack.enter_async_context(
-            open_socket(
-                context,
-                zmq.DEALER,
-                connect=cfg.request_address,
-                options={zmq.IDENTITY: rank_identity(cfg.rank), zmq.RCVHWM: 0, zmq.SNDHWM: 0},
-            )
-        )
 
 
 async def run_engine(config: EngineConfig) -> None:

@@ -44,19 +44,17 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-import msgpack
 import trio
 import zmq
 
 from .. import EngineClient, PrivateIpcDirectory, SamplingParams, open_engine_client, protocol
-from ..engine_protocol import ENGINE_CORE_DEAD, EngineHandshakeError, decode_handshake
-from ..testing import rank_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
-from .cluster import ClusterConfig, ClusterReport, _default_log_line
+from .cluster_config import ClusterConfig, ClusterReport, log_to_stderr
 from .collective import CollectiveTimeoutError
-from .engine import _FINISH_ABORT, HEARTBEAT_OPTIONS, EngineConfig, EngineProtocolError, SimEngine
-from .engine import _Request as _SimRequest
+from .engine import SimEngine
+from .engine_config import FINISH_ABORT, EngineConfig, EngineProtocolError, RequestState
+from .engine_sockets import HEARTBEAT_OPTIONS
 from .fleet import EngineFleet, engine_command
 
 __all__ = [
@@ -80,6 +78,10 @@ ENGINE_CLIENT_MODE: Final = "engine-client"
 
 _PAUSED_EVENTS: Final = frozenset({messages.EVENT_PAUSED, messages.EVENT_RESUMED})
 
+# What a simulated engine reports of its model and KV cache (nothing depends on them).
+_MAX_MODEL_LEN: Final = 1 << 16
+_NUM_GPU_BLOCKS: Final = 1 << 12
+
 
 class SimEngineCore(SimEngine):
     """A simulated DP rank that learns its addresses from vLLM's engine handshake.
@@ -101,7 +103,7 @@ class SimEngineCore(SimEngine):
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """HELLO, take the addresses, then run as :meth:`SimEngine.run` (READY is sent
         from :meth:`_greet_frontend`, once the coordinator let the engine in)."""
-        identity = rank_identity(self.rank)
+        identity = protocol.engine_identity(self.rank)
         async with (
             open_context() as context,
             open_socket(
@@ -111,9 +113,9 @@ class SimEngineCore(SimEngine):
                 options={zmq.IDENTITY: identity, **HEARTBEAT_OPTIONS},
             ) as handshake,
         ):
-            await handshake.send(
-                msgpack.packb({"status": "HELLO", "local": True, "headless": True})
-            )
+            # as vLLM's headless engines say it (``local = not headless``): vLLM's own
+            # front-end refuses a HELLO whose ``local`` it does not expect
+            await handshake.send(protocol.encode_handshake_hello(local=False, headless=True))
             answer = await handshake.recv()
             self.config = _configured(self.config, answer)
             logger.debug("rank %d: handshake answered: %s", self.rank, self.config)
@@ -122,23 +124,25 @@ class SimEngineCore(SimEngine):
 
     async def _greet_frontend(self, dealer: AsyncSocket) -> None:
         assert self._handshake is not None
-        ready_response = {
-            "max_model_len": 1 << 16,
-            "num_gpu_blocks": 1 << 12,
-            "data_parallel_rank": self.rank,
-            "vllm_version": SIM_VLLM_VERSION,
-        }
-        await dealer.send(msgpack.packb(ready_response))
+        cfg = self.config
+        await dealer.send(
+            protocol.encode_ready_response(
+                max_model_len=_MAX_MODEL_LEN,
+                num_gpu_blocks=_NUM_GPU_BLOCKS,
+                data_parallel_rank=self.rank,
+                vllm_version=SIM_VLLM_VERSION,
+                data_parallel_size=cfg.engine_count,
+                max_num_seqs=cfg.max_running,
+                max_num_batched_tokens=cfg.token_budget,
+                instance_id=f"sim-{self.rank}",
+            )
+        )
         await self._handshake.send(
-            msgpack.packb(
-                {
-                    "status": "READY",
-                    "local": True,
-                    "headless": True,
-                    "num_gpu_blocks": ready_response["num_gpu_blocks"],
-                    "dp_stats_address": None,
-                    "parallel_config_hash": self._parallel_config_hash,
-                }
+            protocol.encode_handshake_ready(
+                num_gpu_blocks=_NUM_GPU_BLOCKS,
+                parallel_config_hash=self._parallel_config_hash,
+                local=False,
+                headless=True,
             )
         )
 
@@ -149,14 +153,14 @@ class SimEngineCore(SimEngine):
             await self._utility_answer(call_id, None, None)
 
     async def _utility_answer(self, call_id: int, failure: str | None, result: Any) -> None:
-        answer = [call_id, failure, None if failure is not None else [None, result]]
+        answer = protocol.encode_utility_output(call_id, failure, result)
         await self._to_frontend(
             protocol.encode_engine_core_outputs(
                 protocol.EngineCoreOutputs(engine_index=self.rank, utility_output=answer)
             )
         )
 
-    async def _on_utility(self, call: messages.UtilityCall) -> None:
+    async def _on_utility(self, call: protocol.UtilityCall) -> None:
         if call.method == messages.RESUME_SCHEDULER:
             await self._resume_with_barrier(call)
             return
@@ -173,10 +177,10 @@ class SimEngineCore(SimEngine):
                 self.waiting.clear()
                 self.running = []
                 if dropped:
-                    await self._send_outputs([(r, _FINISH_ABORT) for r in dropped])
+                    await self._send_outputs([(r, FINISH_ABORT) for r in dropped])
         await super()._on_utility(call)
 
-    async def _resume_with_barrier(self, call: messages.UtilityCall) -> None:
+    async def _resume_with_barrier(self, call: protocol.UtilityCall) -> None:
         """vLLM 0.33's ``DPEngineCoreProc.resume_scheduler``: an engine that is not
         stepping resumes, then meets every rank in an all-reduce (the resume call goes to
         all of them) so that none starts stepping while a peer would still drop the
@@ -200,7 +204,7 @@ class SimEngineCore(SimEngine):
             )
         await self._utility_answer(call.call_id, None, None)
 
-    async def _other_utility(self, call: messages.UtilityCall) -> None:
+    async def _other_utility(self, call: protocol.UtilityCall) -> None:
         answers: dict[str, Callable[[], object]] = {
             "is_scheduler_paused": lambda: self.scheduler_paused,
             "is_sleeping": lambda: False,
@@ -219,7 +223,7 @@ class SimEngineCore(SimEngine):
             return
         await self._utility_answer(call.call_id, None, answer())
 
-    async def _report_aborted(self, dropped: list[_SimRequest]) -> None:
+    async def _report_aborted(self, dropped: list[RequestState]) -> None:
         logger.debug("rank %d: aborted %d request(s)", self.rank, len(dropped))
 
     async def _busy_loop(self) -> None:
@@ -227,27 +231,31 @@ class SimEngineCore(SimEngine):
             await super()._busy_loop()
         except CollectiveTimeoutError:
             # What a vLLM engine's output thread sends as the engine dies of an error.
-            await self._to_frontend(ENGINE_CORE_DEAD)
+            await self._to_frontend(protocol.ENGINE_CORE_DEAD)
             raise
 
 
 def _configured(config: EngineConfig, answer: bytes) -> EngineConfig:
     """``config`` with the addresses of a handshake answer; :class:`EngineProtocolError`
-    for an answer a vLLM engine could not decode."""
+    for an answer a vLLM engine could not decode, or one without the addresses it needs."""
     try:
-        metadata = decode_handshake(answer)
-        addresses = metadata["addresses"]
-        return replace(
-            config,
-            request_address=str(addresses["inputs"][0]),
-            completion_address=str(addresses["outputs"][0]),
-            back_publish_address=str(addresses["coordinator_input"]),
-            back_output_address=str(addresses["coordinator_output"]),
-        )
-    except (protocol.ProtocolError, EngineHandshakeError, KeyError, IndexError, TypeError) as exc:
+        metadata = protocol.decode_handshake_metadata(answer)
+    except (protocol.ProtocolError, protocol.EngineHandshakeError) as exc:
         raise EngineProtocolError(
             f"rank {config.rank}: unusable handshake answer: {exc!r:.200}"
         ) from exc
+    back_publish, back_output = metadata.coordinator_input, metadata.coordinator_output
+    if not metadata.inputs or not metadata.outputs or back_publish is None or back_output is None:
+        raise EngineProtocolError(
+            f"rank {config.rank}: the handshake answer lacks an address: {metadata!r:.200}"
+        )
+    return replace(
+        config,
+        request_address=metadata.inputs[0],
+        completion_address=metadata.outputs[0],
+        back_publish_address=back_publish,
+        back_output_address=back_output,
+    )
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -284,7 +292,7 @@ async def open_engine_core_fleet(
     handshake_address: str,
     *,
     on_failure: Callable[[str], None],
-    log_line: Callable[[str], None] = _default_log_line,
+    log_line: Callable[[str], None] = log_to_stderr,
     report: ClusterReport | None = None,
 ) -> AsyncIterator[EngineCoreFleet]:
     """``config.engines`` engine-core processes that connect to ``handshake_address``.
@@ -323,7 +331,7 @@ async def open_sim_engine_client(
     *,
     on_failure: Callable[[str], None],
     handshake_address: str | None = None,
-    log_line: Callable[[str], None] = _default_log_line,
+    log_line: Callable[[str], None] = log_to_stderr,
     report: ClusterReport | None = None,
     **client_options: Any,
 ) -> AsyncIterator[tuple[EngineClient, EngineCoreFleet]]:
@@ -350,7 +358,7 @@ async def open_sim_engine_client(
 
 
 async def run_engine_core_cluster(
-    config: ClusterConfig, *, log_line: Callable[[str], None] = _default_log_line
+    config: ClusterConfig, *, log_line: Callable[[str], None] = log_to_stderr
 ) -> ClusterReport:
     """The launcher's run through the engine client: ``config.load``'s bursts with idle
     gaps (and a pause and resume every ``pause_every`` bursts) sent to simulated
@@ -374,8 +382,8 @@ async def run_engine_core_cluster(
                 await _client_load(client, config, report)
                 with trio.move_on_after(1.0):  # count the last wave too
                     await client.coordinator.wait_for(lambda c: not c.snapshot().engines_running)
-                report.coordinator_errors = client.coordinator.counters().errors
-                report.waves = client.coordinator.counters().waves_completed
+                report.coordinator_errors = client.coordinator.statistics().errors
+                report.waves = client.coordinator.statistics().waves_completed
     except Exception as exc:  # an engine-client error, or a request's (in a group)
         report.failures.append(f"{type(exc).__name__}: {exc}")
         logger.exception("engine-core cluster run failed")

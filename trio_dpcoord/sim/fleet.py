@@ -17,16 +17,14 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from ..testing import ServeProcess, open_serve, read_lines
-from .engine import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
+from .cluster_config import ClusterConfig, ClusterReport
+from .engine_config import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
 from .frontend import SimFrontend
-
-if TYPE_CHECKING:
-    from .cluster import ClusterConfig, ClusterReport
 
 __all__ = [
     "EngineFleet",

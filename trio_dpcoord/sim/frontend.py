@@ -1,4 +1,4 @@
-"""A simulated trio front-end and load generator for the simulated engines.
+"""A simulated trio front-end for the simulated engines (its load: :mod:`.load`).
 
 The front-end does what vLLM's DP client does (docs/protocol.md §7.1-§7.2): it stamps each
 request with the coordinator's current wave, chooses the engine with the shared
@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -45,25 +43,22 @@ import zmq
 from .. import (
     CoordinatorView,
     EngineChooser,
+    Frontend,
     PrefixRouting,
     PrivateIpcDirectory,
     Routing,
     protocol,
 )
-from ..protocol import IDLE_LOAD, EngineLoad, decode_kv_event_frames
-from ..testing import rank_identity
+from ..protocol import IDLE_LOAD, EngineLoad, decode_kv_event_frames, engine_identity
 from ..trio_zmq import AsyncSocket, open_context, open_socket
 from . import messages
 from .timeline import Timeline
 
 __all__ = [
-    "LoadPlan",
     "SimFrontend",
     "TokenListener",
     "WakePath",
-    "generate_load",
     "open_sim_frontend",
-    "percentile",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,17 +71,6 @@ _DEFAULT_PROMPT = (1, 2, 3, 4)
 TokenListener = Callable[[tuple[int, ...], "int | None"], None]
 """Called with each output of one request: its new token ids and its finish reason
 (``None`` while running; vLLM's codes otherwise: 1 length, 2 abort, ...)."""
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by linear interpolation; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 @dataclass(slots=True)
@@ -124,7 +108,7 @@ class SimFrontend:
         self.wake_path: WakePath = wake_path
         self.request_address = request_address
         self.completion_address = completion_address
-        self.chooser = EngineChooser(engine_count, routing=routing, prefix=prefix)
+        self.chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix)
         self.kv_event_addresses = tuple(kv_event_addresses)
         """Per rank, where its engine publishes KV events (empty: no KV events)."""
         self.kv_event_batches = 0
@@ -202,8 +186,8 @@ class SimFrontend:
         self._observers.unpark_all()
 
     def _observe_front_wave(self, wave: int) -> None:
-        disconnects = getattr(self.view, "disconnects", None)  # a remote coordinator's view
-        connection = 0 if disconnects is None else disconnects()
+        view = self.view  # a remote coordinator's view counts its connection drops
+        connection = view.statistics().disconnects if isinstance(view, Frontend) else 0
         if wave < self.front_wave and connection != self._raised_in:
             self.wave_resets += 1
             logger.warning(
@@ -276,7 +260,7 @@ class SimFrontend:
             return
         with contextlib.suppress(zmq.ZMQError):  # its engine is gone: nothing to abort
             await self._router.send_multipart(
-                [rank_identity(engine), *messages.encode_abort([request_id])]
+                [engine_identity(engine), *protocol.encode_abort([request_id])]
             )
 
     async def _send_request(self, request_id: str, engine: int | None) -> None:
@@ -303,7 +287,7 @@ class SimFrontend:
         self._record_in_flight()
         try:
             await self._router.send_multipart(
-                [rank_identity(engine), *protocol.encode_add_request(request)]
+                [engine_identity(engine), *protocol.encode_add_request(request)]
             )
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
@@ -388,10 +372,7 @@ class SimFrontend:
         try:
             for engine in targets:
                 await self._router.send_multipart(
-                    [
-                        rank_identity(engine),
-                        *messages.encode_utility_call(messages.UtilityCall(0, call_id, method)),
-                    ]
+                    [engine_identity(engine), *protocol.encode_utility(0, call_id, method, ())]
                 )
             await self.wait_for(lambda _: call.replied >= set(targets))
         finally:
@@ -424,7 +405,7 @@ class SimFrontend:
         while True:
             frames = await self._router.recv_multipart()
             rank = messages.decode_hello(frames[-1]) if len(frames) == 2 else None
-            if rank is None or rank >= self.engine_count or frames[0] != rank_identity(rank):
+            if rank is None or rank >= self.engine_count or frames[0] != engine_identity(rank):
                 self.bad_messages += 1
                 logger.warning(
                     "front-end: unexpected message on the request socket: %r", frames[:2]
@@ -626,93 +607,3 @@ async def open_sim_frontend(
                     nursery.cancel_scope.cancel()
     finally:
         private.cleanup()
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPlan:
-    """A repeatable load: bursts of requests separated by idle gaps.
-
-    After each burst the generator waits until every request finished, then sleeps a
-    random gap, so that the cluster goes idle and many waves start and end; short gaps
-    land while the wave is still winding down (requests stamped for a finished wave,
-    R2/R3). Every ``pause_every`` bursts (0: never) it pauses and resumes all engines in
-    the gap, as a weight update would.
-    """
-
-    requests: int = 400
-    seed: int = 0
-    burst: tuple[int, int] = (10, 40)
-    gap: tuple[float, float] = (0.0, 0.15)
-    tokens: tuple[int, int] = (4, 16)
-    pause_every: int = 5
-    sessions: int = 0
-    """0: every request sends the fixed 4-token prompt. N: multi-turn chat over N
-    sessions sharing a 256-token system prompt; each turn resends its session's
-    history plus 16-64 new tokens (history capped at 2,048 tokens), from its own seeded
-    generator, so the bursts and token counts stay those of ``seed``."""
-
-    def __post_init__(self) -> None:
-        if self.requests < 0 or self.pause_every < 0 or self.sessions < 0:
-            raise ValueError("requests, pause_every and sessions must be >= 0")
-        for name, (low, high) in (("burst", self.burst), ("tokens", self.tokens)):
-            if not 1 <= low <= high:
-                raise ValueError(f"{name} must be 1 <= MIN <= MAX, got {low} {high}")
-        if not 0 <= self.gap[0] <= self.gap[1]:
-            raise ValueError(f"gap must be 0 <= MIN <= MAX, got {self.gap}")
-
-
-class _ChatPrompts:
-    """Multi-turn chat prompts: sessions sharing a system prompt, each turn resending
-    its session's history (the traffic prefix caching pays off on)."""
-
-    SYSTEM_TOKENS = 256
-    HISTORY_CAP = 2048
-
-    def __init__(self, sessions: int, seed: int) -> None:
-        self._rng = random.Random(f"chat-{seed}")
-        self._system = [self._rng.randrange(1, 32000) for _ in range(self.SYSTEM_TOKENS)]
-        self._histories: list[list[int]] = [[] for _ in range(sessions)]
-
-    def next_turn(self) -> list[int]:
-        rng = self._rng
-        history = self._histories[rng.randrange(len(self._histories))]
-        turn = [rng.randrange(1, 32000) for _ in range(rng.randint(16, 64))]
-        if len(history) + len(turn) > self.HISTORY_CAP:
-            history.clear()  # the session ends; a new one starts in its place
-        history.extend(turn)
-        return self._system + history
-
-
-async def generate_load(
-    frontend: SimFrontend,
-    plan: LoadPlan,
-    *,
-    after_burst: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Send ``plan.requests`` requests and wait until all have finished.
-
-    ``after_burst`` is awaited after every burst but the last, once all its requests
-    finished (before the pause and the gap): a hook for fault injection.
-    """
-    rng = random.Random(plan.seed)
-    chat = _ChatPrompts(plan.sessions, plan.seed) if plan.sessions else None
-    sent = 0
-    bursts = 0
-    while sent < plan.requests:
-        size = min(rng.randint(*plan.burst), plan.requests - sent)
-        for _ in range(size):
-            prompt = chat.next_turn() if chat is not None else None
-            await frontend.submit(max_tokens=rng.randint(*plan.tokens), prompt_token_ids=prompt)
-            # Spread some requests over a few steps, so that bursts straddle steps.
-            await trio.sleep(rng.uniform(0.0, 0.003) if rng.random() < 0.2 else 0)
-        sent += size
-        bursts += 1
-        await frontend.wait_for(lambda f: f.pending == 0)
-        if sent >= plan.requests:
-            break
-        if after_burst is not None:
-            await after_burst()
-        if plan.pause_every and bursts % plan.pause_every == 0:
-            await frontend.pause_engines()
-            await frontend.resume_engines()
-        await trio.sleep(rng.uniform(*plan.gap))

@@ -1,49 +1,37 @@
-"""vLLM's KV-cache events, as the simulation writes them (plain objects, no I/O).
+"""A simulated rank's KV-cache change log as vLLM's KV-cache events (plain objects, no I/O).
 
 What a vLLM engine run with ``--kv-events-config`` publishes (0.33.0,
-``vllm/distributed/kv_events.py``): on a ZeroMQ PUB socket, multipart messages
-``(topic, seq as 8 bytes big-endian, payload)``, the payload a msgpack ``EventBatch``
-``[ts, events, data_parallel_rank]`` whose events are maps tagged by ``"type"``:
-``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``,
-``lora_id``, ``medium``), ``BlockRemoved`` (``block_hashes``, ``medium``) and
-``AllBlocksCleared``. :func:`trio_dpcoord.decode_kv_event_frames` and the router's
-``decode_event_batch`` read them back.
-
-:class:`EventBatchEncoder` turns a :class:`~trio_dpcoord.sim.prefix.RankCache` change log
-into such payloads; the lock-step model's exact-feed policy (:mod:`.routing`) and the
-simulated engines (:mod:`.engine`) both use it, so the two speak the same bytes.
+``vllm/distributed/kv_events.py``) is written by :mod:`trio_dpcoord.protocol`
+(:func:`~trio_dpcoord.protocol.encode_event_batch`,
+:func:`~trio_dpcoord.protocol.encode_kv_event_frames`); this module only decides what the
+events say. :class:`EventBatchEncoder` turns a :class:`~trio_dpcoord.sim.prefix.RankCache`
+change log into such batches; the lock-step model's exact-feed policy (:mod:`.routing`)
+and the simulated engines (:mod:`.engine`) both use it, so the two speak the same bytes.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable, Sequence
-from typing import Any, Final
+from typing import Final
 
-import msgpack
-
+from trio_dpcoord.protocol import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    encode_event_batch,
+)
 from trio_dpcoord.routing import block_keys
 
-__all__ = [
-    "DEFAULT_TOPIC",
-    "EventBatchEncoder",
-    "kv_event_frames",
-]
+__all__ = ["EventBatchEncoder"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TOPIC: Final = b""
-"""vLLM's default ``KVEventsConfig.topic`` (empty: subscribers get every message)."""
 
 _HASH_MASK: Final = (1 << 64) - 1
 """Our block keys are unbounded ints; the stand-in for vLLM's block hash is their low
 64 bits (msgpack's widest int). The router indexes by its own hash of the tokens, so
 these only have to name blocks consistently."""
-
-
-def kv_event_frames(seq: int, payload: bytes, topic: bytes = DEFAULT_TOPIC) -> list[bytes]:
-    """The PUB message of one batch, as vLLM's ``ZmqEventPublisher`` sends it."""
-    return [topic, seq.to_bytes(8, "big"), payload]
 
 
 class EventBatchEncoder:
@@ -87,7 +75,11 @@ class EventBatchEncoder:
     def encode(self, now: float, rank: int, changes: Sequence[tuple[bool, int]]) -> bytes:
         """vLLM's ``EventBatch`` ``[ts, events, data_parallel_rank]``: runs of chained
         stored blocks as one ``BlockStored`` each, runs of evictions as ``BlockRemoved``."""
-        events: list[dict[str, Any]] = []
+        return encode_event_batch(EventBatch(now, self.events(changes), rank))
+
+    def events(self, changes: Sequence[tuple[bool, int]]) -> list[KVEvent]:
+        """The events of a change log (see :meth:`encode`)."""
+        events: list[KVEvent] = []
         run: list[int] = []
         blocks = self._blocks
 
@@ -98,15 +90,12 @@ class EventBatchEncoder:
                 for key in run:
                     tokens.extend(blocks[key][1])
                 events.append(
-                    {
-                        "type": "BlockStored",
-                        "block_hashes": [key & _HASH_MASK for key in run],
-                        "parent_block_hash": None if parent is None else parent & _HASH_MASK,
-                        "token_ids": tokens,
-                        "block_size": self.block_size,
-                        "lora_id": None,
-                        "medium": "GPU",
-                    }
+                    BlockStored(
+                        block_hashes=[key & _HASH_MASK for key in run],
+                        parent_block_hash=None if parent is None else parent & _HASH_MASK,
+                        token_ids=tokens,
+                        block_size=self.block_size,
+                    )
                 )
                 run.clear()
 
@@ -117,16 +106,9 @@ class EventBatchEncoder:
                 run.append(key)
             else:
                 flush_stored()
-                if events and events[-1]["type"] == "BlockRemoved":
-                    events[-1]["block_hashes"].append(key & _HASH_MASK)
+                if events and isinstance(events[-1], BlockRemoved):
+                    events[-1].block_hashes.append(key & _HASH_MASK)
                 else:
-                    events.append(
-                        {
-                            "type": "BlockRemoved",
-                            "block_hashes": [key & _HASH_MASK],
-                            "medium": "GPU",
-                        }
-                    )
+                    events.append(BlockRemoved([key & _HASH_MASK]))
         flush_stored()
-        payload: bytes = msgpack.packb([now, events, rank])
-        return payload
+        return events

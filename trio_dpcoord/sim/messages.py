@@ -1,13 +1,13 @@
-"""Sim-only messages between the simulated front-end and engines (not coordinator traffic).
+"""The simulation's own messages between its front-end and engines (not coordinator traffic).
 
-Requests use vLLM's real frames (``00 | EngineCoreRequest`` from
-:func:`trio_dpcoord.protocol.encode_add_request`) and completions vLLM's real
-``EngineCoreOutputs`` (``outputs`` with ``finish_reason``, ``finished_requests``). Three
-small additions of this simulation ride on the same sockets:
+Requests, aborts and commands are vLLM's real frames, from :mod:`trio_dpcoord.protocol`
+(``00 | EngineCoreRequest``, ``01 | [request_id, ...]``, ``03 | [client_index, call_id,
+method, args]``), and completions vLLM's real ``EngineCoreOutputs`` (``outputs`` with
+``finish_reason``, ``finished_requests``). The commands the simulated engines know are
+``"pause_scheduler"`` (two-phase pause, docs/protocol.md §6.8) and
+``"resume_scheduler"``, with no arguments. Two small additions of this simulation ride on
+the same sockets, and live here:
 
-* **Commands** (front-end → engine, request socket): ``03 | msgpack [client_index, call_id,
-  method, args]``, shaped like vLLM's UTILITY calls. Methods: ``"pause_scheduler"``
-  (two-phase pause, docs/protocol.md §6.8) and ``"resume_scheduler"``; ``args`` is ``[]``.
 * **Status events** (engine → front-end, completion socket): an ``EngineCoreOutputs`` whose
   ``utility_output`` is vLLM's ``UtilityOutput`` shape ``[call_id, None, result]`` with
   ``result`` a map ``{"event": EVENT, "wave": W}``. ``call_id`` is 0 for unsolicited
@@ -22,7 +22,6 @@ small additions of this simulation ride on the same sockets:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -38,12 +37,8 @@ __all__ = [
     "PAUSE_SCHEDULER",
     "RESUME_SCHEDULER",
     "EngineStatus",
-    "UtilityCall",
     "decode_hello",
-    "decode_utility_call",
-    "encode_abort",
     "encode_hello",
-    "encode_utility_call",
     "parse_status",
     "status_output",
 ]
@@ -55,19 +50,6 @@ EVENT_IDLE: Final = "idle"
 EVENT_PAUSED: Final = "paused"
 EVENT_RESUMED: Final = "resumed"
 
-_UTILITY_FRAME: Final = protocol.RequestType.UTILITY.frame
-
-
-@dataclass(frozen=True, slots=True)
-class UtilityCall:
-    """A command to one engine."""
-
-    client_index: int
-    call_id: int
-    method: str
-    args: tuple[object, ...] = ()
-    """The call's arguments (the simulation's own commands take none)."""
-
 
 @dataclass(frozen=True, slots=True)
 class EngineStatus:
@@ -77,31 +59,6 @@ class EngineStatus:
     call_id: int
     event: str
     wave: int
-
-
-def encode_utility_call(call: UtilityCall) -> list[bytes]:
-    payload = [call.client_index, call.call_id, call.method, list(call.args)]
-    return [_UTILITY_FRAME, msgpack.packb(payload)]
-
-
-def decode_utility_call(frames: Sequence[bytes]) -> UtilityCall:
-    """Decode ``03 | [client_index, call_id, method, args]``; ProtocolError if malformed."""
-    if len(frames) != 2 or bytes(frames[0]) != _UTILITY_FRAME:
-        raise protocol.ProtocolError("UTILITY call must be 2 frames starting with 03")
-    try:
-        items = msgpack.unpackb(bytes(frames[1]))
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise protocol.ProtocolError(f"UTILITY call: not msgpack ({exc})") from None
-    if (
-        not isinstance(items, list)
-        or len(items) != 4
-        or type(items[0]) is not int
-        or type(items[1]) is not int
-        or type(items[2]) is not str
-    ):
-        raise protocol.ProtocolError(f"UTILITY call: expected [int, int, str, args], got {items!r}")
-    args = tuple(items[3]) if isinstance(items[3], list) else ()
-    return UtilityCall(items[0], items[1], items[2], args)
 
 
 def status_output(engine_index: int, event: str, wave: int, call_id: int = 0) -> bytes:
@@ -127,12 +84,8 @@ def parse_status(out: protocol.EngineCoreOutputs) -> EngineStatus | None:
     return EngineStatus(out.engine_index, call_id, event, wave)
 
 
-def encode_abort(request_ids: Sequence[str]) -> list[bytes]:
-    """vLLM's ``ABORT`` request: ``01 | msgpack [request_id, ...]``."""
-    return [protocol.RequestType.ABORT.frame, msgpack.packb(list(request_ids))]
-
-
 def encode_hello(rank: int) -> bytes:
+    """The hello frame of engine ``rank``."""
     frame: bytes = msgpack.packb(["hello", rank])
     return frame
 

@@ -123,7 +123,7 @@ class ChooserPolicy(Policy):
             self.name = "ours exact" if exact else "ours approximate"
         else:
             self.name = "vLLM 0.33.0 score"
-        self.chooser = EngineChooser(ranks, routing=routing, prefix=prefix)
+        self.chooser = EngineChooser(ranks, routing=routing, prefix_routing=prefix)
         self._loads: list[EngineLoad] = []
         self._finished_seen = [0] * ranks
         self._seq = [0] * ranks

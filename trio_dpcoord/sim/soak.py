@@ -23,9 +23,10 @@ import trio
 
 from .. import PrivateIpcDirectory, open_frontend
 from ..testing import EnginePeer, connect_engines
-from .cluster import ClusterConfig, ClusterReport
+from .cluster_config import ClusterConfig, ClusterReport
 from .fleet import open_engine_processes, open_serve_process
-from .frontend import LoadPlan, SimFrontend, open_sim_frontend
+from .frontend import SimFrontend, open_sim_frontend
+from .load import LoadPlan
 
 __all__ = ["SoakConfig", "SoakReport", "run_soak", "vm_rss_kib"]
 

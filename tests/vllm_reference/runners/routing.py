@@ -169,9 +169,9 @@ async def sessions(scenario: Scenario) -> None:
 
 async def kv_events(scenario: Scenario, publishers: list[zmq.asyncio.Socket]) -> dict[str, Any]:
     """Exact mode: what the engines' KV events say decides, not the router's own choices."""
-    # private import (documented exception): the test reads the state the routing plugin
-    # keeps on vLLM's client (its KV-event follower), which no public API exposes
-    from trio_dpcoord.vllm._routing import routing_state
+    # a test hook: the state the routing plugin keeps on vLLM's client (its KV-event
+    # follower), which no public API exposes
+    from trio_dpcoord.testing import vllm_routing_state as routing_state
 
     events = load_kv_events()
     encoder = msgspec.msgpack.Encoder()

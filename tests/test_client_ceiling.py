@@ -1,0 +1,97 @@
+"""The client-ceiling benchmark's own parts (benchmarks/_client_ceiling.py): its stand-in
+engines write the bytes the protocol's encoder writes, and its profile breakdown sorts
+py-spy's stacks into the request path's parts. (Its figures are measured, never asserted.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from benchmarks._client_ceiling import SCHEDULER, STARTUP, breakdown
+from benchmarks._stand_in_engine import outputs_frame
+from trio_dpcoord import protocol
+
+items = st.lists(
+    st.tuples(st.text(max_size=8), st.integers(0, 2**32), st.sampled_from([None, 1, 2])),
+    max_size=6,
+)
+
+
+@given(items, st.integers(0, 3), st.floats(0, 1e9))
+def test_the_stand_in_engines_write_the_encoders_bytes(
+    rows: list[tuple[str, int, int | None]], rank: int, timestamp: float
+) -> None:
+    """One ``msgpack.packb`` per step, the same bytes as the simulated engine's checked
+    encoder (an aborted request, finish reason 2, carries no token)."""
+    expected = protocol.encode_engine_core_outputs(
+        protocol.EngineCoreOutputs(
+            engine_index=rank,
+            outputs=tuple(
+                protocol.EngineCoreOutput(rid, (token,) if reason != 2 else (), reason)
+                for rid, token, reason in rows
+            ),
+            timestamp=timestamp,
+            finished_requests=tuple(rid for rid, _, reason in rows if reason is not None) or None,
+            weight_version="default",
+        )
+    )
+    assert outputs_frame(rank, rows, timestamp) == expected
+
+
+def stack(*frames: str) -> str:
+    return ";".join(frames)
+
+
+TRIO = ("<module> (benchmarks/_engine_client.py:1)", "run (trio/_core/_run.py:2532)")
+LOOP = "unrolled_run (trio/_core/_run.py:2866)"
+
+
+def test_the_breakdown_sorts_stacks_into_the_request_path(tmp_path: Path) -> None:
+    raw = tmp_path / "profile.txt"
+    lines = [
+        # start-up and waiting in epoll are left out
+        (stack(*TRIO, "_find_and_load (<frozen importlib._bootstrap>:1)"), 50),
+        (stack(*TRIO, "EpollIOManager.get_events (trio/_core/_io_epoll.py:243)"), 70),
+        # the loop's own code
+        (stack(*TRIO, LOOP), 10),
+        # a request task: the innermost part named decides
+        (
+            stack(
+                *TRIO,
+                LOOP,
+                "_run.<locals>.load.<locals>.worker (benchmarks/_engine_client.py:9)",
+                "_run.<locals>.one (benchmarks/_engine_client.py:9)",
+                "RequestStream.__aenter__ (trio_dpcoord/_shell/request_stream.py:1)",
+                "EngineClient._add (trio_dpcoord/_shell/engine_client.py:1)",
+                "encode_add (trio_dpcoord/protocol/_engine_core.py:1)",
+            ),
+            20,
+        ),
+        (
+            stack(
+                *TRIO,
+                LOOP,
+                "_output_listener (trio_dpcoord/_shell/engine_io.py:1)",
+                "EngineClient._receive_outputs (trio_dpcoord/_shell/engine_client.py:1)",
+                "decode_client_frames (trio_dpcoord/protocol/_client_decoder.py:1)",
+            ),
+            15,
+        ),
+        (stack(*TRIO, LOOP, "_Pumps.engine_output_listener (coordinator.py:1)"), 5),
+        ("a line cut short (no count", 0),
+    ]
+    raw.write_text("".join(f"{s} {n}\n" if n else f"{s}\n" for s, n in lines))
+    shares = breakdown(raw)
+    assert STARTUP not in shares
+    assert shares == pytest.approx(
+        {
+            "encode ADD": 20 / 50,
+            "decode engine outputs": 15 / 50,
+            SCHEDULER: 10 / 50,
+            "embedded coordinator (its ingest of stats, waves)": 5 / 50,
+        }
+    )
+    assert list(shares) == sorted(shares, key=lambda name: -shares[name])
