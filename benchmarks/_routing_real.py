@@ -301,6 +301,9 @@ class TraceResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     rank_share: list[float]
+    computed: list[float]
+    """Each rank's prompt tokens computed (queried but not hit, vLLM's counters): the
+    prefill work each engine did, which the machine's speed does not change."""
     queries: float
     hits: float
 
@@ -461,6 +464,9 @@ async def run_trace(
         bound=reuse_bound(ok, sizes.block_size),
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p99_ms=percentile(ttfts, 99),
+        computed=[
+            queries.get(str(rank), 0.0) - hits.get(str(rank), 0.0) for rank in range(sizes.dp)
+        ],
         rank_share=[
             round(prompt.get(str(rank), 0.0) / total_prompt, 3) if total_prompt else 0.0
             for rank in range(sizes.dp)
@@ -640,8 +646,10 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Means over the servers of each (API servers, trace, policy), each server's hit
-    rate, and tokens per second as a ratio to vLLM's choice on the same trace."""
+    """Means over the servers of each (API servers, trace, policy): each server's hit
+    rate, tokens per second as a ratio to vLLM's choice on the same trace, and the prompt
+    tokens the busiest engine computed (the makespan's share that does not depend on
+    the machine's speed)."""
     cells: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         if "policy" in row:
@@ -654,7 +662,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate (each server)':>24} {'bound':>6}"
         f" {'req/s':>6} {'tok/s':>6} {'x vLLM':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9}"
-        f" {'rank share':>10}"
+        f" {'rank share':>10} {'busiest computed':>16}"
     ]
     order = {
         policy: number
@@ -675,6 +683,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         base = cells.get((api, trace, "vllm"))
         ratio = rate(group) / rate(base) if base else math.nan
         each = "/".join(f"{h:.1f}" for h in hits)
+        computed = [max(g["computed"]) for g in group if g.get("computed")]
+        busiest = f"{statistics.mean(computed):,.0f}" if computed else "-"
         lines.append(
             f"{api:>3} {trace:<12} {policy_label(policy):<34}"
             f" {statistics.mean(hits) if hits else math.nan:>5.1f}% ({each:>14})"
@@ -683,7 +693,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f" {statistics.mean(g['ttft_p50_ms'] for g in group):>7.0f}ms"
             f" {statistics.mean(g['ttft_p99_ms'] for g in group):>7.0f}ms"
             f" {ok:>4}/{sum(g['requests'] for g in group):<4}"
-            f" {'/'.join(f'{s:.2f}' for s in shares):>10}"
+            f" {'/'.join(f'{s:.2f}' for s in shares):>10} {busiest:>16}"
         )
     return "\n".join(lines)
 
