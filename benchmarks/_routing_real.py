@@ -39,6 +39,7 @@ import logging
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -639,10 +640,16 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
                         row = asdict(result)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
+                        if options.json:  # as it goes: a run cut short keeps its rows
+                            write_rows(options.json, rows)
                 for line in server.logs().splitlines():
                     if "prefix-aware engine choice (" in line:
                         logger.info("%s: %s", name, line.split("] ", 1)[-1])
     return rows
+
+
+def write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    path.write_text(json.dumps({"argv": sys.argv[1:], "rows": list(rows)}, indent=1) + "\n")
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
@@ -740,5 +747,5 @@ def main(argv: Sequence[str]) -> int:
     print()
     print(table(rows))
     if options.json:
-        options.json.write_text(json.dumps({"argv": list(argv), "rows": rows}, indent=1) + "\n")
+        write_rows(options.json, rows)
     return 0
