@@ -504,19 +504,21 @@ async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, A
             started = time.monotonic()
             await complete(client, _tokens(rng, 128), 33)
             decode.append((time.monotonic() - started - one) / 32)
-    fixed, per_token, r2 = least_squares(points)
+    # fitted on each length's median: a burst of the shared machine's other work
+    # lengthens single requests, and the median of three drops it
+    medians = {
+        length: statistics.median(t for n, t in points if n == length)
+        for length in dict.fromkeys(n for n, _ in points)
+    }
+    fixed, per_token, r2 = least_squares(list(medians.items()))
     # within one chunk (a prefill of one step): the step's fixed cost and per-token cost
     chunk_fixed, chunk_per_token, chunk_r2 = least_squares(
-        [(n, t) for n, t in points if n <= sizes.batched_tokens]
+        [(n, t) for n, t in medians.items() if n <= sizes.batched_tokens]
     )
     step = statistics.median(decode)
     chunk = chunk_per_token * sizes.batched_tokens
-    medians = {
-        str(int(length)): round(statistics.median(t for n, t in points if n == length) * 1000, 1)
-        for length in dict.fromkeys(n for n, _ in points)
-    }
     return {
-        "latency_ms_by_prompt": medians,
+        "latency_ms_by_prompt": {str(int(n)): round(t * 1000, 1) for n, t in medians.items()},
         "fixed_ms": round(fixed * 1000, 2),
         "per_token_us": round(per_token * 1e6, 3),
         "r2": round(r2, 4),
