@@ -72,10 +72,10 @@ class PrefixRouting:
     and lost to the next requests of that prefix, which would have found it where it
     was). So a request stays on the rank holding its longest prefix until that rank's
     queue exceeds another's by more than ``1 + reuse_weight`` times the cached tokens.
-    The default, 1, did best of 0, 1, 3 and 10 on the lock-step model (multi-turn chat
-    and shared documents, 8 and 64 ranks, but for 64 ranks of shared documents) and on
-    real engines (``benchmarks/README.md``, the real-engine section); 0 is the least
-    own work. With nothing cached the cost is the queue alone: the least loaded
+    The default, 1: on a real ``vllm serve`` (``benchmarks/README.md``, the real-engine
+    section) 0, the least own work, lost 4-5 points of hit rate and 3 matched 1 within a
+    point; on the lock-step model 1 did best of 0, 1, 3 and 10 but for 64 ranks of
+    shared documents. With nothing cached the cost is the queue alone: the least loaded
     rank (vLLM's choice when the queued work is vLLM's score in tokens, as the vLLM
     plugin passes it).
     ``rendezvous_slack``: 0 (the default) or, for front-ends that each keep their own
