@@ -83,8 +83,10 @@ class PrefixRouting:
     choice they all agree on: when no single rank holds more of the prompt than every
     other, the rank is chosen by rendezvous hashing of the prompt's first block past
     the prefix they share, among the ranks whose cost is within ``rendezvous_slack``
-    times the prompt's tokens of the best. A conversation's turns then meet on one rank
-    whichever front-end takes them.
+    times the prompt's tokens of the best. A conversation's first turns and a
+    document's readers then meet on one rank whichever front-end takes them (a session
+    one front-end moved, the others do not follow: the KV-event feed shares that). With
+    nothing shared it is a spread by hash within the slack, not the least loaded rank.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
