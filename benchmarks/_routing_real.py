@@ -39,6 +39,7 @@ import logging
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -301,6 +302,9 @@ class TraceResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     rank_share: list[float]
+    computed: list[float]
+    """Each rank's prompt tokens computed (queried but not hit, vLLM's counters): the
+    prefill work each engine did, which the machine's speed does not change."""
     queries: float
     hits: float
 
@@ -461,6 +465,9 @@ async def run_trace(
         bound=reuse_bound(ok, sizes.block_size),
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p99_ms=percentile(ttfts, 99),
+        computed=[
+            queries.get(str(rank), 0.0) - hits.get(str(rank), 0.0) for rank in range(sizes.dp)
+        ],
         rank_share=[
             round(prompt.get(str(rank), 0.0) / total_prompt, 3) if total_prompt else 0.0
             for rank in range(sizes.dp)
@@ -497,18 +504,27 @@ async def probe_step_time(base_url: str, sizes: Sizes, seed: int) -> dict[str, A
             started = time.monotonic()
             await complete(client, _tokens(rng, 128), 33)
             decode.append((time.monotonic() - started - one) / 32)
-    fixed, per_token, r2 = least_squares(points)
-    step = statistics.median(decode)
-    chunk = per_token * sizes.batched_tokens
+    # fitted on each length's median: a burst of the shared machine's other work
+    # lengthens single requests, and the median of three drops it
     medians = {
-        str(int(length)): round(statistics.median(t for n, t in points if n == length) * 1000, 1)
+        length: statistics.median(t for n, t in points if n == length)
         for length in dict.fromkeys(n for n, _ in points)
     }
+    fixed, per_token, r2 = least_squares(list(medians.items()))
+    # within one chunk (a prefill of one step): the step's fixed cost and per-token cost
+    chunk_fixed, chunk_per_token, chunk_r2 = least_squares(
+        [(n, t) for n, t in medians.items() if n <= sizes.batched_tokens]
+    )
+    step = statistics.median(decode)
+    chunk = chunk_per_token * sizes.batched_tokens
     return {
-        "latency_ms_by_prompt": medians,
+        "latency_ms_by_prompt": {str(int(n)): round(t * 1000, 1) for n, t in medians.items()},
         "fixed_ms": round(fixed * 1000, 2),
         "per_token_us": round(per_token * 1e6, 3),
         "r2": round(r2, 4),
+        "one_chunk_fixed_ms": round(chunk_fixed * 1000, 2),
+        "one_chunk_per_token_us": round(chunk_per_token * 1e6, 3),
+        "one_chunk_r2": round(chunk_r2, 4),
         "decode_step_ms": round(step * 1000, 2),
         "prefill_share_full_chunk": round(chunk / (chunk + step), 3) if chunk + step else 0.0,
     }
@@ -626,21 +642,36 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
                         row = asdict(result)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
+                        if options.json:  # as it goes: a run cut short keeps its rows
+                            write_rows(options.json, rows)
                 for line in server.logs().splitlines():
                     if "prefix-aware engine choice (" in line:
                         logger.info("%s: %s", name, line.split("] ", 1)[-1])
     return rows
 
 
+def write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    path.write_text(json.dumps({"argv": sys.argv[1:], "rows": list(rows)}, indent=1) + "\n")
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Means over the servers of each (API servers, trace, policy)."""
+    """Means over the servers of each (API servers, trace, policy): each server's hit
+    rate, tokens per second as a ratio to vLLM's choice on the same trace, and the prompt
+    tokens the busiest engine computed (the makespan's share that does not depend on
+    the machine's speed)."""
     cells: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         if "policy" in row:
             cells.setdefault((row["api_servers"], row["trace"], row["policy"]), []).append(row)
+
+    def rate(group: list[dict[str, Any]]) -> float:
+        tokens = sum(g["prompt_tokens"] + g["output_tokens"] for g in group)
+        return float(tokens) / float(sum(g["seconds"] for g in group))
+
     lines = [
-        f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate':>9} {'bound':>6} {'req/s':>7}"
-        f" {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9} {'rank share':>12}"
+        f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate (each server)':>24} {'bound':>6}"
+        f" {'req/s':>6} {'tok/s':>6} {'x vLLM':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9}"
+        f" {'rank share':>10} {'busiest computed':>16}"
     ]
     order = {
         policy: number
@@ -651,23 +682,27 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for (api, trace, policy), group in sorted(
         cells.items(), key=lambda i: (i[0][0], TRACES.index(i[0][1]), order[i[0][2]])
     ):
-        hits = [g["hit_rate"] for g in group if g["hit_rate"] is not None]
+        hits = [g["hit_rate"] * 100 for g in group if g["hit_rate"] is not None]
         seconds = sum(g["seconds"] for g in group)
         ok = sum(g["ok"] for g in group)
-        tokens = sum(g["prompt_tokens"] + g["output_tokens"] for g in group)
         shares = [
             statistics.mean(g["rank_share"][r] for g in group)
             for r in range(len(group[0]["rank_share"]))
         ]
+        base = cells.get((api, trace, "vllm"))
+        ratio = rate(group) / rate(base) if base else math.nan
+        each = "/".join(f"{h:.1f}" for h in hits)
+        computed = [max(g["computed"]) for g in group if g.get("computed")]
+        busiest = f"{statistics.mean(computed):,.0f}" if computed else "-"
         lines.append(
             f"{api:>3} {trace:<12} {policy_label(policy):<34}"
-            f" {statistics.mean(hits) * 100 if hits else math.nan:>8.1f}%"
+            f" {statistics.mean(hits) if hits else math.nan:>5.1f}% ({each:>14})"
             f" {statistics.mean(g['bound'] for g in group) * 100:>5.1f}%"
-            f" {ok / seconds:>7.2f} {tokens / seconds:>8.0f}"
+            f" {ok / seconds:>6.2f} {rate(group):>6.0f} {ratio:>5.2f}x"
             f" {statistics.mean(g['ttft_p50_ms'] for g in group):>7.0f}ms"
             f" {statistics.mean(g['ttft_p99_ms'] for g in group):>7.0f}ms"
             f" {ok:>4}/{sum(g['requests'] for g in group):<4}"
-            f" {'/'.join(f'{s:.2f}' for s in shares):>12}"
+            f" {'/'.join(f'{s:.2f}' for s in shares):>10} {busiest:>16}"
         )
     return "\n".join(lines)
 
@@ -696,7 +731,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--layers", type=int, default=4, help="the model's layers")
     parser.add_argument("--work-dir", type=Path, help="keep vLLM's logs here")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--table", type=Path, nargs="+", help="only print the table of these --json files"
+    )
     options = parser.parse_args(argv)
+    if options.table:
+        print(table([r for f in options.table for r in json.loads(f.read_text())["rows"]]))
+        return 0
     for spec in options.policies:
         try:
             parse_policy(spec)
@@ -708,5 +749,5 @@ def main(argv: Sequence[str]) -> int:
     print()
     print(table(rows))
     if options.json:
-        options.json.write_text(json.dumps({"argv": list(argv), "rows": rows}, indent=1) + "\n")
+        write_rows(options.json, rows)
     return 0

@@ -72,10 +72,10 @@ class PrefixRouting:
     and lost to the next requests of that prefix, which would have found it where it
     was). So a request stays on the rank holding its longest prefix until that rank's
     queue exceeds another's by more than ``1 + reuse_weight`` times the cached tokens.
-    The default, 1, did best of 0, 1, 3 and 10 on the lock-step model (multi-turn chat
-    and shared documents, 8 and 64 ranks, but for 64 ranks of shared documents) and on
-    real engines (``benchmarks/README.md``, the real-engine section); 0 is the least
-    own work. With nothing cached the cost is the queue alone: the least loaded
+    The default, 1: on a real ``vllm serve`` (``benchmarks/README.md``, the real-engine
+    section) 0, the least own work, lost 4-5 points of hit rate and 3 matched 1 within a
+    point; on the lock-step model 1 did best of 0, 1, 3 and 10 but for 64 ranks of
+    shared documents. With nothing cached the cost is the queue alone: the least loaded
     rank (vLLM's choice when the queued work is vLLM's score in tokens, as the vLLM
     plugin passes it).
     ``rendezvous_slack``: 0 (the default) or, for front-ends that each keep their own
@@ -83,8 +83,10 @@ class PrefixRouting:
     choice they all agree on: when no single rank holds more of the prompt than every
     other, the rank is chosen by rendezvous hashing of the prompt's first block past
     the prefix they share, among the ranks whose cost is within ``rendezvous_slack``
-    times the prompt's tokens of the best. A conversation's turns then meet on one rank
-    whichever front-end takes them.
+    times the prompt's tokens of the best. A conversation's first turns and a
+    document's readers then meet on one rank whichever front-end takes them (a session
+    one front-end moved, the others do not follow: the KV-event feed shares that). With
+    nothing shared it is a spread by hash within the slack, not the least loaded rank.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
