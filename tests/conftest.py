@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +51,36 @@ def engine_addresses(transport: str) -> dict[str, Any]:
     return {"back_publish_address": None, "back_output_address": None}
 
 
-@pytest.fixture(scope="session")
-def vllm_root() -> Path:
-    """The import root running vLLM's real code (tests/vllm_reference); skips without it."""
+LAUNCH_INERT = ("vllm.v1.executor",)
+"""What vLLM's ``launch_core_engines`` imports but never uses on the launch path the
+switch runner takes (tests/vllm_reference/runners/switch.py): the executor package (no
+executor is passed; with no local engines none is started)."""
+
+
+def _vllm_import_root(inert: tuple[str, ...] = ()) -> Path:
     try:
-        return prepare_import_root()
+        return prepare_import_root(inert=inert)
     except VllmUnavailable as error:
         reason = f"vLLM {VLLM_VERSION}'s wheel cannot be had: {error}"
         if os.environ.get("TRIO_DPCOORD_VLLM_REQUIRED") == "1":
             pytest.fail(reason)  # CI with a package index: no silent skip
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def vllm_root() -> Path:
+    """The import root running vLLM's real code (tests/vllm_reference); skips without it."""
+    return _vllm_import_root()
+
+
+@pytest.fixture(scope="session")
+def launch_root() -> Path:
+    """The import root for vLLM's own launch code (``launch_core_engines``), with the
+    plugin installed: vLLM finds it through its entry point, as in a real deployment."""
+    plugins = entry_points(group="vllm.general_plugins")
+    if not any(plugin.value == "trio_dpcoord.vllm:register" for plugin in plugins):
+        pytest.fail("trio-dpcoord is not installed (pip install -e .): no entry point for vLLM")
+    return _vllm_import_root(LAUNCH_INERT)
 
 
 @pytest.fixture(scope="session")

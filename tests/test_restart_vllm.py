@@ -16,14 +16,12 @@ import re
 import signal
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 import trio
 
 from tests.test_vllm_switch import (
-    LAUNCH_INERT,
     OURS,
     TIMEOUT,
     Runner,
@@ -31,7 +29,6 @@ from tests.test_vllm_switch import (
     run_switch,
     start_engines,
 )
-from tests.vllm_reference import VLLM_VERSION, VllmUnavailable, prepare_import_root
 from trio_dpcoord import Frontend, open_frontend, protocol
 from trio_dpcoord.testing import EnginePeer, expect_broadcast
 from trio_dpcoord.vllm import ENABLE_VARIABLE, SUPERVISE_VARIABLE
@@ -43,17 +40,6 @@ from trio_dpcoord.vllm import ENABLE_VARIABLE, SUPERVISE_VARIABLE
 pytestmark = [pytest.mark.vllm, pytest.mark.trio, pytest.mark.slow]
 
 SERVING = re.compile(r"coordinator worker (?:\(pid |restarted as pid )(\d+)")
-
-
-@pytest.fixture(scope="module")
-def launch_root() -> Path:
-    plugins = entry_points(group="vllm.general_plugins")
-    if not any(plugin.value == "trio_dpcoord.vllm:register" for plugin in plugins):
-        pytest.fail("trio-dpcoord is not installed (pip install -e .): no entry point for vLLM")
-    try:
-        return prepare_import_root(inert=LAUNCH_INERT)
-    except VllmUnavailable as error:
-        pytest.skip(f"vLLM {VLLM_VERSION}'s wheel cannot be had: {error}")
 
 
 def worker_pid(runner: Runner) -> int:

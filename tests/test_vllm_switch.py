@@ -16,7 +16,6 @@ import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +43,7 @@ pytestmark = pytest.mark.vllm
 RUNNER = RUNNERS_DIR / "switch.py"
 OURS = "trio_dpcoord.vllm.run_coordinator"
 VLLMS = "vllm.v1.engine.coordinator.DPCoordinatorProc.run_coordinator"
-# What launch_core_engines imports but never uses on this path: the executor package
-# (the test passes no executor; with no local engines none is started).
-LAUNCH_INERT = ("vllm.v1.executor",)
 TIMEOUT = 120  # a loaded 2-core machine; vLLM's imports alone take a second or two
-
-
-@pytest.fixture(scope="module")
-def launch_root() -> Path:
-    plugins = entry_points(group="vllm.general_plugins")
-    if not any(plugin.value == "trio_dpcoord.vllm:register" for plugin in plugins):
-        pytest.fail("trio-dpcoord is not installed (pip install -e .): no entry point for vLLM")
-    try:
-        return prepare_import_root(inert=LAUNCH_INERT)
-    except VllmUnavailable as error:
-        pytest.skip(f"vLLM {VLLM_VERSION}'s wheel cannot be had: {error}")
 
 
 def free_tcp_port() -> int:
