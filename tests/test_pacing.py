@@ -43,9 +43,24 @@ def test_a_burst_is_told_by_its_first_events_and_one_summary() -> None:
     assert burst.take_summary(0.999) is None
     assert burst.take_summary(1.0) == (997, 0.003, 0.999)
     assert burst.take_summary(1.0) is None  # counted once
-    assert burst.admit(1.5) and burst.admit(1.6) and burst.admit(1.7) and not burst.admit(1.8)
-    assert burst.take_summary(1.9, final=True) == (1, 1.8, 1.8)  # stopping: said at once
+    # a quiet second after the summed-up window: a new burst, told by its first events
+    assert burst.admit(2.5) and burst.admit(2.6) and burst.admit(2.7) and not burst.admit(2.8)
+    assert burst.take_summary(2.9, final=True) == (1, 2.8, 2.8)  # stopping: said at once
     assert burst.summary_due() == math.inf
+
+
+def test_a_burst_that_goes_on_is_told_by_one_summary_a_window() -> None:
+    burst = BurstSummary(interval=1.0, individually=3)
+    lines = 0
+    for i in range(5000):  # 5,000 events over 5 s: a flood a loaded machine spreads out
+        now = i / 1000
+        summary = burst.take_summary(now)
+        lines += summary is not None
+        lines += burst.admit(now)
+    summary = burst.take_summary(5.0, final=True)
+    lines += summary is not None
+    assert lines == 3 + 5  # the first three events, then one summary for each window
+    assert burst.admit(6.5)  # a second of quiet after the last window: told again
 
 
 def test_a_skipped_summary_never_loses_events() -> None:

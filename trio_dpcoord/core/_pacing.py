@@ -55,13 +55,17 @@ class BurstSummary:
     ``individually`` events are told one by one; the others are only counted, and once the
     window has ended :meth:`take_summary` returns how many were held back, with the first
     and last event's moments, for one summary line. The caller asks :meth:`summary_due`
-    when to wake if nothing else happens, so the summary is never left unsaid.
+    when to wake if nothing else happens, so the summary is never left unsaid. A burst that
+    goes on past its window (the next event within ``interval`` of the summed-up window's
+    end) is told by summaries only, one a window: a flood slowed down by a loaded machine
+    costs a line a second, not ``individually + 1``.
     """
 
     __slots__ = (
         "_held",
         "_held_since",
         "_held_until",
+        "_quiet_after",
         "_told",
         "_window_start",
         "individually",
@@ -80,6 +84,7 @@ class BurstSummary:
         self._held = 0
         self._held_since = 0.0
         self._held_until = 0.0
+        self._quiet_after = -math.inf
 
     def admit(self, now: float) -> bool:
         """An event at ``now``: True if it gets its own line, False if it is held back.
@@ -89,7 +94,8 @@ class BurstSummary:
             if self._held:  # the caller skipped take_summary: never lose the count
                 return True
             self._window_start = now
-            self._told = 0
+            # a burst still going on: its first events were told in an earlier window
+            self._told = self.individually if now < self._quiet_after else 0
         if self._told < self.individually:
             self._told += 1
             return True
@@ -111,6 +117,7 @@ class BurstSummary:
         if not self._held or (not final and now < self.summary_due()):
             return None
         summary = (self._held, self._held_since, self._held_until)
+        self._quiet_after = self.summary_due() + self.interval
         self._held = 0
         self._window_start = None
         return summary
