@@ -79,6 +79,8 @@ class Kill:
     """The node cut off at the kill (healed ``partition_s`` after it), if any."""
     healed_s: float | None = None
     """Kill to heal."""
+    after_heal_s: float | None = None
+    """Heal to the first publish from the new worker."""
     recovery_s: float | None = None
     """Kill to the first publish a front-end received from the new worker."""
     tap_reconnected_s: float | None = None
@@ -198,6 +200,8 @@ async def _faults(run: _Run, options: argparse.Namespace, result: FleetResult) -
             if len(times) >= count:  # stay within the supervisor's bound
                 earliest = max(earliest, times[-count] + window + 1.0)
             await trio.sleep_until(earliest)
+            with trio.move_on_after(10):  # under load: a burst in flight
+                await frontend.wait_for(lambda f: f.pending >= options.engines // 2)
             node = None
             every = options.partition_every
             if run.lab is not None and every and number % every == 0:
@@ -247,6 +251,8 @@ async def _recovered(
             await trio.sleep(0.05)
     kill.recovery_s = tap.recovery(at)
     kill.tap_reconnected_s = tap.reconnected(at)
+    if kill.recovery_s is not None and kill.healed_s is not None:
+        kill.after_heal_s = kill.recovery_s - kill.healed_s
     ready = run.first_time(READY_LINE, at)
     kill.ready_s = None if ready is None else ready - at
     bound = run.matching(BOUND_LINE)
@@ -327,7 +333,8 @@ def table(results: Sequence[FleetResult]) -> str:
             f"  recovery p50/p99/max, no partition: {figures(plain, 'recovery_s')}; "
             f"READY to all {figures(plain, 'ready_s')}",
             f"  recovery p50/p99/max, partitioned: {figures(cut, 'recovery_s')}; "
-            f"READY to all {figures(cut, 'ready_s')} (healed {figures(cut, 'healed_s')})",
+            f"READY to all {figures(cut, 'ready_s')}; healed {figures(cut, 'healed_s')}, "
+            f"heal to first publish {figures(cut, 'after_heal_s')}",
             "  supervisor bound the new worker p50/p99/max: "
             f"{figures(r.kills, 'supervisor_bound_s')}",
             f"  in flight at the kills: {[k.in_flight for k in r.kills]}",
