@@ -40,6 +40,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -298,11 +299,18 @@ async def _main(options: argparse.Namespace, lab: NetworkLab | None, log: TextIO
 
 @contextlib.contextmanager
 def _network(options: argparse.Namespace) -> Iterator[NetworkLab | None]:
+    """The lab (and the front port in it), or None: loopback, a free front port."""
     reason = "--loopback" if options.loopback else unavailable_reason()
     if reason is not None:
         logger.warning("loopback tcp, no partitions: %s", reason)
+        if options.front_port is None:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                options.front_port = probe.getsockname()[1]
         yield None
         return
+    if options.front_port is None:
+        options.front_port = FRONT_PORT  # the head namespace is private
     with network_lab(options.nodes) as lab:
         yield lab
 
@@ -357,7 +365,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--partition-every", type=int, default=3, help="0: never")
     parser.add_argument("--partition-s", type=float, default=4.0)
     parser.add_argument("--step-time", type=float, default=0.005)
-    parser.add_argument("--front-port", type=int, default=FRONT_PORT)
+    parser.add_argument(
+        "--front-port",
+        type=int,
+        help=f"the coordinator's front port (default: {FRONT_PORT} in the head namespace, "
+        "a free one on loopback)",
+    )
     parser.add_argument("--loopback", action="store_true", help="no namespaces, no partitions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, help="the children's stderr lines (default: discarded)")
