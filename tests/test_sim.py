@@ -259,6 +259,36 @@ async def test_legacy_engine_reports_only_stale_requests(tmp_path: Path) -> None
     assert failures == {}
 
 
+async def test_engines_report_a_start_dp_wave_older_than_one_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator's wave going back, as engines see it: a START_DP_WAVE older than
+    one received before is counted and logged by every rank that receives it (what the
+    restart benchmarks count over a fleet), and changes nothing else; a newer one after
+    it is no regression."""
+    failures = Failures()
+    regression = re.compile(r"rank (\d): START_DP_WAVE\((\d+)\) after START_DP_WAVE\((\d+)\)")
+
+    def seen() -> list[tuple[str, ...]]:
+        return sorted(
+            match.groups() for r in caplog.records if (match := regression.search(r.getMessage()))
+        )
+
+    with trio.fail_after(20):
+        async with hand_cluster(tmp_path, 2, failures) as (coord, fe):
+            await coord.start_dp_wave(2, None)
+            await coord.outputs_until(engine_index=0, wave_complete=2)
+            await coord.start_dp_wave(1, None)
+            while len(seen()) < 2:  # noqa: ASYNC110 - the engines log it as they read it
+                await trio.sleep(0.01)
+            await coord.start_dp_wave(3, None)
+            await coord.outputs_until(engine_index=0, wave_complete=3)
+            await fe.wait_for(lambda f: f.engine_wave == [3, 3] and not any(f.engine_running))
+    assert seen() == [("0", "1", "2"), ("1", "1", "2")]
+    assert failures == {}
+    assert fe.wave_regressions == 0
+
+
 async def test_invalid_broadcast_kills_the_engine_like_vllm(tmp_path: Path) -> None:
     failures = Failures()
     with trio.fail_after(20):

@@ -103,6 +103,7 @@ class SimEngine:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.counters = EngineCounters()
+        self._newest_broadcast_wave = -1
         self._last_counts: tuple[int, int] | None = None
         self._pause_calls: list[int] = []
         self.coordinator_lost = trio.Event()
@@ -270,6 +271,16 @@ class SimEngine:
             await self._send_start_wave(self.current_wave)
 
     def _on_start_dp_wave(self, start: protocol.StartDPWave) -> None:
+        if start.wave < self._newest_broadcast_wave:
+            self.counters.broadcast_regressions += 1
+            logger.warning(
+                "rank %d: START_DP_WAVE(%d) after START_DP_WAVE(%d): the coordinator's wave "
+                "went back",
+                self.rank,
+                start.wave,
+                self._newest_broadcast_wave,
+            )
+        self._newest_broadcast_wave = max(self._newest_broadcast_wave, start.wave)
         if self.ignore_start_dp_wave:
             self.counters.broadcasts_dropped += 1
             logger.debug(

@@ -144,6 +144,9 @@ class EngineCounters:
     requests_finished: int = 0
     start_waves_sent: int = 0
     broadcasts_dropped: int = 0
+    broadcast_regressions: int = 0
+    """START_DP_WAVEs for an older wave than one received before: the coordinator's wave
+    went back as this engine sees it (never, by docs/protocol.md §16.1 rule 1)."""
     bad_requests: int = 0
     stats_sent: int = 0
     coordinator_disconnects: int = 0
