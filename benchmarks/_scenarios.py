@@ -38,7 +38,9 @@ from benchmarks._util import (
     spawn,
     stats_frame,
     summarize_us,
-    with_death_signal,
+)
+from benchmarks._util import (
+    with_death_signal as _with_death_signal,
 )
 from benchmarks._wake import WakeProbe
 from trio_dpcoord import PrivateIpcDirectory, open_coordinator, protocol
@@ -66,6 +68,8 @@ class Env:
     quick: bool
     log_dir: Path
     profile_dir: Path | None = None
+    profile_rate: int = 250
+    """py-spy's samples per second (``profile_dir``)."""
     vllm_root: Path | None = None
     """The import root of vLLM's real code (see :func:`vllm_unavailable`)."""
     socket_dir: PrivateIpcDirectory = field(default_factory=PrivateIpcDirectory)
@@ -116,6 +120,8 @@ def serving(
 ) -> Iterator[tuple[Child, dict[str, Any]]]:
     """Start a coordinator (or the forwarder baseline); yield it and its endpoints."""
     back_pub, back_out, front = env.address("bp"), env.address("bo"), env.address("fr")
+    # py-spy loses a process that execs: profiled, the subject is py-spy's own child
+    with_death_signal = list if env.profile_dir is not None else _with_death_signal
     sockets = ("--engines", str(engines), "--back-pub", back_pub, "--back-out", back_out)
     if kind == "inproc":
         argv = procs("coordinator", *sockets, "--front", front if with_front else "")
@@ -164,7 +170,10 @@ def serving(
     stop_signal = signal.SIGTERM
     if env.profile_dir is not None and kind != "forwarder":
         out = env.profile_dir / f"{name}.txt"
-        argv = ["py-spy", "record", "--format", "raw", "--rate", "250", "-o", str(out), "--", *argv]
+        argv = [
+            *("py-spy", "record", "--format", "raw", "--nonblocking"),
+            *("--rate", str(env.profile_rate), "-o", str(out), "--", *argv),
+        ]
         stop_signal = signal.SIGINT
     if kind == VLLM:
         with spawn(
@@ -697,7 +706,7 @@ LAUNCHER = REPO_ROOT / "examples" / "launch_cluster.py"
 
 def end_to_end(env: Env, timeout_s: float) -> dict[str, Any]:
     """``examples/launch_cluster.py --json`` at its defaults; its last stdout line."""
-    argv = with_death_signal([sys.executable, str(LAUNCHER), "--json"])
+    argv = _with_death_signal([sys.executable, str(LAUNCHER), "--json"])
     log_path = env.log_dir / "launch_cluster.log"
     with spawn("launch_cluster", argv, env.log_dir) as child:
         t0 = time.monotonic()
