@@ -40,7 +40,7 @@ import signal
 import struct
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,149 @@ def measure(env: Any, kind: str, engines: int, total: int) -> dict[str, Any]:
     }
 
 
+# --- the floor: the parts alone, in tight loops -----------------------------------------
+
+
+def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
+    """Main-thread CPU per message (us, the least of ``repeat`` loops) of the parts of an
+    ingest loop, each over ``messages`` frames of the fleet stream already queued on an
+    ``inproc://`` PULL (so libzmq's I/O thread does nothing): what a Python coordinator
+    cannot go below with each decoder, next to ours without trio and with it."""
+    import msgpack
+    import trio
+    import zmq
+
+    from trio_dpcoord import protocol
+    from trio_dpcoord.core import CoordinatorCore
+    from trio_dpcoord.trio_zmq import open_context, open_socket
+
+    frames = fleet_stream(8, messages)
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.bind("inproc://floor")
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect("inproc://floor")
+    noblock = zmq.NOBLOCK
+
+    def fill() -> None:
+        for frame in frames:
+            push.send(frame)
+
+    def loop_recv() -> None:
+        recv = pull.recv
+        for _ in frames:
+            recv(noblock)
+
+    def loop_recv_frame() -> None:  # what checks for multipart messages
+        recv = pull.recv
+        for _ in frames:
+            frame = recv(noblock, copy=False)
+            frame.bytes, frame.more  # noqa: B018
+
+    def loop_unpackb() -> None:  # the forwarder's loop
+        recv, unpackb = pull.recv, msgpack.unpackb
+        for _ in frames:
+            unpackb(recv(noblock))
+
+    def loop_ingest_decode() -> None:  # our decoder's hot path, recv with multipart check
+        from trio_dpcoord.protocol._output_decoder import decode_ingest_stats as decode
+
+        recv = pull.recv
+        for _ in frames:
+            frame = recv(noblock, copy=False)
+            decode(frame.bytes)
+
+    loops: dict[str, Callable[[], None]] = {
+        "recv (bytes, no multipart check)": loop_recv,
+        "recv (frame, bytes, more: multipart checked)": loop_recv_frame,
+        "recv + msgpack.unpackb (the forwarder)": loop_unpackb,
+        f"recv (frame) + our ingest decode ({protocol.COORDINATOR_OUTPUT_DECODER})": (
+            loop_ingest_decode
+        ),
+    }
+    with contextlib.suppress(ImportError):
+        import msgspec
+
+        read = [(k, int, 0) for k in ("num_running_reqs", "num_waiting_reqs", "step_counter")]
+        least_stats = msgspec.defstruct("_Least", [*read, ("kv_cache_usage", float, 0.0)])
+        least_view = msgspec.defstruct(
+            "_LeastView",
+            [
+                ("engine_index", int, 0),
+                ("outputs", list[Any], []),
+                ("scheduler_stats", least_stats, None),
+            ],
+            array_like=True,
+            gc=False,
+        )
+        least: Callable[[bytes], Any] = msgspec.msgpack.Decoder(least_view).decode
+
+        def loop_least() -> None:  # skips every unread value unchecked: not a decoder
+            recv = pull.recv
+            for _ in frames:
+                view = least(recv(noblock))
+                stats = view.scheduler_stats
+                (view.engine_index, stats.num_waiting_reqs, stats.num_running_reqs)  # noqa: B018
+
+        loops["recv + msgspec, 5 fields read, the rest skipped unchecked"] = loop_least
+
+    def loop_core() -> None:  # the core's ingest, a shim-like batch receive, no trio
+        core = CoordinatorCore(8)
+        recv = pull.recv
+        for start in range(0, len(frames), 64):
+            batch: list[list[bytes]] = []
+            for _ in range(min(64, len(frames) - start)):
+                frame = recv(noblock, copy=False)
+                batch.append([frame.bytes])
+            index = 0
+            while index < len(batch):
+                index, _ = core.receive_engine_outputs(batch, index, 0.0)
+
+    loops["ours: batches of 64 through the core, no trio"] = loop_core
+
+    async def through_shim() -> None:
+        async with (
+            open_context() as ctx,
+            open_socket(ctx, zmq.PULL, options={zmq.RCVHWM: 0}, exclusive=True) as sock,
+        ):
+            sock.zmq_socket.bind("inproc://floor-shim")
+            sender = ctx.socket(zmq.PUSH)
+            sender.setsockopt(zmq.SNDHWM, 0)
+            sender.connect("inproc://floor-shim")
+            core = CoordinatorCore(8)
+            for frame in frames:
+                sender.send(frame)
+            t0 = time.thread_time()
+            left = len(frames)
+            while left:
+                batch = await sock.recv_multipart_batch(64)
+                left -= len(batch)
+                index = 0
+                while index < len(batch):
+                    index, _ = core.receive_engine_outputs(batch, index, 0.0)
+            results["ours: the shim's batch receive and the core, in trio"] = min(
+                results.get("ours: the shim's batch receive and the core, in trio", 1e9),
+                (time.thread_time() - t0) / len(frames) * 1e6,
+            )
+            sender.close(linger=0)
+
+    results: dict[str, float] = {}
+    try:
+        for _ in range(repeat):
+            for name, loop in loops.items():
+                fill()
+                t0 = time.thread_time()
+                loop()
+                us = (time.thread_time() - t0) / len(frames) * 1e6
+                results[name] = min(results.get(name, 1e9), us)
+            trio.run(through_shim)
+    finally:
+        context.destroy(linger=0)
+    return results
+
+
 # --- where the CPU goes: py-spy's raw stacks, sorted into the parts of the ingest loop ----
 
 _OURS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -242,7 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar=("RAW", "US_PER_MESSAGE"),
         help="sort a py-spy raw profile; scale the shares by the main thread's CPU",
     )
+    parser.add_argument("--floor", action="store_true", help="the parts alone (see floor)")
     args = parser.parse_args(argv)
+    if args.floor:
+        for name, us in floor(args.messages).items():
+            print(f"  {us:6.2f} us  {name}")
+        return 0
     if args.breakdown:
         for raw, per_message in args.breakdown:
             print(f"{raw} ({float(per_message):.2f} us per message, main thread)")

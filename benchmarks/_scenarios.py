@@ -290,44 +290,6 @@ def _rate_from_samples(samples: list[tuple[int, int]], total: int) -> dict[str, 
     return {"rate": messages / seconds, "messages": messages, "seconds": seconds, "coarse": coarse}
 
 
-def ingest_marked(env: Env, kind: str, total: int) -> dict[str, Any]:
-    """Stats messages per second from one pusher, timed by the engines' clock.
-
-    The pusher sends ``start_wave(W)``, ``total`` stats reports and ``start_wave(W + 1)``
-    on one PUSH socket (FIFO), as fast as it can; every subject (our coordinators,
-    vLLM's, the forwarder) broadcasts START_DP_WAVE for both markers, so the time between
-    their arrivals is the time the subject took for ``total`` reports (its queue stays
-    full: one pusher outruns every subject). Needs no front socket, so vLLM's
-    coordinator, which publishes nothing while its input queue is non-empty, reads the
-    same as ours.
-    """
-    with serving(env, kind, 2) as (_, info):
-        with WakeProbe(info["back_pub"], info["back_out"], 2) as probe:
-            probe.wait_ready(expect_ready=kind != "forwarder")
-            probe.start_wave_latencies(5, 0.0005)  # warm-up; the engines end paused
-            first = probe.wave
-            argv = procs(
-                "pusher",
-                "--address",
-                info["back_out"],
-                "--engine",
-                "0",
-                "--count",
-                str(total),
-                "--markers",
-                str(first),
-            )
-            with spawn(f"marked-pusher-{next(env._counter)}", argv, env.log_dir) as pusher:
-                pusher.read_json(120)
-                pusher.send_line("go")
-                t_first = probe.wave_arrival(first, 60_000)
-                t_last = probe.wave_arrival(first + 1, 300_000)
-    if t_first is None or t_last is None:
-        raise TimeoutError(f"{kind}: a start_wave marker never reached the engines")
-    seconds = (t_last - t_first) / 1e9
-    return {"rate": total / seconds, "messages": total, "seconds": seconds}
-
-
 # --- 2./3. wake latency --------------------------------------------------------------------
 
 

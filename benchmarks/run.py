@@ -438,7 +438,8 @@ class Runner:
         rounds = self.details.get("ingest_vs_vllm_rounds", {})
         vllm_rate = max(rounds.get(sc.VLLM, [0.0]))
         if not vllm_rate:
-            vllm_rate = sc.ingest_marked(self.env, sc.VLLM, s.vllm_ingest_total // 2)["rate"]
+            total = s.vllm_ingest_total // 2
+            vllm_rate = ingest_fleet(self.env, sc.VLLM, INGEST_ENGINES, total)["rate"]
         rate = LOAD_FRACTION * vllm_rate
         result = sc.wake_compare(
             self.env,

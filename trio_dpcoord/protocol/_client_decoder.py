@@ -114,17 +114,11 @@ def _build_msgspec_decoder() -> "Callable[[bytes], ClientOutput] | None":
         gc=False,  # strs, tuples of ints and scalars: no cycles to collect
     )
     views = outputs_views(list[output], list[level3] | None, list[str] | None)  # type: ignore[valid-type]
-    narrow, refused, others = view_readers(msgspec, views)
+    read = view_readers(msgspec, views).read
     isfinite = math.isfinite
 
     def decode_with_msgspec(frame: bytes) -> ClientOutput:
-        if fits_view(frame):
-            try:
-                view = narrow(frame)
-            except refused:
-                view = others(frame)
-                if view is None:
-                    return decode_with_msgpack(frame)
+        if fits_view(frame) and (view := read(frame)) is not None:
             stats = view.scheduler_stats
             if stats is None or (type(stats) is not dict and isfinite(stats.kv_cache_usage)):
                 return view.outputs, view.utility_output

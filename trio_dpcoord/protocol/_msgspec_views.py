@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Annotated, Any, Final, NamedTuple
 
 from ._codec import MAX_DATA_FRAME_BYTES
+from ._outputs import _PREFIX_COUNT_KEYS
 
 __all__ = [
     "UNREAD_STATS_KEYS",
@@ -64,15 +65,6 @@ UNREAD_STATS_KEYS: Final = (
     "running_lora_adapters",
     "cudagraph_stats",
     "perf_stats",
-)
-
-_PREFIX_COUNT_KEYS: Final = (
-    "requests",
-    "queries",
-    "hits",
-    "preempted_requests",
-    "preempted_queries",
-    "preempted_hits",
 )
 
 
@@ -199,12 +191,13 @@ class ViewReaders(NamedTuple):
     """How a decoder reads a frame with its views (:func:`view_readers`)."""
 
     narrow: Callable[[bytes], Any]
-    """The narrow view's decode: the hot path, called directly."""
+    """The narrow view's decode, which raises :attr:`refused`: a hot path calls it
+    directly."""
     refused: type[Exception]
     """What a view raises when it does not take a frame (msgspec's DecodeError)."""
-    others: Callable[[bytes], Any]
-    """After ``narrow`` refused: the known view, else the open one (its stats a dict, to
-    be checked by the caller), else None (the msgpack path judges the frame)."""
+    read: Callable[[bytes], Any]
+    """The first view that takes the frame: narrow, known, else open (its stats a dict,
+    to be checked by the caller); None when none does (the msgpack path judges it)."""
 
 
 def view_readers(msgspec: ModuleType, views: tuple[type[Any], type[Any], type[Any]]) -> ViewReaders:
@@ -213,7 +206,11 @@ def view_readers(msgspec: ModuleType, views: tuple[type[Any], type[Any], type[An
     narrow, known, open_ = (msgspec.msgpack.Decoder(v).decode for v in views)
     refused = msgspec.DecodeError  # ValidationError is one
 
-    def others(frame: bytes) -> Any:
+    def read(frame: bytes) -> Any:
+        try:
+            return narrow(frame)
+        except refused:
+            pass
         try:
             return known(frame)
         except refused as exc:
@@ -224,4 +221,4 @@ def view_readers(msgspec: ModuleType, views: tuple[type[Any], type[Any], type[An
         except refused:
             return None
 
-    return ViewReaders(narrow, refused, others)
+    return ViewReaders(narrow, refused, read)

@@ -144,18 +144,12 @@ def _build_msgspec_decoders() -> _Paths | None:
     from msgspec import Meta
 
     empty = Annotated[list[Any], Meta(max_length=0)]
-    narrow, refused, others = view_readers(msgspec, outputs_views(empty, None, None))
+    narrow, refused, read = view_readers(msgspec, outputs_views(empty, None, None))
     isfinite = math.isfinite
     report_of = stats_report  # a local name, looked up faster in the closure
 
     def decode_with_msgspec(frame: bytes) -> Decoded:
-        if fits_view(frame):
-            try:
-                view = narrow(frame)
-            except refused:
-                view = others(frame)
-                if view is None:
-                    return decode_with_msgpack(frame)
+        if fits_view(frame) and (view := read(frame)) is not None:
             stats, wc, sw = view.scheduler_stats, view.wave_complete, view.start_wave
             if wc is None and sw is None:
                 if type(stats) is dict:  # the open view: the full checks
