@@ -179,6 +179,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
 
     from trio_dpcoord import protocol
     from trio_dpcoord.core import CoordinatorCore
+    from trio_dpcoord.testing import coordinator_ingest_paths
     from trio_dpcoord.trio_zmq import open_context, open_socket
 
     frames = fleet_stream(8, messages)
@@ -212,8 +213,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
             unpackb(recv(noblock))
 
     def loop_ingest_decode() -> None:  # our decoder's hot path, recv with multipart check
-        from trio_dpcoord.protocol._output_decoder import decode_ingest_stats as decode
-
+        decode = coordinator_ingest_paths()[protocol.COORDINATOR_OUTPUT_DECODER]
         recv = pull.recv
         for _ in frames:
             frame = recv(noblock, copy=False)

@@ -55,6 +55,7 @@ __all__ = [
     "decode_with_msgpack",
     "decode_with_msgspec",
     "ingest_with_msgpack",
+    "ingest_with_msgspec",
 ]
 
 Decoded = tuple[OutputKind, int, StatsReport | int | None]
@@ -219,6 +220,14 @@ def decode_with_msgspec(frame: bytes) -> Decoded:
     if _msgspec_decoder is None:
         raise RuntimeError("msgspec is not installed (pip install 'trio-dpcoord[fast]')")
     return _msgspec_decoder(frame)
+
+
+def ingest_with_msgspec(frame: bytes) -> IngestStats | None:
+    """:data:`decode_ingest_stats`'s msgspec path. RuntimeError if msgspec is not
+    installed."""
+    if _msgspec_decoders is None:
+        raise RuntimeError("msgspec is not installed (pip install 'trio-dpcoord[fast]')")
+    return _msgspec_decoders[1](frame)
 
 
 DECODER: Final[str] = "msgpack" if _msgspec_decoder is None else "msgspec"
