@@ -177,7 +177,6 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
     import trio
     import zmq
 
-    from trio_dpcoord import protocol
     from trio_dpcoord.core import CoordinatorCore
     from trio_dpcoord.testing import coordinator_ingest_paths
     from trio_dpcoord.trio_zmq import open_context, open_socket
@@ -212,20 +211,23 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
         for _ in frames:
             unpackb(recv(noblock))
 
-    def loop_ingest_decode() -> None:  # our decoder's hot path, recv with multipart check
-        decode = coordinator_ingest_paths()[protocol.COORDINATOR_OUTPUT_DECODER]
-        recv = pull.recv
-        for _ in frames:
-            frame = recv(noblock, copy=False)
-            decode(frame.bytes)
+    def loop_ingest_decode(path: str) -> Callable[[], None]:
+        decode = coordinator_ingest_paths()[path]
+
+        def loop() -> None:  # our decoder's hot path, recv with the multipart check
+            recv = pull.recv
+            for _ in frames:
+                frame = recv(noblock, copy=False)
+                decode(frame.bytes)
+
+        return loop
 
     loops: dict[str, Callable[[], None]] = {
         "recv (bytes, no multipart check)": loop_recv,
         "recv (frame, bytes, more: multipart checked)": loop_recv_frame,
         "recv + msgpack.unpackb (the forwarder)": loop_unpackb,
-        f"recv (frame) + our ingest decode ({protocol.COORDINATOR_OUTPUT_DECODER})": (
-            loop_ingest_decode
-        ),
+        "recv (frame) + our ingest decode, msgpack path": loop_ingest_decode("msgpack"),
+        "recv (frame) + our ingest decode, msgspec path": loop_ingest_decode("msgspec"),
     }
     with contextlib.suppress(ImportError):
         import msgspec

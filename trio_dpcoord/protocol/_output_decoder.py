@@ -203,7 +203,7 @@ def ingest_with_msgpack(frame: bytes) -> IngestStats | None:
     if type(frame) is not bytes or not 0 < len(frame) <= MAX_DATA_FRAME_BYTES:
         return None
     try:
-        obj = _unpackb(frame, raw=False, strict_map_key=True)
+        obj = _unpackb(frame)  # raw=False, strict_map_key=True: msgpack's defaults, as unpack's
     except Exception:  # whatever msgpack-python refuses: decode_with_msgpack says why
         return None
     if type(obj) is not list or len(obj) != 9:
