@@ -174,7 +174,12 @@ def _build_msgspec_decoders() -> _Paths | None:
         return decode_with_msgpack(frame)
 
     def ingest_with_msgspec(frame: bytes) -> IngestStats | None:
-        if fits_view(frame):
+        # fits_view(frame), inline: this runs once per engine report
+        if (
+            type(frame) is bytes
+            and 0 < len(frame) <= MAX_DATA_FRAME_BYTES
+            and 0x90 <= frame[0] <= 0x99
+        ):
             try:
                 view = narrow(frame)
             except refused:
