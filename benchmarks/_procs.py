@@ -16,7 +16,8 @@
   socket's FD directly instead of through our shim (``trio_zmq``, an exclusive socket).
 * ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
   as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
-  or paced (``--rate``) until SIGTERM.
+  or paced (``--rate``) until SIGTERM. ``--fleet N``: the ``--count`` frames are a
+  lock-stepped fleet of N engines' (``benchmarks._ingest.fleet_stream``), no send limit.
 * ``exec``: set the parent-death signal, then exec the given command line.
 * ``serve-msgpack``: ``trio-dpcoord serve`` with msgspec made unimportable, as on a
   machine without the ``fast`` extra (the decoder's msgpack path, msgpack-python's
@@ -238,12 +239,16 @@ def _request_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def _pusher_main(args: argparse.Namespace) -> None:
-    if args.count:
+    if args.fleet:
+        from benchmarks._ingest import fleet_stream
+
+        frames = fleet_stream(args.fleet, args.count)
+    elif args.count:
         # waiting = messages sent so far, so a front publish tells how many were applied
         frames = [stats_frame(args.engine, i + 1, i + 1) for i in range(args.count)]
     else:
         frames = [stats_frame(args.engine, i % 64, i + 1) for i in range(2000)]
-    frame_bytes = len(frames[0])
+    frame_bytes, messages = len(frames[0]), len(frames)
     if args.markers is not None:
         # start_wave(W) before and start_wave(W + 1) after: every coordinator (and the
         # forwarder) broadcasts both, so the engines' clock brackets the stats in between
@@ -255,9 +260,11 @@ def _pusher_main(args: argparse.Namespace) -> None:
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 10_000)
+    if args.fleet:  # queued in advance while the subject is stopped: no limit
+        push.setsockopt(zmq.SNDHWM, 0)
     push.connect(args.address)
     signal.signal(signal.SIGTERM, _request_stop)
-    _emit({"ready": True, "frame_bytes": frame_bytes})
+    _emit({"ready": True, "frame_bytes": frame_bytes, "messages": messages})
     if sys.stdin.readline().strip() != "go":
         return
     send = push.send
@@ -308,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pusher.add_argument("--count", type=int, default=0)
     pusher.add_argument("--rate", type=float, default=1000.0)
     pusher.add_argument("--markers", type=int, help="bracket --count frames with start_wave")
+    pusher.add_argument("--fleet", type=int, default=0, help="--count frames of N engines")
     runner = roles.add_parser("exec")
     runner.add_argument("command", nargs=argparse.REMAINDER)
     serve_msgpack = roles.add_parser("serve-msgpack")

@@ -38,7 +38,9 @@ from benchmarks._util import (
     spawn,
     stats_frame,
     summarize_us,
-    with_death_signal,
+)
+from benchmarks._util import (
+    with_death_signal as _with_death_signal,
 )
 from benchmarks._wake import WakeProbe
 from trio_dpcoord import PrivateIpcDirectory, open_coordinator, protocol
@@ -66,6 +68,8 @@ class Env:
     quick: bool
     log_dir: Path
     profile_dir: Path | None = None
+    profile_rate: int = 250
+    """py-spy's samples per second (``profile_dir``)."""
     vllm_root: Path | None = None
     """The import root of vLLM's real code (see :func:`vllm_unavailable`)."""
     socket_dir: PrivateIpcDirectory = field(default_factory=PrivateIpcDirectory)
@@ -116,6 +120,8 @@ def serving(
 ) -> Iterator[tuple[Child, dict[str, Any]]]:
     """Start a coordinator (or the forwarder baseline); yield it and its endpoints."""
     back_pub, back_out, front = env.address("bp"), env.address("bo"), env.address("fr")
+    # py-spy loses a process that execs: profiled, the subject is py-spy's own child
+    with_death_signal = list if env.profile_dir is not None else _with_death_signal
     sockets = ("--engines", str(engines), "--back-pub", back_pub, "--back-out", back_out)
     if kind == "inproc":
         argv = procs("coordinator", *sockets, "--front", front if with_front else "")
@@ -164,7 +170,10 @@ def serving(
     stop_signal = signal.SIGTERM
     if env.profile_dir is not None and kind != "forwarder":
         out = env.profile_dir / f"{name}.txt"
-        argv = ["py-spy", "record", "--format", "raw", "--rate", "250", "-o", str(out), "--", *argv]
+        argv = [
+            *("py-spy", "record", "--format", "raw", "--nonblocking"),
+            *("--rate", str(env.profile_rate), "-o", str(out), "--", *argv),
+        ]
         stop_signal = signal.SIGINT
     if kind == VLLM:
         with spawn(
@@ -279,44 +288,6 @@ def _rate_from_samples(samples: list[tuple[int, int]], total: int) -> dict[str, 
         return {"rate": math.nan, "messages": 0, "seconds": 0.0, "coarse": True}
     messages = end[1] - start[1]
     return {"rate": messages / seconds, "messages": messages, "seconds": seconds, "coarse": coarse}
-
-
-def ingest_marked(env: Env, kind: str, total: int) -> dict[str, Any]:
-    """Stats messages per second from one pusher, timed by the engines' clock.
-
-    The pusher sends ``start_wave(W)``, ``total`` stats reports and ``start_wave(W + 1)``
-    on one PUSH socket (FIFO), as fast as it can; every subject (our coordinators,
-    vLLM's, the forwarder) broadcasts START_DP_WAVE for both markers, so the time between
-    their arrivals is the time the subject took for ``total`` reports (its queue stays
-    full: one pusher outruns every subject). Needs no front socket, so vLLM's
-    coordinator, which publishes nothing while its input queue is non-empty, reads the
-    same as ours.
-    """
-    with serving(env, kind, 2) as (_, info):
-        with WakeProbe(info["back_pub"], info["back_out"], 2) as probe:
-            probe.wait_ready(expect_ready=kind != "forwarder")
-            probe.start_wave_latencies(5, 0.0005)  # warm-up; the engines end paused
-            first = probe.wave
-            argv = procs(
-                "pusher",
-                "--address",
-                info["back_out"],
-                "--engine",
-                "0",
-                "--count",
-                str(total),
-                "--markers",
-                str(first),
-            )
-            with spawn(f"marked-pusher-{next(env._counter)}", argv, env.log_dir) as pusher:
-                pusher.read_json(120)
-                pusher.send_line("go")
-                t_first = probe.wave_arrival(first, 60_000)
-                t_last = probe.wave_arrival(first + 1, 300_000)
-    if t_first is None or t_last is None:
-        raise TimeoutError(f"{kind}: a start_wave marker never reached the engines")
-    seconds = (t_last - t_first) / 1e9
-    return {"rate": total / seconds, "messages": total, "seconds": seconds}
 
 
 # --- 2./3. wake latency --------------------------------------------------------------------
@@ -697,7 +668,7 @@ LAUNCHER = REPO_ROOT / "examples" / "launch_cluster.py"
 
 def end_to_end(env: Env, timeout_s: float) -> dict[str, Any]:
     """``examples/launch_cluster.py --json`` at its defaults; its last stdout line."""
-    argv = with_death_signal([sys.executable, str(LAUNCHER), "--json"])
+    argv = _with_death_signal([sys.executable, str(LAUNCHER), "--json"])
     log_path = env.log_dir / "launch_cluster.log"
     with spawn("launch_cluster", argv, env.log_dir) as child:
         t0 = time.monotonic()

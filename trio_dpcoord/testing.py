@@ -54,6 +54,7 @@ __all__ = [
     "EnginePeer",
     "ServeProcess",
     "connect_engines",
+    "coordinator_ingest_paths",
     "coordinator_pumps",
     "core_internals",
     "expect_broadcast",
@@ -529,3 +530,15 @@ def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, 
         return False
     index._store_chain(keys, held, now)
     return True
+
+
+def coordinator_ingest_paths() -> dict[str, Callable[[bytes], tuple[Any, ...] | None]]:
+    """The two paths of the coordinator's ingest decoder (``msgpack``, ``msgspec``): a
+    stats report's ``(engine_index, waiting, running, kv_cache_usage, wave, step)``, or
+    None for a frame left to :func:`~trio_dpcoord.protocol.decode_coordinator_output`."""
+    from .protocol import _output_decoder
+
+    return {
+        "msgpack": _output_decoder.ingest_with_msgpack,
+        "msgspec": _output_decoder.ingest_with_msgspec,
+    }

@@ -435,12 +435,16 @@ class AsyncSocket:
             return received
 
     def _take_queued(
-        self, receive_one: Callable[[int], _Received], max_messages: int
+        self,
+        receive_one: Callable[[int], _Received],
+        max_messages: int,
+        receive_more: Callable[[list[_Received], int], None] | None = None,
     ) -> list[_Received]:
         """One ``receive_one`` (``zmq.Again`` propagates), then whatever is already queued,
-        up to ``max_messages`` in all, without waiting. After the first message EVENTS
-        says whether more are queued: a lone message (every wave report) then ends the
-        batch without the ``zmq.Again`` a drained socket raises."""
+        up to ``max_messages`` in all, without waiting (``receive_more(batch, n)`` appends
+        up to ``n`` more, ``receive_one`` in a loop by default). After the first message
+        EVENTS says whether more are queued: a lone message (every wave report) then ends
+        the batch without the ``zmq.Again`` a drained socket raises."""
         self._events_hint = None
         batch = [receive_one(_NOBLOCK)]
         if max_messages > 1:
@@ -449,6 +453,8 @@ class AsyncSocket:
                 self._events_hint = events  # the last call: the next receive starts here
                 return batch
             try:
+                if receive_more is not None:
+                    receive_more(batch, max_messages - 1)
                 while len(batch) < max_messages:
                     batch.append(receive_one(_NOBLOCK))
             except zmq.ZMQError:
@@ -478,7 +484,7 @@ class AsyncSocket:
 
     def _recv_message(self, flags: int) -> list[bytes]:
         """``recv_multipart`` for the batch path: ``Frame.more`` costs less than pyzmq's
-        ``getsockopt(RCVMORE)`` per message, which shows in ingest profiles."""
+        ``getsockopt(RCVMORE)`` per message (0.8 us), which shows in ingest profiles."""
         recv = self._sock.recv
         frame = recv(flags, copy=False)
         parts = [frame.bytes]
@@ -488,11 +494,28 @@ class AsyncSocket:
             parts.append(frame.bytes)
         return parts
 
+    def _recv_messages(self, batch: list[list[bytes]], count: int) -> None:
+        """:meth:`_recv_message` ``count`` times onto ``batch``, the single-frame case
+        inline (a call per message less: the engine-output listener's hot loop)."""
+        recv, append = self._sock.recv, batch.append
+        for _ in range(count):
+            frame = recv(_NOBLOCK, copy=False)
+            if frame.more:
+                parts = [frame.bytes]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    parts.append(frame.bytes)
+                append(parts)
+            else:
+                append([frame.bytes])
+
     async def recv_multipart_batch(self, max_messages: int = 1000) -> list[list[bytes]]:
         """Like :meth:`recv_batch`, for multipart messages."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        return await self._receive(lambda: self._take_queued(self._recv_message, max_messages))
+        return await self._receive(
+            lambda: self._take_queued(self._recv_message, max_messages, self._recv_messages)
+        )
 
     # -- closing ------------------------------------------------------------------------
 

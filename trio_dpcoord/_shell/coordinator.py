@@ -261,7 +261,6 @@ class _Pumps:
         """
         task_status.started()
         core = self.core
-        receive = core.receive_engine_output
         batch: list[list[bytes]] = self.leftovers.pop("engine outputs", [])
         while True:
             batch = batch or await pull.recv_multipart_batch(_LISTENER_BATCH)
@@ -269,29 +268,27 @@ class _Pumps:
             index = 0
             try:
                 while index < count:
-                    urgent = False
                     with self.lock:
                         now = trio.current_time()
                         if index == 0:  # empty before this batch (it waited) or after it
                             drained = pull.receive_waited or count < _LISTENER_BATCH
                             core.engine_output_batch_read(drained=drained, now=now)
                             self._injected_failure("engine_output")
-                        # Load reports are held and only each engine's newest is written,
-                        # as the lock is let go (the same table as one by one, see the core).
-                        while index < count:
-                            effects = receive(batch[index], now, hold_stats=True)
-                            index += 1
-                            if effects and self.dispatch(effects):
-                                urgent = True
-                                break
-                        self.dispatch(core.apply_held_stats())
+                        # One core call per piece: load reports are held and only each
+                        # engine's newest is written as it ends (the same table as one by
+                        # one); a wave start ends the piece (see the core).
+                        index, effects = core.receive_engine_outputs(batch, index, now)
+                        urgent = self.dispatch(effects)
                         self.reschedule()
                     self.changed()
                     if urgent and count > 1:
                         await self.drained.park()
             except BaseException as exc:  # what is left goes to the next listener, but a
-                failed = not isinstance(exc, trio.Cancelled)  # failing message
-                self.leftovers["engine outputs"] = batch[index + failed :]
+                if isinstance(exc, trio.Cancelled):  # failing message
+                    self.leftovers["engine outputs"] = batch[index:]
+                else:
+                    failed = core.failed_message if core.failed_message is not None else index
+                    self.leftovers["engine outputs"] = batch[failed + 1 :]
                 raise
             batch = []
 

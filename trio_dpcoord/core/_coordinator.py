@@ -44,6 +44,7 @@ from ._effects import (
     ScaleRequest,
     WaveStartCause,
 )
+from ._ingest import HeldStats, log_out_of_order
 from ._pacing import BurstSummary
 from ._recovery import Recovery, RecoveryRules
 from ._wave import (
@@ -125,6 +126,7 @@ class CoordinatorCore:
         "_front_ends",
         "_gate_open",
         "_heard_from",
+        "_held",
         "_last_connection_lost_at",
         "_late_subscription_burst",
         "_late_subscriptions",
@@ -133,7 +135,6 @@ class CoordinatorCore:
         "_recovery",
         "_schedule",
         "_shutdown_expected",
-        "_stats_held",
         "_subscribed",
         "_tally",
         "_unsubscribed",
@@ -186,12 +187,12 @@ class CoordinatorCore:
         self._connections: Counter[str] = Counter()
         self._connections_lost: Counter[str] = Counter()
         self._last_connection_lost_at: dict[str, float] = {}
-        self._stats_held: list[tuple[int, protocol.StatsReport]] = []
         self._backlog = IngestBacklog()
         self._tally = Tally()
         self._coalesced_at_last_read = 0
         self._backlog_at_last_read = 0.0
         self._recovery: RecoveryRules | None = None
+        self._held = HeldStats(self._loads, self._tally, self._heard_from)
 
     # --- reading it ------------------------------------------------------------------------
 
@@ -326,15 +327,12 @@ class CoordinatorCore:
         """One message from the engine-output socket (a list of frames, §4.5, §5.4, §5.5).
 
         ``hold_stats``: a valid load report is checked and counted now, written to the table
-        by :meth:`apply_held_stats` (each engine's newest), called before any other input
-        or read (the shell does): as if applied at once, wave reports behind need not wait.
-        """
+        by :meth:`apply_held_stats`, called before any other input or read (the shell does):
+        as if applied at once, wave reports behind need not wait."""
         self._tally.engine_messages += 1
         if len(frames) != 1:
-            return self._reject(
-                "multipart_engine_output",
-                f"{len(frames)}-frame message on the engine output socket",
-            )
+            detail = f"{len(frames)}-frame message on the engine output socket"
+            return self._reject("multipart_engine_output", detail)
         try:
             kind, engine_index, value = decode_coordinator_output(frames[0])
         except protocol.ProtocolError as exc:
@@ -353,6 +351,32 @@ class CoordinatorCore:
             _NOT_FOR_COORDINATOR[kind],
             f"{kind.name} from engine {engine_index} is not for the coordinator",
         )
+
+    def receive_engine_outputs(
+        self, messages: Sequence[Sequence[bytes]], start: int, now: float
+    ) -> tuple[int, list[Effect]]:
+        """``messages[start:]`` as ``receive_engine_output(m, now, hold_stats=True)`` one
+        by one then :meth:`apply_held_stats` (effects in that order), up to the first
+        message whose effects hold a :class:`Broadcast`; returns the position after it (or
+        the end) and the effects. Stats reports take the hot path (``_ingest.py``)."""
+        held, engines = self._held, self._loads.engine_count if self._recovery is None else 0
+        effects: list[Effect] = []
+        index, end = start, len(messages)
+        while (index := held.take(messages, index, engines)) < end:
+            held.failed_message = index  # a bug raising in there: the shell skips it
+            taken = self.receive_engine_output(messages[index], now, hold_stats=True)
+            index += 1
+            effects.extend(taken)
+            if any(type(effect) is Broadcast for effect in taken):
+                break
+        effects.extend(self.apply_held_stats())
+        held.failed_message = None
+        return index, effects
+
+    @property
+    def failed_message(self) -> int | None:
+        """The message :meth:`receive_engine_outputs` raised on (a bug), by position."""
+        return self._held.failed_message
 
     def expect_shutdown(self) -> None:
         """The fleet is being stopped on purpose: engines unsubscribing from now on are
@@ -569,53 +593,28 @@ class CoordinatorCore:
         if outcome is StatsOutcome.UNKNOWN_ENGINE:
             return self._unknown_engine_stats(engine_index)
         if outcome is StatsOutcome.OUT_OF_ORDER:
-            self._log_out_of_order(engine_index, report)
+            log_out_of_order(engine_index, report.wave, report.step)
         self._tally.stats_applied += 1
         return _NOTHING
 
     def _hold_stats(self, engine_index: int, report: protocol.StatsReport) -> Sequence[Effect]:
         if not 0 <= engine_index < self._loads.engine_count:
             return self._unknown_engine_stats(engine_index)
-        self._stats_held.append((engine_index, report))
+        waiting, running, kv = report.load
+        self._held.hold((engine_index, waiting, running, kv, report.wave, report.step))
         self._tally.stats_applied += 1
         return _NOTHING
 
     def apply_held_stats(self) -> Sequence[Effect]:
-        """Write the load reports held by ``receive_engine_output(..., hold_stats=True)``:
-        the newest of each engine, the table ending as one by one (``LoadTable.
-        apply_stats_batch``); the superseded ones are counted in ``stats_coalesced``."""
-        held = self._stats_held
-        if not held:
-            return _NOTHING
-        self._stats_held = []
-        count = self._loads.engine_count
-        if any(engine_index >= count for engine_index, _ in held):  # a resize came between
-            rejected = [self._unknown_engine_stats(e)[0] for e, _ in held if e >= count]
-            self._tally.stats_applied -= len(rejected)
-            held = [(e, report) for e, report in held if e < count]
-            return (*rejected, *self._apply_held(held))
-        return self._apply_held(held)
-
-    def _apply_held(self, held: list[tuple[int, protocol.StatsReport]]) -> Sequence[Effect]:
-        superseded, out_of_order = self._loads.apply_stats_batch(held)
-        self._tally.stats_coalesced += superseded
-        for engine_index, report in out_of_order:
-            self._log_out_of_order(engine_index, report)
-        return _NOTHING
+        """Write the held load reports, the newest of each engine (``HeldStats.write``);
+        those beyond the table (a resize came between) are rejected."""
+        dropped = self._held.write()
+        return tuple(self._unknown_engine_stats(e)[0] for e in dropped) if dropped else _NOTHING
 
     def _unknown_engine_stats(self, engine_index: int) -> tuple[Effect, ...]:
         return self._reject(
             "unknown_engine_index",
             f"stats from engine {engine_index}, table has {self._loads.engine_count} engines",
-        )
-
-    @staticmethod
-    def _log_out_of_order(engine_index: int, report: protocol.StatsReport) -> None:
-        logger.debug(
-            "out-of-order stats from engine %d: wave %d step %d",
-            engine_index,
-            report.wave,
-            report.step,
         )
 
     def _apply_wave_report(

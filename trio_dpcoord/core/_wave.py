@@ -22,6 +22,7 @@ __all__ = [
     "LoadTable",
     "PublishSchedule",
     "StatsOutcome",
+    "StatsRecord",
     "WaveSnapshot",
     "WaveStart",
     "WaveState",
@@ -288,6 +289,11 @@ class StatsOutcome(Enum):
 
 
 _NO_STEP = (-1, -1)
+_new_tuple: Final = tuple.__new__
+
+StatsRecord = tuple[int, int, int, float, int, int]
+"""One load report, flat: ``(engine_index, waiting, running, kv_cache_usage, wave,
+step)`` (the coordinator decoder's ``IngestStats``)."""
 
 
 class LoadTable:
@@ -349,12 +355,25 @@ class LoadTable:
     def apply_stats_batch(
         self, reports: Sequence[tuple[int, StatsReport]]
     ) -> tuple[int, list[tuple[int, StatsReport]]]:
+        """:meth:`apply_records` for ``(engine_index, report)`` pairs; returns how many
+        were superseded and the out-of-order pairs."""
+        records = [
+            (e, r.load.waiting, r.load.running, r.load.kv_cache_usage, r.wave, r.step)
+            for e, r in reports
+        ]
+        superseded, out_of_order = self.apply_records(records)
+        return superseded, [reports[i] for i in out_of_order]
+
+    def apply_records(self, records: Sequence[StatsRecord]) -> tuple[int, list[int]]:
         """Record reports received together, in order, as :meth:`apply_stats` one by one
         would, but write only the newest load of each engine: the others are superseded
         before anyone could read them (nobody reads the table while a batch is applied).
+        Each report is a flat :data:`StatsRecord`, as the coordinator's decoder gives it:
+        an :class:`EngineLoad` is built only for each engine's newest.
 
-        Returns how many reports were superseded (coalesced) and the out-of-order ones.
-        Every engine index must be in the table (the core rejects the others first).
+        Returns how many reports were superseded (coalesced) and the positions of the
+        out-of-order ones. Every engine index must be in the table (the core rejects the
+        others first).
 
         The lock-step snapshot is the one thing that needs an older report: a report of
         a newer ``(wave, step)`` captures the counts as they stood before it, which within
@@ -364,39 +383,40 @@ class LoadTable:
         Cursors are per engine maxima and are written as they go, as one by one.
         """
         loads = self._loads
-        newest: dict[int, EngineLoad] = {}
-        out_of_order: list[tuple[int, StatsReport]] = []
+        newest: dict[int, StatsRecord] = {}
+        out_of_order: list[int] = []
         if self._lockstep:
             cursors = self._cursors
             top = self._step_cursor
             changed = self.stats_changed
-            before_advance: dict[int, EngineLoad] | None = None
-            for engine_index, report in reports:
-                position = (report.wave, report.step)
+            before_advance: dict[int, StatsRecord] | None = None
+            for index, record in enumerate(records):
+                engine_index = record[0]
+                position = record[4:]
                 if position > top:
                     if changed:
                         before_advance = dict(newest)
                     top = position
                 if position < cursors[engine_index]:
-                    out_of_order.append((engine_index, report))
+                    out_of_order.append(index)
                 else:
                     cursors[engine_index] = position
-                newest[engine_index] = report.load
+                newest[engine_index] = record
                 changed = True
             if before_advance is not None:
                 snapshot = list(loads)
-                for engine_index, load in before_advance.items():
-                    snapshot[engine_index] = load
+                for engine_index, record in before_advance.items():
+                    snapshot[engine_index] = _new_tuple(EngineLoad, record[1:4])
                 self.pending_snapshot = tuple(snapshot)
             self._step_cursor = top
         else:
-            for engine_index, report in reports:
-                newest[engine_index] = report.load
-        for engine_index, load in newest.items():
-            loads[engine_index] = load
-        if reports:
+            for record in records:
+                newest[record[0]] = record
+        for engine_index, record in newest.items():
+            loads[engine_index] = _new_tuple(EngineLoad, record[1:4])
+        if records:
             self.stats_changed = True
-        return len(reports) - len(newest), out_of_order
+        return len(records) - len(newest), out_of_order
 
     def resize(self, engine_count: int) -> None:
         """Elastic EP: grow with zero loads or truncate (docs/protocol.md §5.8)."""

@@ -26,11 +26,11 @@ Two paths, one contract, as :mod:`._output_decoder`'s:
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Final, Protocol
+from typing import Annotated, Final, Protocol
 
 from ._codec import MAX_DATA_FRAME_BYTES, ProtocolError, unpack
 from ._engine_core import ENGINE_CORE_DEAD, EngineDead
-from ._output_decoder import msgspec_stats_types
+from ._msgspec_views import fits_view, load_msgspec, outputs_views, stats_types, view_readers
 from ._outputs import _decode_stats, engine_core_outputs_from_object
 
 __all__ = [
@@ -88,13 +88,16 @@ _UNREAD_OUTPUT_SLOTS: Final = (
 )
 
 
-def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
-    """msgspec's views of EngineCoreOutputs as engines send it to a front-end: with
-    vLLM's known stats keys, and with any string-keyed stats map."""
-    from msgspec import Meta, Struct, defstruct
+def _build_msgspec_decoder() -> "Callable[[bytes], ClientOutput] | None":
+    """The msgspec path, or None when msgspec is not installed. The views and their
+    order: :mod:`._msgspec_views`; the outputs decoded straight into a small struct."""
+    msgspec = load_msgspec()
+    if msgspec is None:
+        return None
+    from msgspec import Meta, defstruct
 
     uint = Annotated[int, Meta(ge=0)]
-    level3, known_stats, open_stats = msgspec_stats_types()
+    level3 = stats_types().level3
     output = defstruct(
         "_Output",
         [
@@ -110,69 +113,22 @@ def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
         frozen=True,
         gc=False,  # strs, tuples of ints and scalars: no cycles to collect
     )
-
-    # (this module does not postpone annotations: msgspec evaluates these at class creation,
-    # where the local aliases above are in scope)
-    class _View(Struct, array_like=True):
-        """EngineCoreOutputs (§4.5), every slot checked as the full decoder checks it."""
-
-        engine_index: uint = 0
-        outputs: list[output] = []  # type: ignore[valid-type]
-        scheduler_stats: known_stats | None = None  # type: ignore[valid-type]
-        timestamp: float = 0.0
-        utility_output: list[level3] | None = None  # type: ignore[valid-type]
-        finished_requests: list[str] | None = None
-        wave_complete: uint | None = None
-        start_wave: uint | None = None
-        weight_version: str | None = None
-
-    class _OpenView(_View, array_like=True):
-        """The same with any string-keyed stats map, its fields checked in Python."""
-
-        scheduler_stats: open_stats | None = None  # type: ignore[valid-type]
-
-    return _View, _OpenView
-
-
-def _build_msgspec_decoder() -> "Callable[[bytes], ClientOutput] | None":
-    """The msgspec path, or None when msgspec is not installed."""
-    try:
-        import msgspec
-    except ImportError:
-        return None
-    view_type, open_view_type = _msgspec_view_types()
-    decode_view = msgspec.msgpack.Decoder(view_type).decode
-    decode_open_view = msgspec.msgpack.Decoder(open_view_type).decode
+    views = outputs_views(list[output], list[level3] | None, list[str] | None)  # type: ignore[valid-type]
+    read = view_readers(msgspec, views).read
     isfinite = math.isfinite
-    refused = msgspec.DecodeError  # ValidationError is one
 
     def decode_with_msgspec(frame: bytes) -> ClientOutput:
-        # 0x90-0x99: a fixarray of at most 9 elements (msgspec would skip a 10th unread,
-        # where the full decoder would find it malformed)
-        if (
-            type(frame) is bytes
-            and 0 < len(frame) <= MAX_DATA_FRAME_BYTES
-            and 0x90 <= frame[0] <= 0x99
-        ):
-            try:
-                view = decode_view(frame)
-            except refused as exc:
-                if "unknown field" in str(exc):  # a stats key we do not know
-                    return decode_open(frame)
-                return decode_with_msgpack(frame)
+        if fits_view(frame) and (view := read(frame)) is not None:
             stats = view.scheduler_stats
-            if stats is None or isfinite(stats.kv_cache_usage):
+            if stats is None or (type(stats) is not dict and isfinite(stats.kv_cache_usage)):
+                return view.outputs, view.utility_output
+            if type(stats) is dict:  # the open view: the full checks
+                try:
+                    _decode_stats(stats)
+                except ProtocolError:
+                    return decode_with_msgpack(frame)
                 return view.outputs, view.utility_output
         return decode_with_msgpack(frame)
-
-    def decode_open(frame: bytes) -> ClientOutput:
-        try:
-            view = decode_open_view(frame)
-            if view.scheduler_stats is not None:
-                _decode_stats(view.scheduler_stats)  # the full checks
-            return view.outputs, view.utility_output
-        except (refused, ProtocolError):
-            return decode_with_msgpack(frame)
 
     return decode_with_msgspec
 

@@ -13,25 +13,30 @@ Two paths, one contract:
 
 * :func:`decode_with_msgspec`, chosen when msgspec (the ``fast`` extra) is installed: a
   typed msgspec decode of the shapes engines send the coordinator (a stats report, a
-  ``wave_complete``, a ``start_wave``), about 3x faster than msgpack-python on vLLM's
-  496-byte stats report. Its types are *stricter* than the full decoder's, never looser:
-  every map key a string, every string valid UTF-8, no ext or bin values in the stats
-  map, at most three nested containers in a stats value, at most nine slots, no
-  ``utility_output``, ``finished_requests`` or ``outputs``. msgspec skips nothing it could
-  not vouch for (the one thing it would skip, array slots past the ninth, is ruled out by
-  the frame's first byte). Whatever it refuses (bad input, or a rare but valid shape such
-  as a request batch) goes to the msgpack path, which gives the verdict; so msgspec
-  only ever says yes where the full decoder says yes, with the same fields.
+  ``wave_complete``, a ``start_wave``) through the views of :mod:`._msgspec_views`
+  (narrow, known, open; no ``utility_output``, ``finished_requests`` or ``outputs``),
+  several times faster than msgpack-python on vLLM's 496-byte stats report. Their types
+  are *stricter* than the full decoder's, never looser, and msgspec skips nothing it could
+  not vouch for. Whatever they refuse (bad input, or a rare but valid shape such as a
+  request batch) goes to the msgpack path, which gives the verdict; so msgspec only ever
+  says yes where the full decoder says yes, with the same fields.
 * :func:`decode_with_msgpack`: msgpack-python, then the common shapes checked field by
   field without building objects; anything else through the full decoder.
+
+The coordinator's ingest loop reads stats reports through :data:`decode_ingest_stats`
+first: the same paths, stopped at the common stats shape, returning the six fields as one
+flat tuple (no named tuples per message); any other frame goes through
+:func:`decode_coordinator_output`.
 """
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Annotated, Any, Final
 
+from msgpack import unpackb as _unpackb
+
 from ._codec import MAX_DATA_FRAME_BYTES, ProtocolError, unpack
+from ._msgspec_views import fits_view, load_msgspec, outputs_views, view_readers
 from ._outputs import (
     EngineCoreOutputs,
     EngineLoad,
@@ -45,14 +50,22 @@ from ._outputs import (
 __all__ = [
     "DECODER",
     "Decoded",
+    "IngestStats",
     "decode_coordinator_output",
+    "decode_ingest_stats",
     "decode_with_msgpack",
     "decode_with_msgspec",
+    "ingest_with_msgpack",
+    "ingest_with_msgspec",
 ]
 
 Decoded = tuple[OutputKind, int, StatsReport | int | None]
 """``(kind, engine_index, value)``: ``value`` is the :class:`StatsReport` of a STATS
 message, the wave of a WAVE_COMPLETE or START_WAVE one, None for any other kind."""
+
+IngestStats = tuple[int, int, int, float, int, int]
+"""``(engine_index, waiting, running, kv_cache_usage, wave, step)`` of a stats-only
+message (:data:`decode_ingest_stats`)."""
 
 _STATS: Final = OutputKind.STATS
 _WAVE_COMPLETE: Final = OutputKind.WAVE_COMPLETE
@@ -67,17 +80,7 @@ def decode_with_msgpack(frame: bytes) -> Decoded:
     anything else takes the full decoder, so both accept and reject the same frames.
     """
     obj = unpack(frame, "EngineCoreOutputs", MAX_DATA_FRAME_BYTES)
-    if (
-        type(obj) is list
-        and len(obj) == 9
-        and obj[1] == []
-        and obj[4] is None
-        and obj[5] is None
-        and obj[8] is None
-        and type(obj[3]) is float
-        and type(obj[0]) is int
-        and obj[0] >= 0
-    ):
+    if _common_shape(obj):
         stats, wc, sw = obj[2], obj[6], obj[7]
         if wc is None and sw is None:
             if stats is not None:
@@ -87,6 +90,22 @@ def decode_with_msgpack(frame: bytes) -> Decoded:
             if type(wave) is int and wave >= 0:
                 return (_START_WAVE if wc is None else _WAVE_COMPLETE), obj[0], wave
     return _classified(engine_core_outputs_from_object(obj))
+
+
+def _common_shape(obj: Any) -> bool:
+    """A full 9-slot array with no outputs, utility reply, finished requests or weight
+    version, a float timestamp and an engine index: what engines send a coordinator."""
+    return (
+        type(obj) is list
+        and len(obj) == 9
+        and obj[1] == []
+        and obj[4] is None
+        and obj[5] is None
+        and obj[8] is None
+        and type(obj[3]) is float
+        and type(obj[0]) is int
+        and obj[0] >= 0
+    )
 
 
 def _classified(out: EngineCoreOutputs) -> Decoded:
@@ -112,121 +131,34 @@ def _classified(out: EngineCoreOutputs) -> Decoded:
     return kind, out.engine_index, None
 
 
-#: The ``SchedulerStats`` keys of vLLM 0.32.0 and 0.33.0 that a coordinator does not read.
-_UNREAD_STATS_KEYS: Final = (
-    "num_skipped_waiting_reqs",
-    "num_kv_fetch_reqs_by_stage",
-    "iteration_details",
-    "prefix_cache_stats",
-    "connector_prefix_cache_stats",
-    "kv_cache_eviction_events",
-    "spec_decoding_stats",
-    "kv_connector_stats",
-    "ec_connector_stats",
-    "waiting_lora_adapters",
-    "running_lora_adapters",
-    "cudagraph_stats",
-    "perf_stats",
-)
-
 _new_tuple: Final = tuple.__new__
 
 
-@functools.cache
-def msgspec_stats_types() -> "tuple[Any, type[Any], Any]":
-    """msgspec's types for what engines send, shared by this decoder and the engine
-    client's (:mod:`._client_decoder`): ``(level3, known_stats, open_stats)``.
-
-    ``level3``: any value a stats map may carry that msgpack-python reads the same way
-    and the full decoder accepts: scalars, and lists and string-keyed maps of them, three
-    levels deep (vLLM's deepest, ``prefix_cache_stats.hits_by_source``, is two). Anything
-    else (bin, ext, non-string keys, deeper nesting) is refused, and judged by the
-    msgpack path. ``known_stats``: vLLM's stats map, the five fields read checked as the
-    full decoder checks them (ints >= 0, no bools; a float or an int for the usage,
-    finiteness checked by the caller), an unknown key (a newer vLLM) refused;
-    ``open_stats``: any string-keyed stats map, its fields checked in Python."""
-    from msgspec import Meta, defstruct
-
-    uint = Annotated[int, Meta(ge=0)]
-    scalar = None | bool | int | float | str
-    level1 = scalar | list[scalar] | dict[str, scalar]
-    level2 = scalar | list[level1] | dict[str, level1]
-    level3 = scalar | list[level2] | dict[str, level2]
-    known_stats = defstruct(
-        "_KnownStats",
-        [
-            ("num_running_reqs", uint, 0),
-            ("num_waiting_reqs", uint, 0),
-            ("step_counter", uint, 0),
-            ("current_wave", uint, 0),
-            ("kv_cache_usage", float, 0.0),
-            *((key, level3, None) for key in _UNREAD_STATS_KEYS),
-        ],
-        forbid_unknown_fields=True,
-    )
-    return level3, known_stats, dict[str, level3]
+_Paths = tuple[Callable[[bytes], Decoded], Callable[[bytes], "IngestStats | None"]]
 
 
-def _msgspec_view_types() -> "tuple[type[Any], type[Any]]":
-    """msgspec's views of EngineCoreOutputs: the strict one (vLLM's known stats keys,
-    checked as the full decoder checks them) and the open one (any string-keyed stats
-    map, checked in Python)."""
-    from msgspec import Meta, Struct
-
-    uint = Annotated[int, Meta(ge=0)]
-    _, known_stats, open_stats = msgspec_stats_types()
-
-    # (this module does not postpone annotations: msgspec evaluates these at class creation,
-    # where the local aliases above are in scope)
-    class _View(Struct, array_like=True):
-        """EngineCoreOutputs as engines send it to a coordinator (§4.5)."""
-
-        engine_index: uint = 0
-        outputs: Annotated[list[Any], Meta(max_length=0)] = []
-        scheduler_stats: known_stats | None = None  # type: ignore[valid-type]
-        timestamp: float = 0.0
-        utility_output: None = None
-        finished_requests: None = None
-        wave_complete: uint | None = None
-        start_wave: uint | None = None
-        weight_version: str | None = None
-
-    class _OpenView(_View, array_like=True):
-        """The same with any string-keyed stats map, its fields checked in Python."""
-
-        scheduler_stats: open_stats | None = None  # type: ignore[valid-type]
-
-    return _View, _OpenView
-
-
-def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
-    """The msgspec path, or None when msgspec is not installed."""
-    try:
-        import msgspec
-    except ImportError:
+def _build_msgspec_decoders() -> _Paths | None:
+    """The msgspec paths (the contract's decoder and the ingest one), or None when msgspec
+    is not installed. The views and their order: :mod:`._msgspec_views`."""
+    msgspec = load_msgspec()
+    if msgspec is None:
         return None
-    view_type, open_view_type = _msgspec_view_types()
-    decode_view = msgspec.msgpack.Decoder(view_type).decode
-    decode_open_view = msgspec.msgpack.Decoder(open_view_type).decode
+    from msgspec import Meta
+
+    empty = Annotated[list[Any], Meta(max_length=0)]
+    narrow, refused, read = view_readers(msgspec, outputs_views(empty, None, None))
     isfinite = math.isfinite
     report_of = stats_report  # a local name, looked up faster in the closure
-    refused = msgspec.DecodeError  # ValidationError is one
 
     def decode_with_msgspec(frame: bytes) -> Decoded:
-        # 0x90-0x99: a fixarray of at most 9 elements (msgspec would skip a 10th unread)
-        if (
-            type(frame) is bytes
-            and 0 < len(frame) <= MAX_DATA_FRAME_BYTES
-            and 0x90 <= frame[0] <= 0x99
-        ):
-            try:
-                view = decode_view(frame)
-            except refused as exc:
-                if "unknown field" in str(exc):  # a stats key we do not know
-                    return decode_open(frame)
-                return decode_with_msgpack(frame)
+        if fits_view(frame) and (view := read(frame)) is not None:
             stats, wc, sw = view.scheduler_stats, view.wave_complete, view.start_wave
             if wc is None and sw is None:
+                if type(stats) is dict:  # the open view: the full checks
+                    try:
+                        return _STATS, view.engine_index, report_of(stats)
+                    except ProtocolError:
+                        return decode_with_msgpack(frame)
                 if stats is not None and isfinite(stats.kv_cache_usage):
                     load = _new_tuple(
                         EngineLoad,
@@ -241,20 +173,84 @@ def _build_msgspec_decoder() -> "Callable[[bytes], Decoded] | None":
                     return _WAVE_COMPLETE, view.engine_index, wc
         return decode_with_msgpack(frame)
 
-    def decode_open(frame: bytes) -> Decoded:
-        try:
-            view = decode_open_view(frame)
+    def ingest_with_msgspec(frame: bytes) -> IngestStats | None:
+        # fits_view(frame), inline: this runs once per engine report
+        if (
+            type(frame) is bytes
+            and 0 < len(frame) <= MAX_DATA_FRAME_BYTES
+            and 0x90 <= frame[0] <= 0x99
+        ):
+            try:
+                view = narrow(frame)
+            except refused:
+                return None
             stats = view.scheduler_stats
             if stats is not None and view.wave_complete is None and view.start_wave is None:
-                return _STATS, view.engine_index, report_of(stats)  # the full checks
-        except (refused, ProtocolError):
-            pass
-        return decode_with_msgpack(frame)
+                kv = stats.kv_cache_usage
+                if isfinite(kv):
+                    return (
+                        view.engine_index,
+                        stats.num_waiting_reqs,
+                        stats.num_running_reqs,
+                        kv,
+                        stats.current_wave,
+                        stats.step_counter,
+                    )
+        return None
 
-    return decode_with_msgspec
+    return decode_with_msgspec, ingest_with_msgspec
 
 
-_msgspec_decoder: Final = _build_msgspec_decoder()
+def ingest_with_msgpack(frame: bytes) -> IngestStats | None:
+    """:data:`decode_ingest_stats`'s msgpack path: :func:`decode_with_msgpack`'s checks of
+    the common stats shape, inline (a third of this path's own time was calls), and
+    None for anything else, which that function then judges."""
+    if type(frame) is not bytes or not 0 < len(frame) <= MAX_DATA_FRAME_BYTES:
+        return None
+    try:
+        obj = _unpackb(frame)  # raw=False, strict_map_key=True: msgpack's defaults, as unpack's
+    except Exception:  # whatever msgpack-python refuses: decode_with_msgpack says why
+        return None
+    if type(obj) is not list or len(obj) != 9:
+        return None
+    engine, outputs, stats, timestamp, utility, finished, wc, sw, weights = obj
+    if (
+        type(stats) is not dict
+        or type(engine) is not int
+        or engine < 0
+        or outputs != []
+        or type(timestamp) is not float
+        or utility is not None
+        or finished is not None
+        or wc is not None
+        or sw is not None
+        or weights is not None
+    ):
+        return None
+    get = stats.get
+    running = get("num_running_reqs", 0)
+    waiting = get("num_waiting_reqs", 0)
+    step = get("step_counter", 0)
+    wave = get("current_wave", 0)
+    kv = get("kv_cache_usage", 0.0)
+    if (
+        type(running) is int
+        and type(waiting) is int
+        and type(step) is int
+        and type(wave) is int
+        and running >= 0
+        and waiting >= 0
+        and step >= 0
+        and wave >= 0
+        and type(kv) is float
+        and kv - kv == 0.0  # finite
+    ):
+        return engine, waiting, running, kv, wave, step
+    return None
+
+
+_msgspec_decoders: Final = _build_msgspec_decoders()
+_msgspec_decoder: Final = None if _msgspec_decoders is None else _msgspec_decoders[0]
 
 
 def decode_with_msgspec(frame: bytes) -> Decoded:
@@ -265,6 +261,14 @@ def decode_with_msgspec(frame: bytes) -> Decoded:
     return _msgspec_decoder(frame)
 
 
+def ingest_with_msgspec(frame: bytes) -> IngestStats | None:
+    """:data:`decode_ingest_stats`'s msgspec path. RuntimeError if msgspec is not
+    installed."""
+    if _msgspec_decoders is None:
+        raise RuntimeError("msgspec is not installed (pip install 'trio-dpcoord[fast]')")
+    return _msgspec_decoders[1](frame)
+
+
 DECODER: Final[str] = "msgpack" if _msgspec_decoder is None else "msgspec"
 """Which path :func:`decode_coordinator_output` takes in this process."""
 
@@ -273,3 +277,14 @@ decode_coordinator_output: Final[Callable[[bytes], Decoded]] = (
 )
 """Decode and classify one frame of the coordinator's engine-output socket: the msgspec
 path when msgspec is installed, else the msgpack path; ProtocolError for bad input."""
+
+decode_ingest_stats: Final[Callable[[bytes], IngestStats | None]] = (
+    ingest_with_msgpack if _msgspec_decoders is None else _msgspec_decoders[1]
+)
+"""The coordinator's hot path: a stats-only message's fields as one flat tuple,
+:data:`IngestStats`, when :func:`decode_coordinator_output` would return
+``(STATS, engine_index, StatsReport(EngineLoad(waiting, running, kv), wave, step))`` for
+the frame and the frame is in the shape engines send (the narrow view, or the msgpack
+path's field-by-field check); None for every other frame, valid or not, which
+:func:`decode_coordinator_output` then judges. Never raises. No named tuples are built
+(the load table builds an :class:`EngineLoad` only for each engine's newest report)."""
