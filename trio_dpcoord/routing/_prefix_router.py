@@ -77,7 +77,8 @@ class PrefixRouting:
     point; on the lock-step model 1 did best of 0, 1, 3 and 10 but for 64 ranks of
     shared documents. With nothing cached the cost is the queue alone: the least loaded
     rank (vLLM's choice when the queued work is vLLM's score in tokens, as the vLLM
-    plugin passes it).
+    plugin passes it), or the caller's own choice if it gives one
+    (:meth:`PrefixRouter.route`'s ``unshared_choice``, as :class:`EngineChooser` does).
     ``rendezvous_slack``: 0 (the default) or, for front-ends that each keep their own
     index (several API servers, approximate feed), the load tolerance, in prompts, of a
     choice they all agree on: when no single rank holds more of the prompt than every
@@ -179,7 +180,8 @@ class PrefixRouter:
     queue is busier than another's by more than ``1 + reuse_weight`` times what it
     holds. Ties go to the most cached tokens, then to rotation (a start that advances by
     one per decision). With nothing cached anywhere that is exactly the least loaded
-    rank (with ``rendezvous_slack``, a rank all front-ends agree on, near it). When the
+    rank, or ``unshared_choice`` if the caller gives it (with ``rendezvous_slack``, a
+    rank all front-ends agree on, near it). When the
     ranks' queued work is imbalanced beyond both thresholds (see
     :class:`PrefixRouting`) the guard chooses the least loaded rank. A pinned rank is
     returned as is. Every routed or pinned prompt is learnt on its rank with
@@ -272,8 +274,16 @@ class PrefixRouter:
         queued_work: Sequence[float],
         now: float,
         pinned_rank: int | None = None,
+        *,
+        unshared_choice: int | None = None,
     ) -> RouteDecision:
-        """:meth:`choose`, with how much was cached there and whether the guard chose."""
+        """:meth:`choose`, with how much was cached there and whether the guard chose.
+
+        ``unshared_choice``: the rank to take when no rank is believed to hold any of the
+        prompt (the caller's load balancer's choice, e.g. vLLM's score): with nothing to
+        reuse, affinity has nothing to weigh and the load balancer's own count of the
+        engines' queues is the better judge (the rendezvous of ``rendezvous_slack``
+        aside)."""
         if len(queued_work) != self.ranks:
             raise ValueError(f"queued_work has {len(queued_work)} ranks, expected {self.ranks}")
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
@@ -297,7 +307,7 @@ class PrefixRouter:
             depth = self._depth_of(groups, pinned_rank)
             decision = RouteDecision(pinned_rank, depth * self.block_size, False)
         else:
-            decision = self._pick(groups, keys, len(token_ids), queued_work)
+            decision = self._pick(groups, keys, len(token_ids), queued_work, unshared_choice)
         self.counters.prompt_tokens += len(token_ids)
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
@@ -425,17 +435,25 @@ class PrefixRouter:
         keys: Sequence[int],
         prompt_len: int,
         queued: Sequence[float],
+        unshared_choice: int | None = None,
     ) -> RouteDecision:
         ranks = self.ranks
         start = self._rotation
         self._rotation = (start + 1) % ranks
         block = self.block_size
+        routing = self.routing
+        if (
+            not groups
+            and unshared_choice is not None
+            and 0 <= unshared_choice < ranks
+            and not (routing.rendezvous_slack and keys)
+        ):
+            return RouteDecision(unshared_choice, 0, False)
         low, high = min(queued), max(queued)
         least = first_from(queued, low, start)
         least_depth = self._depth_of(groups, least)
         if ranks == 1:
             return RouteDecision(0, least_depth * block, False)
-        routing = self.routing
         if high - low > routing.imbalance_abs and high > routing.imbalance_rel * max(low, 1.0):
             self.counters.guard_fallbacks += 1
             return RouteDecision(least, least_depth * block, True)
