@@ -1,7 +1,10 @@
 """The lock-step prefix model: deterministic, bounded caches, affinity beats round robin."""
 
+import dataclasses
 import itertools
 
+from trio_dpcoord import PrefixRouting
+from trio_dpcoord.protocol import EngineLoad
 from trio_dpcoord.sim.prefix import RankCache, RankModel, run_fleet
 from trio_dpcoord.sim.routing import (
     POLICIES,
@@ -107,3 +110,39 @@ def test_prefill_share_and_busiest_work_tally_the_busiest_ranks_tokens() -> None
         trace, 1, lambda r, f: 0, capacity_blocks=10, step_fixed_s=a, step_per_token_s=0.0
     )
     assert no_prompt_cost.prefill_time_share == 0.0
+
+
+def test_the_model_policy_keeps_the_callers_prefix_settings_whole() -> None:
+    """``make_policy``'s ``prefix``: every field the caller set reaches the chooser's
+    router (the reuse weight and rendezvous slack among them), but the model's block
+    size and cache size and the policy's own feed."""
+    given = PrefixRouting(
+        block_size=64,
+        capacity_blocks=7,
+        reuse_weight=3.0,
+        rendezvous_slack=1.0,
+        imbalance_abs=100.0,
+        imbalance_rel=2.0,
+        max_age=50.0,
+        provisional_age=2.0,
+        feed="exact",
+    )
+    policy = make_policy("approximate", 4, 150, block_size=16, prefix=given)
+    assert isinstance(policy, ChooserPolicy)
+    router = policy.chooser.router
+    assert router is not None
+    assert router.routing == dataclasses.replace(
+        given, block_size=16, capacity_blocks=150, feed="approximate"
+    )
+    # and the weight is the one that decides: with 0, a busier holder loses its prompt
+    tokens = tuple(range(64))
+    for weight, stays in ((3.0, True), (0.0, False)):
+        policy = make_policy(
+            "approximate", 2, 150, block_size=16, prefix=PrefixRouting(reuse_weight=weight)
+        )
+        assert isinstance(policy, ChooserPolicy)
+        chooser = policy.chooser
+        assert chooser.observe(1, tokens, now=0.0)
+        # the report: rank 1 busier by 1 request (64 tokens) than rank 0
+        loads = [EngineLoad(0, 0, 0.0), EngineLoad(1, 1, 0.0)]
+        assert (chooser.choose(loads, (*tokens, *range(100, 116)), now=0.0) == 1) == stays

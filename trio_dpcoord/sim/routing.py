@@ -25,6 +25,7 @@ to ``run_fleet``, or use :func:`run_policy`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -111,13 +112,12 @@ class ChooserPolicy(Policy):
         self.exact = exact
         self.wants_kv_events = exact
         if routing == "prefix":
-            base = prefix if prefix is not None else PrefixRouting()
-            prefix = PrefixRouting(
+            # the caller's settings whole (reuse weight, rendezvous slack, guard, ages),
+            # but the model's block size and cache, and the feed this policy is for
+            prefix = dataclasses.replace(
+                prefix if prefix is not None else PrefixRouting(),
                 block_size=block_size,
                 capacity_blocks=capacity_blocks,
-                max_age=base.max_age,
-                imbalance_abs=base.imbalance_abs,
-                imbalance_rel=base.imbalance_rel,
                 feed="exact" if exact else "approximate",
             )
             self.name = "ours exact" if exact else "ours approximate"
