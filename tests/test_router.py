@@ -391,6 +391,39 @@ def test_front_ends_with_their_own_indexes_agree_on_a_conversations_rank() -> No
         assert (split == 0) == agree
 
 
+def test_with_rendezvous_home_front_ends_agree_after_one_moved_a_conversation() -> None:
+    """``rendezvous_home``: every choice within the slack is the home that rendezvous
+    hashing of the block past the last branch point (here the end of the shared system
+    prompt) ranks first. A server that moved a conversation off its busy home takes it
+    back there once the loads allow, where the other server, blind to the move, sends it
+    too; without it the mover follows the deeper copy it made, and the two split."""
+    system = list(range(8 * BLOCK))
+
+    def turns(number: int) -> list[list[int]]:
+        history, prompts = list(system), []
+        for turn in range(4):
+            history += [10_000 + 100 * number + 10 * turn + i for i in range(2 * BLOCK)]
+            prompts.append(list(history))
+        return prompts
+
+    for home, agree in ((True, True), (False, False)):
+        routing = PrefixRouting(block_size=BLOCK, rendezvous_slack=1.0, rendezvous_home=home)
+        mover, other = PrefixRouter(4, routing), PrefixRouter(4, routing, start=2)
+        for server in (mover, other):  # both saw other conversations after the system prompt
+            for number in range(4):
+                server.choose(turns(100 + number)[0], [0.0] * 4, 0.0, pinned_rank=number)
+        prompts = turns(7)
+        first = mover.choose(prompts[0], [0.0] * 4, 0.0)
+        busy = [0.0] * 4
+        busy[first] = 10_000.0  # far beyond the slack: the second turn moves
+        moved = mover.choose(prompts[1], busy, 0.0)
+        assert moved != first
+        later = [other.choose(prompts[2], [0.0] * 4, 0.0), mover.choose(prompts[3], [0.0] * 4, 0.0)]
+        assert (later == [first, first]) == agree
+        if home:
+            assert other.choose(prompts[0], [0.0] * 4, 0.0) == first  # the same home
+
+
 def test_pinned_and_out_of_range_ranks() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
     with pytest.raises(ValueError, match="out of range"):
