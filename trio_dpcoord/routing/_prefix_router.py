@@ -92,11 +92,15 @@ class PrefixRouting:
     rendezvous decides every choice, not only those no single rank holds more of, and
     hashes the prompt's first block past its last *branch point*, the deepest block this
     router has seen followed by two different blocks (the end of a shared system prompt
-    or document): a conversation's turns then have one home whatever each front-end
-    knows of where its history is cached, as long as the home's cost is within the slack
-    of the best. On the lock-step model with two front-ends (approximate feed, 20
-    requests/s a rank) it raised multi-turn's hit rate from 0.73-0.75 to 0.82 at DP = 2
-    (slack 3; one front-end 0.80-0.81) and from 0.63 to 0.72-0.78 at DP = 8.
+    or document), among the ranks holding the prompt up to that point if any do: a
+    conversation's turns then have one home whatever each front-end knows of where its
+    history is cached, as long as the home's cost is within the slack of the best. On
+    the lock-step model with two front-ends (approximate feed, 20 requests/s a rank,
+    slack 3; ``python -m benchmarks._front_ends``) it raised multi-turn's hit rate from
+    0.73-0.75 to 0.81-0.82 at DP = 2 (one front-end: 0.80-0.81) and from 0.63 to
+    0.69-0.75 at DP = 8 (one: 0.78-0.81), shared documents' from 0.42 to 0.48 at DP = 8;
+    with nothing shared it spreads by hash within the slack (0.91-0.98x the throughput
+    of vLLM's choice in the model).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -369,8 +373,9 @@ class PrefixRouter:
         queued: Sequence[float],
     ) -> RouteDecision:
         """``rendezvous_home``: of the ranks whose cost is within ``rendezvous_slack``
-        prompts of the best, the one rendezvous hashing of the prompt's first block past
-        its last branch point ranks first."""
+        prompts of the best and that hold the prompt up to its last branch point (all
+        ranks if none does), the one rendezvous hashing of the prompt's first block past
+        that point ranks first; the least cost if none is within."""
         ranks, block = self.ranks, self.block_size
         depth_of = [0] * ranks
         for depth, mask in groups:
@@ -382,10 +387,14 @@ class PrefixRouter:
             queued[r] + prompt_len - (1 + weight) * depth_of[r] * block + weight * most
             for r in range(ranks)
         ]
-        within = min(costs) + self.routing.rendezvous_slack * prompt_len
-        key = keys[min(self._branch_point(keys), len(keys) - 1)]
-        winner, top = 0, -1
-        for rank in range(ranks):
+        best = min(costs)
+        within = best + self.routing.rendezvous_slack * prompt_len
+        point = self._branch_point(keys)
+        # the ranks holding the prompt up to its branch point (a shared document), if any
+        eligible = [r for r in range(ranks) if depth_of[r] >= point] or range(ranks)
+        key = keys[min(point, len(keys) - 1)]
+        winner, top = costs.index(best), -1
+        for rank in eligible:
             if costs[rank] <= within:
                 mine = hash((key, rank)) & 0xFFFFFFFFFFFF
                 if mine > top:
