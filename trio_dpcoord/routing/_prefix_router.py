@@ -100,7 +100,9 @@ class PrefixRouting:
     0.73-0.75 to 0.81-0.82 at DP = 2 (one front-end: 0.80-0.81) and from 0.63 to
     0.69-0.75 at DP = 8 (one: 0.78-0.81), shared documents' from 0.42 to 0.48 at DP = 8;
     with nothing shared it spreads by hash within the slack (0.91-0.98x the throughput
-    of vLLM's choice in the model).
+    of vLLM's choice in the model). On a real ``vllm serve`` with two API servers, one
+    run: 70.7 % multi-turn hit rate against 64-65 % with the default rendezvous and
+    72.7 % with one server.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
