@@ -59,7 +59,8 @@ def table(records: list[dict[str, Any]], base: str) -> list[str]:
                 return float(statistics.mean(run[field] for run in runs))
 
             lines.append(
-                f"  {variant:>10}: {mean('throughput'):7.0f} tok/s, TTFT p50 "
+                f"  {variant:>10}: hit {mean('hit_rate') * 100:4.1f} %, "
+                f"{mean('throughput'):7.0f} tok/s, TTFT p50 "
                 f"{mean('ttft_p50_s') * 1e3:5.0f} ms, p99 {mean('ttft_p99_s') * 1e3:5.0f} ms, "
                 f"busiest/mean {mean('busiest_over_mean'):.3f}; vs {base}: throughput median "
                 f"{statistics.median(tput):.3f}x ({min(tput):.2f}..{max(tput):.2f}), TTFT p99 "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from math import isfinite
 from typing import Literal
 
@@ -181,10 +182,11 @@ class EngineChooser:
         if table != self._table:
             self._follow_report(table)
         start = self._start
-        best_index = self._lowest(start)
         self._start = (start + 1) % count
         if self._router is not None:
-            best_index = self._choose_prefix(self._router, prompt_token_ids, now, best_index)
+            best_index = self._choose_prefix(self._router, prompt_token_ids, now, start)
+        else:
+            best_index = self._lowest(start)
         chosen = self._local[best_index]
         self._local[best_index] = chosen._replace(waiting=chosen.waiting + self._client_count)
         self._inflight[best_index] += 1
@@ -255,14 +257,12 @@ class EngineChooser:
         router: PrefixRouter,
         prompt_token_ids: Sequence[int] | None,
         now: float | None,
-        vllm_choice: int,
+        start: int,
     ) -> int:
         tokens: Sequence[int] = prompt_token_ids if prompt_token_ids is not None else ()
+        # vLLM's choice, scanned only if nothing of the prompt is cached anywhere
         decision = router.route(
-            tokens,
-            self._queued,
-            self._clock(now),
-            unshared_choice=vllm_choice if vllm_choice >= 0 else None,
+            tokens, self._queued, self._clock(now), unshared_choice=partial(self._lowest, start)
         )
         self._charge(decision.rank, len(tokens) - decision.cached_tokens, bool(tokens))
         return decision.rank

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice, takewhile
 from typing import Any
@@ -297,7 +297,7 @@ class PrefixRouter:
         now: float,
         pinned_rank: int | None = None,
         *,
-        unshared_choice: int | None = None,
+        unshared_choice: int | Callable[[], int] | None = None,
     ) -> RouteDecision:
         """:meth:`choose`, with how much was cached there and whether the guard chose.
 
@@ -305,7 +305,7 @@ class PrefixRouter:
         prompt (the caller's load balancer's choice, e.g. vLLM's score): with nothing to
         reuse, affinity has nothing to weigh and the load balancer's own count of the
         engines' queues is the better judge (the rendezvous of ``rendezvous_slack``
-        aside)."""
+        aside); a callable is called only then (a rank out of range: ignored)."""
         if len(queued_work) != self.ranks:
             raise ValueError(f"queued_work has {len(queued_work)} ranks, expected {self.ranks}")
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
@@ -515,20 +515,17 @@ class PrefixRouter:
         keys: Sequence[int],
         prompt_len: int,
         queued: Sequence[float],
-        unshared_choice: int | None = None,
+        unshared_choice: int | Callable[[], int] | None = None,
     ) -> RouteDecision:
         ranks = self.ranks
         start = self._rotation
         self._rotation = (start + 1) % ranks
         block = self.block_size
         routing = self.routing
-        if (
-            not groups
-            and unshared_choice is not None
-            and 0 <= unshared_choice < ranks
-            and not (routing.rendezvous_slack and keys)
-        ):
-            return RouteDecision(unshared_choice, 0, False)
+        if not groups and unshared_choice is not None and not (routing.rendezvous_slack and keys):
+            rank = unshared_choice() if callable(unshared_choice) else unshared_choice
+            if 0 <= rank < ranks:
+                return RouteDecision(rank, 0, False)
         low, high = min(queued), max(queued)
         least = first_from(queued, low, start)
         least_depth = self._depth_of(groups, least)
