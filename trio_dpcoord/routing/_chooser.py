@@ -73,7 +73,7 @@ class EngineChooser:
     weigh against the load, and vLLM's count of the engines' requests (a decoding one as
     much as a prefilling one: each holds a slot of every step) spread the process fleet's
     work better than a count of prompt tokens whose decoding it does not see (that count
-    lost 4-9 % of vLLM's throughput at 100 requests/s a rank, ``benchmarks/README.md``).
+    lost 3-7 % of vLLM's throughput at 100 requests/s a rank, ``benchmarks/README.md``).
     Without ``prompt_token_ids`` a request thus goes where vLLM's score sends it. ``now``
     (a clock reading, seconds) ages the index; without it blocks are forgotten only by
     capacity.
