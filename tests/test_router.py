@@ -756,7 +756,7 @@ def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
     session = family_prompt(1, 2, 10)
     assert chooser.observe(pinned, session, now=1.0)  # counted in flight there
     assert chooser.choose(loads, [*session, *range(4)], now=2.0) == pinned
-    # Without token ids: the load part alone, the least loaded rank.
+    # Without token ids: nothing cached anywhere, vLLM's choice (the least loaded rank).
     assert chooser.choose(loads, now=2.0) not in (first, other, pinned)
     counters = chooser.statistics().router
     assert counters is not None and counters.decisions == 6
