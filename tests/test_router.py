@@ -6,6 +6,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 from itertools import permutations, product
+from typing import Any
 
 import msgpack
 import pytest
@@ -15,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from trio_dpcoord import EngineChooser, EngineLoad, PrefixRouting
 from trio_dpcoord.protocol import KVEventError, decode_event_batch
-from trio_dpcoord.routing import PrefixRouter, RankPrefixIndex, block_keys
+from trio_dpcoord.routing import PrefixRouter, RankPrefixIndex, block_keys, vllm_score
 
 
 def stored_event(
@@ -390,6 +391,39 @@ def test_front_ends_with_their_own_indexes_agree_on_a_conversations_rank() -> No
         assert (split == 0) == agree
 
 
+def test_with_rendezvous_home_front_ends_agree_after_one_moved_a_conversation() -> None:
+    """``rendezvous_home``: every choice within the slack is the home that rendezvous
+    hashing of the block past the last branch point (here the end of the shared system
+    prompt) ranks first. A server that moved a conversation off its busy home takes it
+    back there once the loads allow, where the other server, blind to the move, sends it
+    too; without it the mover follows the deeper copy it made, and the two split."""
+    system = list(range(8 * BLOCK))
+
+    def turns(number: int) -> list[list[int]]:
+        history, prompts = list(system), []
+        for turn in range(4):
+            history += [10_000 + 100 * number + 10 * turn + i for i in range(2 * BLOCK)]
+            prompts.append(list(history))
+        return prompts
+
+    for home, agree in ((True, True), (False, False)):
+        routing = PrefixRouting(block_size=BLOCK, rendezvous_slack=1.0, rendezvous_home=home)
+        mover, other = PrefixRouter(4, routing), PrefixRouter(4, routing, start=2)
+        for server in (mover, other):  # both saw other conversations after the system prompt
+            for number in range(4):
+                server.choose(turns(100 + number)[0], [0.0] * 4, 0.0, pinned_rank=number)
+        prompts = turns(7)
+        first = mover.choose(prompts[0], [0.0] * 4, 0.0)
+        busy = [0.0] * 4
+        busy[first] = 10_000.0  # far beyond the slack: the second turn moves
+        moved = mover.choose(prompts[1], busy, 0.0)
+        assert moved != first
+        later = [other.choose(prompts[2], [0.0] * 4, 0.0), mover.choose(prompts[3], [0.0] * 4, 0.0)]
+        assert (later == [first, first]) == agree
+        if home:
+            assert other.choose(prompts[0], [0.0] * 4, 0.0) == first  # the same home
+
+
 def test_pinned_and_out_of_range_ranks() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
     with pytest.raises(ValueError, match="out of range"):
@@ -604,6 +638,107 @@ def test_vllm_routing_ignores_prompts_and_stays_the_default() -> None:
         EngineChooser(2, prefix_routing=PrefixRouting())
 
 
+class VllmChoice:
+    """vLLM 0.33.0's ``get_core_engine_for_request`` written out from :func:`vllm_score`:
+    the engines in rotated order from a start that advances one a choice (the client's
+    first at ``n x client_index // client_count``), the first strictly lowest score, the
+    chosen one then counting ``client_count`` more waiting until a new table replaces
+    the local one, and one more of this client's requests in flight until it finishes."""
+
+    def __init__(self, engines: int, client_index: int, client_count: int) -> None:
+        self.clients = client_count
+        self.start = engines * client_index // client_count
+        self.table: tuple[EngineLoad, ...] = ()
+        self.local: list[list[float]] = [[0, 0, 0.0] for _ in range(engines)]
+        self.inflight = [0] * engines
+
+    def choose(self, loads: tuple[EngineLoad, ...]) -> int:
+        if loads != self.table:
+            self.table = loads
+            self.local = [[load.waiting, load.running, load.kv_cache_usage] for load in loads]
+        engines = len(self.local)
+        best, best_score = -1, float("inf")
+        for offset in range(engines):
+            index = (self.start + offset) % engines
+            waiting, running, usage = self.local[index]
+            score = vllm_score(waiting, running, usage, self.inflight[index], self.clients)
+            if score < best_score:
+                best, best_score = index, score
+        self.local[best][0] += self.clients
+        self.start = (self.start + 1) % engines
+        self.inflight[best] += 1
+        return best
+
+
+@given(
+    engines=st.integers(1, 6),
+    clients=st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n - 1))),
+    feed=st.sampled_from(["approximate", "exact"]),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("report"),
+                st.lists(
+                    st.tuples(st.integers(0, 6), st.integers(0, 6), st.sampled_from([0, 0.4, 0.9])),
+                    min_size=6,
+                    max_size=6,
+                ),
+            ),
+            st.tuples(st.just("choose"), st.integers(-1, 40)),
+            st.tuples(st.just("finish"), st.integers(0, 5)),
+        ),
+        max_size=40,
+    ),
+)
+def test_with_nothing_cached_the_prefix_chooser_makes_vllms_choice(
+    engines: int, clients: tuple[int, int], feed: str, steps: list[tuple[str, Any]]
+) -> None:
+    """No prompt shares a block with any other (each starts with its own token), so
+    nothing is cached anywhere: whatever the loads, the prompts' lengths (none, shorter
+    than a block, long) and the requests finished, the prefix policy takes the engine
+    vLLM's score takes, as vLLM keeps it and as ``routing="vllm"`` does."""
+    count, index = clients
+    routing = PrefixRouting(block_size=BLOCK, feed=feed)  # type: ignore[arg-type]
+    prefix = EngineChooser(
+        engines, client_index=index, client_count=count, routing="prefix", prefix_routing=routing
+    )
+    plain = EngineChooser(engines, client_index=index, client_count=count)
+    reference = VllmChoice(engines, index, count)
+    loads = idle(engines)
+    unfinished: list[int] = []
+    rng = random.Random(engines * 7 + count)
+    for number, (kind, value) in enumerate(steps):
+        if kind == "report":
+            loads = tuple(EngineLoad(w, r, u) for w, r, u in value[:engines])
+        elif kind == "choose":
+            prompt = None
+            if value >= 0:
+                prompt = [100_000 + number, *(rng.randrange(50) for _ in range(value))]
+            expected = reference.choose(loads)
+            assert prefix.choose(loads, prompt, now=float(number)) == expected
+            assert plain.choose(loads) == expected
+            unfinished.append(expected)
+        elif unfinished:
+            engine = unfinished.pop(value % len(unfinished))
+            reference.inflight[engine] -= 1
+            prefix.finished(engine)
+            plain.finished(engine)
+    statistics = prefix.statistics()
+    assert statistics.inflight == tuple(reference.inflight)
+    assert statistics.router is not None and statistics.router.cached_tokens == 0
+
+
+def test_the_unshared_choice_is_taken_only_where_nothing_is_cached() -> None:
+    router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
+    held = family_prompt(0, 0, 4)
+    assert router.choose(held, [0.0] * 3, 0.0, pinned_rank=2) == 2
+    # Nothing of this prompt anywhere: the caller's choice, though rank 0 is idle.
+    assert router.route(family_prompt(1, 0, 4), [0.0, 50.0, 50.0], 0.0, unshared_choice=1).rank == 1
+    # A prefix on rank 2: the cost rule, whatever the caller's choice.
+    decision = router.route([*held, 1, 2, 3, 4], [0.0, 0.0, 0.0], 0.0, unshared_choice=0)
+    assert decision.rank == 2 and decision.cached_tokens == len(held)
+
+
 def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
     chooser = EngineChooser(4, routing="prefix", prefix_routing=PrefixRouting(block_size=BLOCK))
     history = family_prompt(2, 1, 10)  # 40 tokens
@@ -621,7 +756,7 @@ def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
     session = family_prompt(1, 2, 10)
     assert chooser.observe(pinned, session, now=1.0)  # counted in flight there
     assert chooser.choose(loads, [*session, *range(4)], now=2.0) == pinned
-    # Without token ids: the load part alone, the least loaded rank.
+    # Without token ids: nothing cached anywhere, vLLM's choice (the least loaded rank).
     assert chooser.choose(loads, now=2.0) not in (first, other, pinned)
     counters = chooser.statistics().router
     assert counters is not None and counters.decisions == 6

@@ -1,11 +1,15 @@
 """The lock-step prefix model: deterministic, bounded caches, affinity beats round robin."""
 
+import dataclasses
 import itertools
 
+from trio_dpcoord import PrefixRouting
+from trio_dpcoord.protocol import EngineLoad
 from trio_dpcoord.sim.prefix import RankCache, RankModel, run_fleet
 from trio_dpcoord.sim.routing import (
     POLICIES,
     ChooserPolicy,
+    FrontEnds,
     RoundRobin,
     make_policy,
     model_loads,
@@ -107,3 +111,60 @@ def test_prefill_share_and_busiest_work_tally_the_busiest_ranks_tokens() -> None
         trace, 1, lambda r, f: 0, capacity_blocks=10, step_fixed_s=a, step_per_token_s=0.0
     )
     assert no_prompt_cost.prefill_time_share == 0.0
+
+
+def test_the_model_policy_keeps_the_callers_prefix_settings_whole() -> None:
+    """``make_policy``'s ``prefix``: every field the caller set reaches the chooser's
+    router (the reuse weight and rendezvous slack among them), but the model's block
+    size and cache size and the policy's own feed."""
+    given = PrefixRouting(
+        block_size=64,
+        capacity_blocks=7,
+        reuse_weight=3.0,
+        rendezvous_slack=1.0,
+        imbalance_abs=100.0,
+        imbalance_rel=2.0,
+        max_age=50.0,
+        provisional_age=2.0,
+        feed="exact",
+    )
+    policy = make_policy("approximate", 4, 150, block_size=16, prefix=given)
+    assert isinstance(policy, ChooserPolicy)
+    router = policy.chooser.router
+    assert router is not None
+    assert router.routing == dataclasses.replace(
+        given, block_size=16, capacity_blocks=150, feed="approximate"
+    )
+    # and the weight is the one that decides: with 0, a busier holder loses its prompt
+    tokens = tuple(range(64))
+    for weight, stays in ((3.0, True), (0.0, False)):
+        policy = make_policy(
+            "approximate", 2, 150, block_size=16, prefix=PrefixRouting(reuse_weight=weight)
+        )
+        assert isinstance(policy, ChooserPolicy)
+        chooser = policy.chooser
+        assert chooser.observe(1, tokens, now=0.0)
+        # the report: rank 1 busier by 1 request (64 tokens) than rank 0
+        loads = [EngineLoad(0, 0, 0.0), EngineLoad(1, 1, 0.0)]
+        assert (chooser.choose(loads, (*tokens, *range(100, 116)), now=0.0) == 1) == stays
+
+
+def test_two_front_ends_share_the_requests_and_each_hears_of_its_own_finishing() -> None:
+    trace = multi_turn_chat(3, sessions=16, turns=3, rate_per_s=200.0)
+    for name in ("vllm", "approximate", "exact"):
+        policy = make_policy(name, 4, 150, front_ends=2, seed=1)
+        assert isinstance(policy, FrontEnds)
+        result = run_policy(trace, 4, policy, 150)
+        assert result == run_policy(trace, 4, make_policy(name, 4, 150, front_ends=2, seed=1), 150)
+        # the run ends at the last finish, before a report would tell of it: a report of
+        # empty queues releases every front-end's requests still counted in flight
+        assert sum(sum(f.chooser.statistics().inflight) for f in policy.front_ends) > 0
+        policy.report(1e9, [RankModel(RankCache(capacity_blocks=150)) for _ in range(4)])
+        routed = [front.chooser.statistics() for front in policy.front_ends]
+        assert all(sum(stats.inflight) == 0 for stats in routed)
+        if name != "vllm":
+            decisions = [stats.router.decisions for stats in routed if stats.router is not None]
+            assert sum(decisions) == len(trace) and min(decisions) > 0
+        if name == "exact":  # both front-ends follow every rank's events
+            counters = [stats.router for stats in routed]
+            assert all(c is not None and c.event_batches > 0 for c in counters)

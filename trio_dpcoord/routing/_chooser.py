@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from math import isfinite
 from typing import Literal
 
@@ -64,11 +65,18 @@ class EngineChooser:
     tokens, is its latest report's queue (vLLM's score: waiting + running, or
     ``client_count`` times this chooser's requests in flight there if more, plus the
     KV-pressure penalty) times the mean uncached prompt of the requests this chooser
-    routed, plus ``client_count`` times the uncached tokens this
-    chooser sent there since that report (shrinking as they finish). Without
-    ``prompt_token_ids`` a request costs the mean and goes to the least loaded rank.
-    ``now`` (a clock reading, seconds) ages the index; without it blocks are forgotten
-    only by capacity.
+    routed, plus ``client_count`` times the uncached tokens this chooser sent there since
+    that report (shrinking as they finish): where a prefix is cached, what a request
+    costs is what the engine must still compute of it. Where no rank holds any of the
+    prompt, the choice is vLLM's, engine for engine (its score, kept as with
+    ``routing="vllm"``, and its rotation): with nothing to reuse there is nothing to
+    weigh against the load, and vLLM's count of the engines' requests (a decoding one as
+    much as a prefilling one: each holds a slot of every step) spread the process fleet's
+    work better than a count of prompt tokens whose decoding it does not see (that count
+    lost 3-7 % of vLLM's throughput at 100 requests/s a rank, ``benchmarks/README.md``).
+    Without ``prompt_token_ids`` a request thus goes where vLLM's score sends it. ``now``
+    (a clock reading, seconds) ages the index; without it blocks are forgotten only by
+    capacity.
     """
 
     ROUTINGS: tuple[Routing, ...] = ROUTINGS
@@ -145,9 +153,12 @@ class EngineChooser:
         elif extra < 0:
             del self._inflight[engine_count:]
         self._start %= engine_count
+        self._table = ()  # rebuild the scores (and queued work) for the new ranks
+        self._local = [IDLE_LOAD] * engine_count
+        self._scores = [0.0] * engine_count
         if self._router is not None:
             self._router.resize(engine_count)
-            self._table = ()  # rebuild the queued work for the new ranks
+            self._queued = [0.0] * engine_count
             self._pending = [0.0] * engine_count
 
     def choose(
@@ -167,26 +178,19 @@ class EngineChooser:
             raise ValueError("no engines to choose from")
         if count != len(self._inflight):
             self._resize(count)
-        if self._router is not None:
-            return self._choose_prefix(self._router, loads, prompt_token_ids, now)
         table = tuple(loads)
         if table != self._table:
-            self._table = table
-            self._local = list(table)
-            self._scores = [
-                vllm_score(
-                    load.waiting, load.running, load.kv_cache_usage, inflight, self._client_count
-                )
-                for load, inflight in zip(table, self._inflight, strict=True)
-            ]
-            self._finite = all(map(isfinite, self._scores))
+            self._follow_report(table)
         start = self._start
-        best_index = self._lowest(start)
+        self._start = (start + 1) % count
+        if self._router is not None:
+            best_index = self._choose_prefix(self._router, prompt_token_ids, now, start)
+        else:
+            best_index = self._lowest(start)
         chosen = self._local[best_index]
         self._local[best_index] = chosen._replace(waiting=chosen.waiting + self._client_count)
         self._inflight[best_index] += 1
         self._rescore(best_index)
-        self._start = (start + 1) % count
         return best_index
 
     def _lowest(self, start: int) -> int:
@@ -225,37 +229,42 @@ class EngineChooser:
             self._now = now
         return self._now
 
-    def _follow_report(self, loads: Sequence[EngineLoad]) -> None:
-        """A new load report: it now counts what was routed before it, or this
-        front-end's requests still in flight there if they are more (vLLM's score): an
-        engine reports between its steps and the coordinator publishes every 100 ms, so
-        a table often predates what was just sent to some engine, which would otherwise
-        look idle and draw every request."""
-        table = tuple(loads)
-        if table == self._table:
-            return
+    def _follow_report(self, table: tuple[EngineLoad, ...]) -> None:
+        """A new load table: vLLM's score of every engine afresh, and with the prefix
+        policy each rank's queued work in tokens. The table now counts what was routed
+        before it, or this front-end's requests still in flight there if they are more
+        (vLLM's score): an engine reports between its steps and the coordinator publishes
+        every 100 ms, so a table often predates what was just sent to some engine, which
+        would otherwise look idle and draw every request."""
         self._table = table
-        if self._mean_uncached is not None:
-            self._unit = max(1.0, self._mean_uncached)
-        unit, clients = self._unit, self._client_count
-        self._queued = [
-            unit * vllm_score(load.waiting, load.running, load.kv_cache_usage, inflight, clients)
+        self._local = list(table)
+        clients = self._client_count
+        self._scores = [
+            vllm_score(load.waiting, load.running, load.kv_cache_usage, inflight, clients)
             for load, inflight in zip(table, self._inflight, strict=True)
         ]
+        self._finite = all(map(isfinite, self._scores))
+        if self._router is None:
+            return
+        if self._mean_uncached is not None:
+            self._unit = max(1.0, self._mean_uncached)
+        unit = self._unit
+        self._queued = [unit * score for score in self._scores]
         self._pending = [0.0] * len(table)
 
     def _choose_prefix(
         self,
         router: PrefixRouter,
-        loads: Sequence[EngineLoad],
         prompt_token_ids: Sequence[int] | None,
         now: float | None,
+        start: int,
     ) -> int:
-        self._follow_report(loads)
         tokens: Sequence[int] = prompt_token_ids if prompt_token_ids is not None else ()
-        decision = router.route(tokens, self._queued, self._clock(now))
+        # vLLM's choice, scanned only if nothing of the prompt is cached anywhere
+        decision = router.route(
+            tokens, self._queued, self._clock(now), unshared_choice=partial(self._lowest, start)
+        )
         self._charge(decision.rank, len(tokens) - decision.cached_tokens, bool(tokens))
-        self._inflight[decision.rank] += 1
         return decision.rank
 
     def _charge(self, rank: int, uncached: int, has_prompt: bool) -> None:
@@ -286,6 +295,7 @@ class EngineChooser:
         decision = router.route(prompt_token_ids, self._queued, self._clock(now), engine_index)
         self._charge(engine_index, len(prompt_token_ids) - decision.cached_tokens, True)
         self._inflight[engine_index] += 1
+        self._rescore(engine_index)
         return True
 
     def receive_kv_events(
@@ -307,5 +317,4 @@ class EngineChooser:
                 self._pending[engine_index] -= share
                 self._queued[engine_index] -= share
             self._inflight[engine_index] -= 1
-            if self._router is None:
-                self._rescore(engine_index)
+            self._rescore(engine_index)

@@ -25,7 +25,9 @@ to ``run_fleet``, or use :func:`run_policy`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "POLICIES",
     "ChooserPolicy",
+    "FrontEnds",
     "Policy",
     "RoundRobin",
     "make_policy",
@@ -106,24 +109,31 @@ class ChooserPolicy(Policy):
         block_size: int = DEFAULT_BLOCK_SIZE,
         exact: bool = False,
         prefix: PrefixRouting | None = None,
+        client_index: int = 0,
+        client_count: int = 1,
     ) -> None:
         self.block_size = block_size
         self.exact = exact
         self.wants_kv_events = exact
         if routing == "prefix":
-            base = prefix if prefix is not None else PrefixRouting()
-            prefix = PrefixRouting(
+            # the caller's settings whole (reuse weight, rendezvous slack, guard, ages),
+            # but the model's block size and cache, and the feed this policy is for
+            prefix = dataclasses.replace(
+                prefix if prefix is not None else PrefixRouting(),
                 block_size=block_size,
                 capacity_blocks=capacity_blocks,
-                max_age=base.max_age,
-                imbalance_abs=base.imbalance_abs,
-                imbalance_rel=base.imbalance_rel,
                 feed="exact" if exact else "approximate",
             )
             self.name = "ours exact" if exact else "ours approximate"
         else:
             self.name = "vLLM 0.33.0 score"
-        self.chooser = EngineChooser(ranks, routing=routing, prefix_routing=prefix)
+        self.chooser = EngineChooser(
+            ranks,
+            client_index=client_index,
+            client_count=client_count,
+            routing=routing,
+            prefix_routing=prefix,
+        )
         self._loads: list[EngineLoad] = []
         self._finished_seen = [0] * ranks
         self._seq = [0] * ranks
@@ -153,6 +163,57 @@ class ChooserPolicy(Policy):
         return self.chooser.choose(self._loads, tokens, now=request.arrival_s)
 
 
+class FrontEnds(Policy):
+    """Several front-ends (vLLM's ``--api-server-count``), each an :class:`EngineChooser`
+    with its own index (``client_index`` of ``client_count``), all fed the same loads and
+    (exact feed) every rank's KV events; each request goes to one front-end drawn at
+    random (seeded), as the kernel spreads connections over API servers sharing a port,
+    and each front-end hears only of its own requests finishing."""
+
+    def __init__(self, front_ends: list[ChooserPolicy], seed: int = 0) -> None:
+        if not front_ends:
+            raise ValueError("need at least one front-end")
+        self.front_ends = front_ends
+        self.wants_kv_events = front_ends[0].exact
+        self.name = f"{front_ends[0].name} x{len(front_ends)}"
+        self._rng = random.Random(seed)
+        self._outstanding: list[dict[int, int]] = [{} for _ in front_ends]
+        """Per front-end: id of a request it routed -> its rank, until it finishes."""
+        self._seq: list[int] = []
+
+    def report(self, now: float, fleet: list[RankModel]) -> None:
+        queued = [{id(job.request) for job in rank.queue} for rank in fleet]
+        for front, outstanding in zip(self.front_ends, self._outstanding, strict=True):
+            for key, where in list(outstanding.items()):
+                if key not in queued[where]:
+                    del outstanding[key]
+                    front.chooser.finished(where)
+        lead = self.front_ends[0]
+        if lead.exact:
+            if not self._seq:
+                self._seq = [0] * len(fleet)
+            for index, rank in enumerate(fleet):
+                changes = rank.cache.changes
+                if changes:
+                    payload = lead._events.encode(now, index, changes)
+                    changes.clear()
+                    for front in self.front_ends:
+                        front.chooser.receive_kv_events(index, self._seq[index], payload, now=now)
+                    self._seq[index] += 1
+        loads = model_loads(fleet, lead.block_size)
+        for front in self.front_ends:
+            front._loads = loads
+
+    def __call__(self, request: Request, fleet: list[RankModel]) -> int:
+        number = self._rng.randrange(len(self.front_ends))
+        front = self.front_ends[number]
+        if front.exact:
+            self.front_ends[0]._events.remember(request.token_ids)
+        rank = front.chooser.choose(front._loads, request.token_ids, now=request.arrival_s)
+        self._outstanding[number][id(request)] = rank
+        return rank
+
+
 POLICIES = ("round-robin", "vllm", "approximate", "exact")
 """The policies :func:`make_policy` builds, in the order the benchmark shows them."""
 
@@ -163,21 +224,29 @@ def make_policy(
     capacity_blocks: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     prefix: PrefixRouting | None = None,
+    front_ends: int = 1,
+    seed: int = 0,
 ) -> Policy:
-    """One of :data:`POLICIES`, fresh (policies keep state: one per run)."""
+    """One of :data:`POLICIES`, fresh (policies keep state: one per run). With
+    ``front_ends`` > 1 (not round-robin), that many :class:`FrontEnds` share the
+    requests (drawn with ``seed``)."""
     if name == "round-robin":
         return RoundRobin()
-    if name == "vllm":
-        return ChooserPolicy(ranks, "vllm", capacity_blocks=capacity_blocks, block_size=block_size)
-    if name in ("approximate", "exact"):
-        return ChooserPolicy(
-            ranks,
-            "prefix",
-            capacity_blocks=capacity_blocks,
-            block_size=block_size,
-            exact=name == "exact",
-            prefix=prefix,
-        )
+    if name in ("vllm", "approximate", "exact"):
+        fronts = [
+            ChooserPolicy(
+                ranks,
+                "vllm" if name == "vllm" else "prefix",
+                capacity_blocks=capacity_blocks,
+                block_size=block_size,
+                exact=name == "exact",
+                prefix=prefix if name != "vllm" else None,
+                client_index=index,
+                client_count=front_ends,
+            )
+            for index in range(front_ends)
+        ]
+        return fronts[0] if front_ends == 1 else FrontEnds(fronts, seed)
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}")
 
 
