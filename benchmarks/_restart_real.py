@@ -10,10 +10,11 @@ weights) and keeps three closed-loop request streams going: each sends a request
 first failure. The engines pause and wake again all the time, so waves start through the
 coordinator. Then it kills the coordinator with SIGKILL, ``--kills`` times:
 
-- ``supervised``: ``TRIO_DPCOORD_VLLM=1 TRIO_DPCOORD_VLLM_SUPERVISED=1``; what is killed is
+- ``supervised``: ``TRIO_DPCOORD_VLLM=1`` (supervised is the default); what is killed is
   the worker that coordinates (the process vLLM started supervises it and starts another
   on the same addresses);
-- ``unsupervised``: ``TRIO_DPCOORD_VLLM=1``; the coordinator process vLLM started;
+- ``unsupervised``: ``TRIO_DPCOORD_VLLM=1 TRIO_DPCOORD_VLLM_SUPERVISED=0``; the coordinator
+  process vLLM started;
 - ``vllm``: vLLM's own coordinator process.
 
 Each kill waits until requests flowed again after the one before (requests sent after it
@@ -308,7 +309,7 @@ async def drive(server: VllmServer, variant: str, kills: int, seed: int) -> Vari
 
 
 def serve(variant: str, model: Path, work_dir: Path, api_servers: int) -> VllmServer:
-    env = {"TRIO_DPCOORD_VLLM_SUPERVISED": "1"} if variant == "supervised" else {}
+    env = {"TRIO_DPCOORD_VLLM_SUPERVISED": "0"} if variant == "unsupervised" else {}
     return VllmServer(
         model,
         work_dir=work_dir,

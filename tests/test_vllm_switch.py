@@ -36,7 +36,7 @@ from trio_dpcoord import Frontend, open_frontend, protocol
 from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import EnginePeer, connect_engines, read_lines
 from trio_dpcoord.trio_zmq import AsyncSocket, open_context, open_socket
-from trio_dpcoord.vllm import ENABLE_VARIABLE, verified_vllm_version
+from trio_dpcoord.vllm import ENABLE_VARIABLE, SUPERVISE_VARIABLE, verified_vllm_version
 
 pytestmark = pytest.mark.vllm
 
@@ -233,13 +233,20 @@ def launch_config(is_moe: bool = True) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("is_moe", "start_method"), [(True, "fork"), (False, "spawn")], ids=["moe-fork", "dense-spawn"]
+    ("is_moe", "start_method", "supervised"),
+    [(True, "fork", True), (False, "spawn", False)],
+    ids=["moe-fork-supervised", "dense-spawn-unsupervised"],
 )
 async def test_switched_on_vllm_launches_our_coordinator_and_shuts_it_down(
-    launch_root: Path, is_moe: bool, start_method: str
+    launch_root: Path, is_moe: bool, start_method: str, supervised: bool
 ) -> None:
+    """Supervised is the default (the process vLLM starts runs the coordinator as a
+    worker, docs/protocol.md §16); ``TRIO_DPCOORD_VLLM_SUPERVISED=0`` runs it in that
+    process. vLLM sees the same coordinator either way."""
     config = launch_config(is_moe)
     env = {ENABLE_VARIABLE: "1", "VLLM_WORKER_MULTIPROC_METHOD": start_method}
+    if not supervised:
+        env[SUPERVISE_VARIABLE] = "0"
     with trio.fail_after(TIMEOUT):
         async with run_switch(launch_root, "launch", config, env) as runner:
             assert (await runner.next_event("plugins"))["target"] == OURS
@@ -266,8 +273,9 @@ async def test_switched_on_vllm_launches_our_coordinator_and_shuts_it_down(
                     assert frontend.snapshot().current_wave == 0
                     assert not frontend.snapshot().engines_running
             await runner.logged(
-                "trio_dpcoord DP coordinator serving 2 engines (wave coordination "
-                + ("on)" if is_moe else "off)")
+                "trio_dpcoord DP coordinator serving 2 engines"
+                + (", supervised" if supervised else "")
+                + (" (wave coordination on)" if is_moe else " (wave coordination off)")
             )
             await runner.command("shutdown")
             assert (await runner.next_event("shutdown"))["exitcode"] == 0

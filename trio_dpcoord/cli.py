@@ -277,6 +277,13 @@ def _add_process_arguments(serve: argparse.ArgumentParser) -> None:
         default="INFO",
         help="logging threshold for messages on stderr (default: %(default)s)",
     )
+    serve.add_argument(
+        "--log-format",
+        choices=("plain", "vllm"),
+        default="plain",
+        help="the layout of log lines: plain (time, level, logger) or vllm (vLLM's own "
+        "layout, as the coordinator worker that vLLM's plugin supervises writes them)",
+    )
 
 
 def _emit(record: dict[str, object]) -> None:
@@ -463,6 +470,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "log_format", "plain") == "vllm":
+        from .vllm import _VllmLogFormatter  # stdlib only: no vLLM is imported
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(_VllmLogFormatter())
     # ipc:// socket files (and anything else created) are for this user only
     os.umask(0o077)
     if args.supervised:

@@ -65,11 +65,19 @@ class CoordinatorProcess:
     engine_output: str
 
     def usage(self) -> CoordinatorUsage:
-        """Its CPU seconds (user + system) and resident memory, now."""
+        """Its CPU seconds (user + system) and resident memory, now, with its children's:
+        supervised (ours by default), the coordinator is the worker it started."""
         process = psutil.Process(self.pid)
-        with process.oneshot():
-            times = process.cpu_times()
-            return CoordinatorUsage(times.user + times.system, process.memory_info().rss)
+        cpu_seconds, rss = 0.0, 0
+        for member in (process, *process.children(recursive=True)):
+            try:
+                with member.oneshot():
+                    times = member.cpu_times()
+                    cpu_seconds += times.user + times.system
+                    rss += member.memory_info().rss
+            except psutil.NoSuchProcess:  # a worker that ended meanwhile
+                continue
+        return CoordinatorUsage(cpu_seconds, rss)
 
 
 @dataclass(frozen=True)

