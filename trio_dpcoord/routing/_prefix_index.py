@@ -95,18 +95,29 @@ class ChunkedKeys(Sequence[int]):
     """A prompt's keys in lists of :data:`CHUNK_BLOCKS` (the last may be shorter), as
     :class:`ChunkKeys` gives them: the cached chunks are its own lists, not copied, so
     a prompt's keys cost one reference a chunk rather than one a key (each a write to
-    the key's int object, out of the CPU's caches at 256 ranks)."""
+    the key's int object, out of the CPU's caches at 256 ranks).
 
-    __slots__ = ("_length", "chunks")
+    From :meth:`ChunkKeys.lookup` they may be *incomplete*: only the leading chunks the
+    cache knew (``known`` blocks) are computed, the rest when first needed (an index or a
+    slice past them, iteration, :meth:`complete`), so that a decision hashes no more of a
+    prompt than its walk reads (:meth:`probe` keys the one block after the known chunks);
+    the cache learns the prompt's new chunks when they are completed."""
+
+    __slots__ = ("_length", "_rest", "chunks", "known")
 
     def __init__(self, chunks: list[list[int]], length: int) -> None:
         self.chunks = chunks
         self._length = length
+        self.known = length
+        """Leading blocks whose keys are in ``chunks`` (all of them once complete)."""
+        self._rest: _Rest | None = None
 
     def __len__(self) -> int:
         return self._length
 
     def __iter__(self) -> Iterator[int]:
+        if self._rest is not None:
+            self.complete()
         return chain.from_iterable(self.chunks)
 
     @overload
@@ -116,6 +127,8 @@ class ChunkedKeys(Sequence[int]):
     def __getitem__(self, index: slice) -> list[int]: ...
 
     def __getitem__(self, index: int | slice) -> int | list[int]:
+        if self._rest is not None:
+            self.complete()
         if isinstance(index, slice):
             start, stop, step = index.indices(self._length)
             if step != 1 or stop <= start:
@@ -128,11 +141,66 @@ class ChunkedKeys(Sequence[int]):
             index += self._length
         return self.chunks[index // CHUNK_BLOCKS][index % CHUNK_BLOCKS]
 
+    def probe(self) -> int:
+        """The key of block ``known`` (the first past the known chunks; it must exist),
+        computed alone: one block's hash, not the rest of the prompt's."""
+        rest = self._rest
+        if rest is None:
+            return self[self.known]
+        if rest.probe is None:
+            size = rest.cache.block_size
+            at = rest.start
+            salt = _salts(self.known + 1)[self.known]
+            rest.probe = rest.parent ^ hash((*rest.tokens[at : at + size], salt))
+        return rest.probe
+
+    def complete(self) -> ChunkedKeys:
+        """Compute the keys past the known chunks (the cache learns the prompt's new
+        chunks then, as :meth:`ChunkKeys.__call__` does); a no-op once complete."""
+        rest = self._rest
+        if rest is None:
+            return self
+        self._rest = None
+        cache = rest.cache
+        tokens, start, parent = rest.tokens, rest.start, rest.parent
+        size = cache.block_size
+        computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
+        out = self.chunks
+        known_chunks = len(out)
+        out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
+        self.known = self._length
+        cache._learn(tokens, out, known_chunks, rest.token_hash, parent)
+        return self
+
+
+class _Rest:
+    """What an incomplete :class:`ChunkedKeys` needs to compute the rest of its keys: the
+    prompt's tokens, the first token past the known chunks, the last known key, the
+    first unknown chunk's token hash (None if it was not taken) and the cache."""
+
+    __slots__ = ("cache", "parent", "probe", "start", "token_hash", "tokens")
+
+    def __init__(
+        self,
+        cache: ChunkKeys,
+        tokens: Sequence[int],
+        start: int,
+        parent: int,
+        token_hash: int | None,
+    ) -> None:
+        self.cache = cache
+        self.tokens = tokens
+        self.start = start
+        self.parent = parent
+        self.token_hash = token_hash
+        self.probe: int | None = None
+
 
 class ChunkKeys:
     """:func:`block_keys` from ``ROOT_KEY``, with the keys of prompts' leading chunks of
-    :data:`CHUNK_BLOCKS` blocks remembered (at most ``max_chunks`` of them, oldest out
-    first).
+    :data:`CHUNK_BLOCKS` blocks remembered (at most ``max_chunks`` of them, the least
+    recently used out first: a conversation's or a document's chunks stay while the new
+    chunks of prompts that never come back pass through).
 
     Hashing every block is the costliest step of a decision in pure Python (a 17-item
     tuple per block, about 10 ns a token) and prompts repeat their leading tokens (a
@@ -158,31 +226,57 @@ class ChunkKeys:
 
     def __call__(self, token_ids: Sequence[int]) -> ChunkedKeys:
         """``block_keys(token_ids, block_size)``, in chunks."""
-        span, size = self._span, self.block_size
+        return self.lookup(token_ids).complete()
+
+    def lookup(self, token_ids: Sequence[int]) -> ChunkedKeys:
+        """The keys of ``token_ids``' leading chunks that the cache knows, the rest to be
+        computed on demand (see :class:`ChunkedKeys`)."""
+        span = self._span
         total = len(token_ids)
         chunks = self._chunks
         out: list[list[int]] = []
         parent = ROOT_KEY
         start = 0
-        token_hash = 0
+        token_hash: int | None = None
         full = total - total % span
         while start < full:
             token_hash = hash(tuple(token_ids[start : start + span]))
-            known = chunks.get((parent, token_hash))
+            key = (parent, token_hash)
+            known = chunks.pop(key, None)
             if known is None:
                 break
+            chunks[key] = known  # most recently used: out last
             out.append(known)
             parent = known[-1]
             start += span
-        rest = block_keys(token_ids[start:] if start else token_ids, size, parent, start // size)
-        out.extend(rest[at : at + CHUNK_BLOCKS] for at in range(0, len(rest), CHUNK_BLOCKS))
-        # Remember the new full chunks (the first one's tokens are hashed already): all of
-        # them if the prompt's first chunk was known (a conversation or a document coming
-        # back), else only the first (a prompt of its own may never come back: it costs
-        # one tuple hash, not one a chunk; if it does come back, the rest is learnt then).
+            token_hash = None
+        keys = ChunkedKeys(out, total // self.block_size)
+        if start < total:
+            keys.known = start // self.block_size
+            keys._rest = _Rest(self, token_ids, start, parent, token_hash)
+        return keys
+
+    def _learn(
+        self,
+        token_ids: Sequence[int],
+        out: list[list[int]],
+        known_chunks: int,
+        token_hash: int | None,
+        parent: int,
+    ) -> None:
+        """Remember the new full chunks of a prompt whose first ``known_chunks`` were
+        known (``token_hash``: the first new chunk's, if taken; ``parent``: the last known
+        key): all of them if its first chunk was known (a conversation or a document
+        coming back), else only the first (a prompt of its own may never come back: it
+        costs one tuple hash, not one a chunk; if it does come back, the rest is learnt
+        then)."""
+        span = self._span
+        chunks = self._chunks
+        start = known_chunks * span
+        full = len(token_ids) - len(token_ids) % span
         learn = full if start else min(full, span)
-        for number, at in enumerate(range(start, learn, span), start=start // span):
-            if at > start:
+        for number, at in enumerate(range(start, learn, span), start=known_chunks):
+            if at > start or token_hash is None:
                 token_hash = hash(tuple(token_ids[at : at + span]))
             chunks[parent, token_hash] = out[number]
             parent = out[number][-1]
@@ -190,7 +284,6 @@ class ChunkKeys:
         if excess > 0:
             for old in list(islice(chunks, excess)):
                 del chunks[old]
-        return ChunkedKeys(out, total // size)
 
 
 PIECE_BLOCKS = 64

@@ -202,7 +202,11 @@ class PrefixRouter:
         """Block key -> bit mask of the ranks believed to hold it."""
         self._all = 0
         self._byte_ranks: list[list[tuple[int, ...]]] = []
-        self.indexes: list[RankPrefixIndex] = []
+        self._indexes: list[RankPrefixIndex] = []
+        self._pending: tuple[int, Sequence[int], int, float] | None = None
+        """The routed prompt :meth:`settle` stores: (rank, keys, blocks held, now)."""
+        self.defer_store = False
+        """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next)."""
         self._exact: list[_ExactRank] = []
         self._keys = ChunkKeys(self.block_size, 0)
         self._closed = self.feed == "approximate"
@@ -223,17 +227,18 @@ class PrefixRouter:
         """Elastic EP: follow a new rank count (ranks beyond it are forgotten)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
-        for index in self.indexes[ranks:]:
+        self.settle()
+        for index in self._indexes[ranks:]:
             index.clear()
-        del self.indexes[ranks:], self._exact[ranks:]
+        del self._indexes[ranks:], self._exact[ranks:]
         routing = self.routing
-        for rank in range(len(self.indexes), ranks):
+        for rank in range(len(self._indexes), ranks):
             index = RankPrefixIndex(
                 routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
             )
             if self._closed:
                 index._chain_mode()  # every store a prompt's chain: the order in pieces
-            self.indexes.append(index)
+            self._indexes.append(index)
             self._exact.append(_ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
@@ -245,6 +250,12 @@ class PrefixRouter:
             for offset in range(width)
         ]
         self._rotation = getattr(self, "_rotation", 0) % ranks
+
+    @property
+    def indexes(self) -> list[RankPrefixIndex]:
+        """The ranks' indexes (see the class docstring), the last routed prompt stored."""
+        self.settle()
+        return self._indexes
 
     @property
     def stored_blocks(self) -> int:
@@ -279,17 +290,21 @@ class PrefixRouter:
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
             raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
-        keys: Sequence[int] = self._keys(token_ids)
-        if not self._closed:
-            keys = list(keys)  # the plain indexes and the walk block by block take a list
+        if self._pending is not None:
+            self.settle()
+        # Closed indexes: the rest of the keys as the walk needs them; else a list (the
+        # plain indexes and the walk block by block take one).
+        keys: Sequence[int] = (
+            self._keys.lookup(token_ids) if self._closed else list(self._keys(token_ids))
+        )
         if now >= self._next_sweep:
-            for index in self.indexes:
+            for index in self._indexes:
                 index.expire(now)
             self._next_sweep = now + self.routing.max_age / 8
         if self.feed == "exact" and self.routing.provisional_age and now >= self._next_belief_sweep:
             # Every rank's due beliefs end, not only the chosen rank's: a rank no
             # request went to since must not keep a belief no event confirmed.
-            for index in self.indexes:
+            for index in self._indexes:
                 index.expire_provisional(now)
             self._next_belief_sweep = now + self.routing.provisional_age / 8
         groups = self._walk(keys)
@@ -302,16 +317,39 @@ class PrefixRouter:
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
             if self.feed == "approximate":
-                index = self.indexes[decision.rank]
-                if index._held is not None:  # chain mode: the held prefix is the walk's
-                    index._store_chain(keys, decision.cached_tokens // self.block_size, now)
-                else:
-                    index.store(keys, now)
+                # learnt now, or by :meth:`settle` (``defer_store``): before anything reads
+                # or changes the indexes again
+                held = decision.cached_tokens // self.block_size
+                self._pending = (decision.rank, keys, held, now)
+                if not self.defer_store:
+                    self.settle()
             elif self.routing.provisional_age > 0:
                 # the exact feed's belief in a prompt just routed, until events are due
                 until = now + min(self.routing.provisional_age, self.routing.max_age)
-                self.indexes[decision.rank].store_provisionally(keys, now, until)
+                self._indexes[decision.rank].store_provisionally(keys, now, until)
         return decision
+
+    def settle(self) -> None:
+        """Learn the last routed prompt on its rank (approximate feed), if not yet done.
+
+        With :attr:`defer_store` set, :meth:`route` returns its choice before storing the
+        prompt (the store, and hashing the prompt's blocks past what the walk read, are
+        most of a decision's work): call this once the request is on its way, off the
+        decision's latency. It is done anyway before anything reads or changes the
+        indexes (the next decision, KV events, :attr:`indexes`, the views), so the
+        choices and the indexes are the same either way."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        rank, keys, held, now = pending
+        if isinstance(keys, ChunkedKeys):
+            keys.complete()
+        index = self._indexes[rank]
+        if index._held is not None:  # chain mode: the held prefix is the walk's
+            index._store_chain(keys, held, now)
+        else:
+            index.store(keys, now)
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """The ranks holding a prefix of ``keys``, as (leading blocks held, bit mask of
@@ -326,21 +364,52 @@ class PrefixRouter:
         along the prompt, and a stretch whose two ends have the same holders has them
         throughout. Bisecting the stretches whose ends differ finds every depth where
         ranks drop out in about (depths where some do) x log2(blocks) lookups instead of
-        one a block: 2 for a prompt held whole by the same ranks."""
+        one a block: 2 for a prompt held whole by the same ranks.
+
+        Keys from :meth:`ChunkKeys.lookup` may be known only for the prompt's leading
+        chunks: if no rank holding the last known block holds the next one (its key
+        alone, :meth:`ChunkedKeys.probe`), the walk ends there and the rest of the prompt
+        is not hashed (a follow-up turn: its new chunk; no reuse: all but one block);
+        otherwise the keys are completed first."""
         count = len(keys)
         if not count:
             return []
+        owners = self._owners.get
+        everyone = self._all
         # keys[k] is chunks[k // span][k % span], without a Python-level call per key
         chunks: Sequence[Sequence[int]] = [keys]
         span = count
         if isinstance(keys, ChunkedKeys):
             chunks, span = keys.chunks, CHUNK_BLOCKS
-        owners = self._owners.get
-        everyone = self._all
-        first = owners(keys[0], 0) & everyone
+            known = keys.known
+            if known < count:
+                if not known:
+                    if not owners(keys.probe(), 0) & everyone:
+                        return []
+                    keys.complete()
+                else:
+                    first = owners(chunks[0][0], 0) & everyone
+                    if not first:
+                        return []
+                    end = known - 1
+                    last = owners(chunks[end // span][end % span], 0) & first
+                    if not last or not owners(keys.probe(), 0) & last:
+                        return self._bisect_range(chunks, span, known, first, last)
+                    keys.complete()
+        first = owners(chunks[0][0], 0) & everyone
         if not first:
             return []
-        last = owners(keys[-1], 0) & first
+        end = count - 1
+        last = owners(chunks[end // span][end % span], 0) & first
+        return self._bisect_range(chunks, span, count, first, last)
+
+    def _bisect_range(
+        self, chunks: Sequence[Sequence[int]], span: int, count: int, first: int, last: int
+    ) -> list[tuple[int, int]]:
+        """:meth:`_bisect` of the first ``count`` keys (``chunks`` of ``span``), the
+        holders of the first (``first``) and of the last (``last``) given; none of the
+        ranks holding the last one holds the key after it."""
+        owners = self._owners.get
         groups: list[tuple[int, int]] = []
         # Stretches (low, high, holders at low, holders at high), leftmost on top.
         stack = [(0, count - 1, first, last)]
@@ -394,7 +463,7 @@ class PrefixRouter:
         rest = keys[held:]
         masks: dict[int, int] = {}
         for rank in self._members(ranks):
-            index = self.indexes[rank]
+            index = self._indexes[rank]
             contains = (index._seen if index._held is None else index._held).__contains__
             depth = held + len(list(takewhile(contains, rest)))
             masks[depth] = masks.get(depth, 0) | 1 << rank
@@ -526,8 +595,9 @@ class PrefixRouter:
             self.counters.rejected_event_batches += 1
             logger.warning("KV event batch from rank %d rejected: %s", rank, exc)
             return False
+        self.settle()
         state = self._exact[rank]
-        index = self.indexes[rank]
+        index = self._indexes[rank]
         if state.last_seq is not None and seq != state.last_seq + 1:
             self.counters.event_gaps += 1
             logger.warning(
@@ -539,7 +609,7 @@ class PrefixRouter:
         self.counters.event_batches += 1
         if self._closed:  # chains continued from a parent, evictions in any order
             self._closed = False
-            for each in self.indexes:
+            for each in self._indexes:
                 each._materialize()
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -573,6 +643,7 @@ class PrefixRouter:
     def block_owners(self) -> dict[int, int]:
         """Block key -> bit mask of the ranks believed to hold it (bit ``r``: rank ``r``),
         every rank's index together. A copy."""
+        self.settle()
         return dict(self._owners)
 
     def prefix_groups(self, keys: Sequence[int]) -> list[tuple[int, int]]:
@@ -580,4 +651,5 @@ class PrefixRouter:
         ``(leading blocks held, bit mask of the ranks holding exactly that many)`` per
         depth, deepest last, ranks holding none omitted. What one decision weighs; it
         changes nothing (not even the indexes' recency or ages)."""
+        self.settle()
         return self._walk(keys)
