@@ -368,6 +368,24 @@ def test_the_bisecting_walk_is_the_block_walk(
             assert keyed <= len(keys)
 
 
+def test_the_walk_keys_a_prompt_only_as_far_as_ranks_hold_it() -> None:
+    """A decision keys the chunks its cache knows, then a chunk more while some rank
+    holds the block past them: here a document learnt whole on rank 1 (the cache knows
+    its first chunk only), read again up to various cuts; the walk is every rank's own
+    prefix count and stops keying at the chunk where rank 1 stops holding."""
+    router = PrefixRouter(3, PrefixRouting(block_size=1, capacity_blocks=1000))
+    document = list(range(5 * CHUNK_BLOCKS + 3))
+    router.route(document, [0.0] * 3, 0.0, pinned_rank=1)
+    for cut in (0, 1, CHUNK_BLOCKS - 1, CHUNK_BLOCKS, 2 * CHUNK_BLOCKS + 5, len(document)):
+        prompt = document[:cut] + [10**6] * 40
+        groups, keyed = prefix_walk_of_prompt(router, prompt)
+        assert groups == reference_walk(router, block_keys(prompt, 1))
+        assert groups == ([(cut, 0b10)] if cut else [])
+        # (no rank holds the first block of a prompt of no known chunk: none keyed but it)
+        chunks_to_cut = -(-cut // CHUNK_BLOCKS)  # the chunks holding the cut's blocks
+        assert keyed == (min(len(prompt), max(1, chunks_to_cut) * CHUNK_BLOCKS) if cut else 0)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     block=st.sampled_from([1, 2, 3]),

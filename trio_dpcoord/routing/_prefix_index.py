@@ -154,6 +154,26 @@ class ChunkedKeys(Sequence[int]):
             rest.probe = rest.parent ^ hash((*rest.tokens[at : at + size], salt))
         return rest.probe
 
+    def extend(self) -> None:
+        """Compute the keys of the next chunk past the known ones (``known`` grows by up
+        to :data:`CHUNK_BLOCKS`), the rest still on demand."""
+        rest = self._rest
+        if rest is None:
+            return
+        size = rest.cache.block_size
+        start, stop = rest.start, rest.start + CHUNK_BLOCKS * size
+        chunk = block_keys(rest.tokens[start:stop], size, rest.parent, self.known)
+        if not chunk:
+            self.complete()
+            return
+        self.chunks.append(chunk)
+        self.known += len(chunk)
+        rest.start = start + len(chunk) * size
+        rest.parent = chunk[-1]
+        rest.probe = None
+        if self.known == self._length:
+            self.complete()
+
     def complete(self) -> ChunkedKeys:
         """Compute the keys past the known chunks (the cache learns the prompt's new
         chunks then, as :meth:`ChunkKeys.__call__` does); a no-op once complete."""
@@ -166,19 +186,28 @@ class ChunkedKeys(Sequence[int]):
         size = cache.block_size
         computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
         out = self.chunks
-        known_chunks = len(out)
         out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
         self.known = self._length
-        cache._learn(tokens, out, known_chunks, rest.token_hash, parent)
+        cache._learn(tokens, out, rest.cached, rest.token_hash, rest.cached_parent)
         return self
 
 
 class _Rest:
     """What an incomplete :class:`ChunkedKeys` needs to compute the rest of its keys: the
-    prompt's tokens, the first token past the known chunks, the last known key, the
-    first unknown chunk's token hash (None if it was not taken) and the cache."""
+    prompt's tokens, the first token past the known keys and the last known key; for
+    the cache to learn the new chunks, how many chunks it knew (``cached``), the last
+    key of those and the first unknown chunk's token hash (None if it was not taken)."""
 
-    __slots__ = ("cache", "parent", "probe", "start", "token_hash", "tokens")
+    __slots__ = (
+        "cache",
+        "cached",
+        "cached_parent",
+        "parent",
+        "probe",
+        "start",
+        "token_hash",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -192,6 +221,8 @@ class _Rest:
         self.tokens = tokens
         self.start = start
         self.parent = parent
+        self.cached = start // (CHUNK_BLOCKS * cache.block_size)
+        self.cached_parent = parent
         self.token_hash = token_hash
         self.probe: int | None = None
 
@@ -219,7 +250,8 @@ class ChunkKeys:
         self.block_size = block_size
         self.max_chunks = max(1, max_chunks)
         self._span = CHUNK_BLOCKS * block_size
-        self._chunks: dict[tuple[int, int], list[int]] = {}
+        self._chunks: dict[int, list[int]] = {}
+        """hash((parent key, hash of the chunk's tokens as a tuple)) -> the chunk's keys."""
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -238,10 +270,12 @@ class ChunkKeys:
         parent = ROOT_KEY
         start = 0
         token_hash: int | None = None
-        full = total - total % span
-        while start < full:
-            token_hash = hash(tuple(token_ids[start : start + span]))
-            key = (parent, token_hash)
+        # Each full chunk's tokens hashed as one tuple, zip building it from the tokens
+        # (no slice copied per chunk), one chunk at a time: none past the first miss.
+        # A chunk is looked up by one int for its parent and tokens (a tuple key would
+        # cost a cache miss more per chunk in a large cache).
+        for token_hash in map(hash, zip(*(iter(token_ids),) * span, strict=False)):
+            key = hash((parent, token_hash))
             known = chunks.pop(key, None)
             if known is None:
                 break
@@ -249,6 +283,7 @@ class ChunkKeys:
             out.append(known)
             parent = known[-1]
             start += span
+        else:
             token_hash = None
         keys = ChunkedKeys(out, total // self.block_size)
         if start < total:
@@ -278,7 +313,7 @@ class ChunkKeys:
         for number, at in enumerate(range(start, learn, span), start=known_chunks):
             if at > start or token_hash is None:
                 token_hash = hash(tuple(token_ids[at : at + span]))
-            chunks[parent, token_hash] = out[number]
+            chunks[hash((parent, token_hash))] = out[number]
             parent = out[number][-1]
         excess = len(chunks) - self.max_chunks
         if excess > 0:

@@ -367,10 +367,11 @@ class PrefixRouter:
         one a block: 2 for a prompt held whole by the same ranks.
 
         Keys from :meth:`ChunkKeys.lookup` may be known only for the prompt's leading
-        chunks: if no rank holding the last known block holds the next one (its key
-        alone, :meth:`ChunkedKeys.probe`), the walk ends there and the rest of the prompt
-        is not hashed (a follow-up turn: its new chunk; no reuse: all but one block);
-        otherwise the keys are completed first."""
+        chunks: while some rank holding the last known block holds the next one (its key
+        alone, :meth:`ChunkedKeys.probe`), the next chunk is keyed
+        (:meth:`ChunkedKeys.extend`); then the walk ends, and the rest of the prompt is
+        hashed only when it is stored (a follow-up turn: its new tokens past the chunk
+        where it leaves its history; no reuse: all but one block)."""
         count = len(keys)
         if not count:
             return []
@@ -380,22 +381,22 @@ class PrefixRouter:
         chunks: Sequence[Sequence[int]] = [keys]
         span = count
         if isinstance(keys, ChunkedKeys):
-            chunks, span = keys.chunks, CHUNK_BLOCKS
-            known = keys.known
-            if known < count:
-                if not known:
+            chunks, span = keys.chunks, CHUNK_BLOCKS  # (the list extend() appends to)
+            if keys.known < count:
+                if not keys.known:
                     if not owners(keys.probe(), 0) & everyone:
                         return []
-                    keys.complete()
-                else:
-                    first = owners(chunks[0][0], 0) & everyone
-                    if not first:
-                        return []
+                    keys.extend()
+                first = owners(chunks[0][0], 0) & everyone
+                if not first:
+                    return []
+                while True:  # a chunk more while ranks hold the block past the known ones
+                    known = keys.known
                     end = known - 1
                     last = owners(chunks[end // span][end % span], 0) & first
-                    if not last or not owners(keys.probe(), 0) & last:
+                    if known == count or not last or not owners(keys.probe(), 0) & last:
                         return self._bisect_range(chunks, span, known, first, last)
-                    keys.complete()
+                    keys.extend()
         first = owners(chunks[0][0], 0) & everyone
         if not first:
             return []
