@@ -355,7 +355,10 @@ def measure_decision(
     (prefix, approximate) and vLLM's score (``routing="vllm"``, same loads), the timings
     of ``passes`` passes each (``ours_us``, ``vllm_us``: a list per pass, see
     :func:`best_percentile`), and the index's memory; ``loads`` is the load table, for
-    vLLM's own choice on the same loads (:func:`vllm_choice_us`).
+    vLLM's own choice on the same loads (:func:`vllm_choice_us`). Every other decision
+    of ours is made with the router's store deferred (``PrefixRouter.defer_store``): its
+    ``choose()`` in ``deferred_us``, the ``settle()`` that follows in ``settle_us``
+    (the others store before ``choose()`` returns: ``ours_us``).
 
     Warm: see :func:`warm_decision`; each timed prompt is a follow-up turn
     (:func:`follow_up_prompts`), so the walk is deep. Each pass has prompts of its own
@@ -365,28 +368,40 @@ def measure_decision(
     ours, loads, now = warm.chooser, warm.loads, warm.now
     router = ours.router
     assert router is not None
-    timed: dict[str, list[list[float]]] = {"ours": [], "vllm": []}
+    names = ("ours", "deferred", "settle", "vllm")
+    timed: dict[str, list[list[float]]] = {name: [] for name in names}
     clock = time.perf_counter_ns
     counters = router.counters
     prompt_tokens, cached_tokens = counters.prompt_tokens, counters.cached_tokens
     for _ in range(passes):
         prompts = follow_up_prompts(warm, calls)
         base = EngineChooser(ranks)
-        timings: dict[str, list[float]] = {"ours": [], "vllm": []}
-        for prompt in prompts:
+        timings: dict[str, list[float]] = {name: [] for name in names}
+        for number, prompt in enumerate(prompts):
+            # every other decision with the store deferred, settle() timed apart
+            deferring = router.defer_store = bool(number % 2)
             t0 = clock()
             ours.choose(loads, prompt, now=now)
             t1 = clock()
-            base.choose(loads, prompt, now=now)
+            router.settle()
             t2 = clock()
-            timings["ours"].append((t1 - t0) / 1000)
-            timings["vllm"].append((t2 - t1) / 1000)
+            base.choose(loads, prompt, now=now)
+            t3 = clock()
+            if deferring:
+                timings["deferred"].append((t1 - t0) / 1000)
+                timings["settle"].append((t2 - t1) / 1000)
+            else:
+                timings["ours"].append((t1 - t0) / 1000)
+            timings["vllm"].append((t3 - t2) / 1000)
             now += 1e-4
         for name, values in timings.items():
             timed[name].append(values)
+    router.defer_store = False
     return {
         "ranks": ranks,
         "ours_us": timed["ours"],
+        "deferred_us": timed["deferred"],
+        "settle_us": timed["settle"],
         "vllm_us": timed["vllm"],
         "stored_blocks": router.stored_blocks,
         "bound_blocks": ranks * capacity_blocks,

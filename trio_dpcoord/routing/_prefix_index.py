@@ -24,7 +24,7 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import accumulate, chain, compress, islice, repeat, takewhile
-from operator import and_, is_, or_, xor
+from operator import and_, is_, itemgetter, or_, xor
 from typing import Literal, overload
 
 logger = logging.getLogger(__name__)
@@ -391,7 +391,12 @@ class RankPrefixIndex:
         evicting (a belief beyond the capacity would send requests to blocks the engine
         has already evicted)."""
         self._held: dict[int, _Piece] | None = None
-        """Chain mode (not None): key -> the piece holding it, instead of ``_seen``."""
+        """Chain mode (not None), instead of ``_seen``: each piece's first key -> the
+        piece (a store finds the held prefix's pieces by their first keys; whether a key
+        is held here is this rank's bit in ``owners``), so a stored or evicted key costs
+        no write here, only in ``owners``."""
+        self._count = 0
+        """Chain mode: the keys held (in the pieces)."""
         self._pieces: dict[_Piece, None] = {}
         """Chain mode: the pieces, least recently used first; within a piece, its keys
         deepest first (a store's order: see :meth:`store`). The plain order, in pieces."""
@@ -404,10 +409,12 @@ class RankPrefixIndex:
         many as there are provisional blocks."""
 
     def __len__(self) -> int:
-        return len(self._seen if self._held is None else self._held)
+        return len(self._seen) if self._held is None else self._count
 
     def __contains__(self, key: int) -> bool:
-        return key in (self._seen if self._held is None else self._held)
+        if self._held is None:
+            return key in self._seen
+        return bool(self._owners.get(key, 0) & self._bit)  # chain mode: the owners map
 
     def knows(self, key: int) -> bool:
         """Whether ``key`` is believed cached here or was reported and only displaced
@@ -417,8 +424,12 @@ class RankPrefixIndex:
     def last_seen(self, key: int) -> float | None:
         if self._held is None:
             return self._seen.get(key)
-        piece = self._held.get(key)
-        return None if piece is None else piece.time
+        if key not in self:
+            return None
+        for piece in self._pieces:  # chain mode: a diagnostic's search
+            if key in piece.keys:
+                return piece.time
+        return None
 
     def _oldest(self, count: int) -> list[int]:
         """The ``count`` least recently used keys (fewer if there are not as many)."""
@@ -446,7 +457,7 @@ class RankPrefixIndex:
         that repeats in ``keys`` ends where its first occurrence puts it.
         """
         if self._held is not None:
-            held = sum(1 for _ in takewhile(self._held.__contains__, keys))
+            held = sum(1 for _ in takewhile(self.__contains__, keys))
             self._store_chain(keys, held, now)
             return
         if self._displaced:
@@ -521,15 +532,17 @@ class RankPrefixIndex:
         ends = [*starts[1:], count]
         runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
         new = list(map(_Piece, runs, starts, repeat(now))) if fresh else []
-        owner = chain.from_iterable(map(repeat, new, map(len, runs)))
-        by_key.update(zip(fresh, owner, strict=True))
+        if fresh:
+            by_key.update(zip(map(itemgetter(0), runs), new, strict=True))
+        self._count += len(fresh)
         if refreshed and depth > held:  # the last piece runs past the prefix: split it
             last = refreshed[-1]
             cut = held - last.lo
             part = _Piece(last.keys[:cut], last.lo, now)
             del last.keys[:cut]
             last.lo = held
-            by_key.update(zip(part.keys, repeat(part)))
+            by_key[part.keys[0]] = part
+            by_key[last.keys[0]] = last
             refreshed[-1] = part
         pieces.update(zip(reversed(new), repeat(None)))
         for piece in reversed(refreshed):
@@ -538,7 +551,7 @@ class RankPrefixIndex:
             pieces[piece] = None
         if fresh:
             self._own_new(fresh)
-        excess = len(by_key) - self.capacity_blocks
+        excess = self._count - self.capacity_blocks
         if excess > 0:
             self._evict_pieces(excess)
 
@@ -560,8 +573,11 @@ class RankPrefixIndex:
             if len(keys) == need:
                 break
         deque(map(pieces.__delitem__, emptied), maxlen=0)
-        gone = list(map(by_key.pop, victims, repeat(None)))
-        self._disown(list(compress(victims, gone)))
+        for piece in emptied:
+            if by_key.get(piece.keys[0]) is piece:
+                del by_key[piece.keys[0]]
+        self._count -= len(victims)
+        self._disown(victims)
 
     def _materialize(self) -> None:
         """Leave chain mode: the pieces become the plain order (same keys, times, order)."""
@@ -573,6 +589,7 @@ class RankPrefixIndex:
         self._seen = seen
         self._held = None
         self._pieces = {}
+        self._count = 0
 
     def _evict_over_capacity(self) -> None:
         excess = len(self._seen) - self.capacity_blocks
@@ -651,9 +668,10 @@ class RankPrefixIndex:
 
     def clear(self) -> None:
         if self._held is not None:
-            self._disown(list(self._held))
+            self._disown(list(chain.from_iterable(piece.keys for piece in self._pieces)))
             self._held.clear()
             self._pieces.clear()
+            self._count = 0
             return
         self._forget(list(self._seen))
         self._provisional.clear()
@@ -719,14 +737,16 @@ class RankPrefixIndex:
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
-        held = self._seen if self._held is None else self._held
-        return len(list(takewhile(held.__contains__, keys)))
+        held = self._seen.__contains__ if self._held is None else self.__contains__
+        return len(list(takewhile(held, keys)))
 
     # --- read-only views (tests, diagnostics): copies, never the index's own state ---------
 
     def blocks(self) -> dict[int, float]:
         """Every block believed cached here -> when it was last seen, least recently used
         first (the order eviction takes them in). A copy."""
+        if self._held is not None:
+            return {key: piece.time for piece in self._pieces for key in reversed(piece.keys)}
         last_seen = self.last_seen
         return {key: last_seen(key) or 0.0 for key in self._oldest(len(self))}
 

@@ -465,7 +465,7 @@ class PrefixRouter:
         masks: dict[int, int] = {}
         for rank in self._members(ranks):
             index = self._indexes[rank]
-            contains = (index._seen if index._held is None else index._held).__contains__
+            contains = index._seen.__contains__ if index._held is None else index.__contains__
             depth = held + len(list(takewhile(contains, rest)))
             masks[depth] = masks.get(depth, 0) | 1 << rank
         groups.extend(sorted(masks.items()))
