@@ -188,26 +188,17 @@ class ChunkedKeys(Sequence[int]):
         out = self.chunks
         out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
         self.known = self._length
-        cache._learn(tokens, out, rest.cached, rest.token_hash, rest.cached_parent)
+        cache._learn(tokens, out, rest.cached, rest.ids)
         return self
 
 
 class _Rest:
     """What an incomplete :class:`ChunkedKeys` needs to compute the rest of its keys: the
     prompt's tokens, the first token past the known keys and the last known key; for
-    the cache to learn the new chunks, how many chunks it knew (``cached``), the last
-    key of those and the first unknown chunk's token hash (None if it was not taken)."""
+    the cache to learn the new chunks, how many chunks it knew (``cached``) and the
+    prompt's prefixes' ids as far as taken (see :class:`ChunkKeys`)."""
 
-    __slots__ = (
-        "cache",
-        "cached",
-        "cached_parent",
-        "parent",
-        "probe",
-        "start",
-        "token_hash",
-        "tokens",
-    )
+    __slots__ = ("cache", "cached", "ids", "parent", "probe", "start", "tokens")
 
     def __init__(
         self,
@@ -215,15 +206,15 @@ class _Rest:
         tokens: Sequence[int],
         start: int,
         parent: int,
-        token_hash: int | None,
+        cached: int,
+        ids: list[int],
     ) -> None:
         self.cache = cache
         self.tokens = tokens
         self.start = start
         self.parent = parent
-        self.cached = start // (CHUNK_BLOCKS * cache.block_size)
-        self.cached_parent = parent
-        self.token_hash = token_hash
+        self.cached = cached
+        self.ids = ids
         self.probe: int | None = None
 
 
@@ -235,23 +226,32 @@ class ChunkKeys:
 
     Hashing every block is the costliest step of a decision in pure Python (a 17-item
     tuple per block, about 10 ns a token) and prompts repeat their leading tokens (a
-    conversation's earlier turns, a shared document or system prompt). A chunk is looked
-    up by its parent key (the last key before it, standing for every token before it) and
-    Python's hash of its tokens as one tuple (about 3 ns a token); its keys are the same
-    list every time, so a repeated prefix costs a hash and a lookup per 256 tokens, and
-    its keys are the very int objects the indexes hold (a lookup matches them by
-    identity). A prompt's chunks from its first miss on are hashed block by block and
-    remembered (only the first, if no chunk of the prompt was known). Two chunks with
-    the same parent and tuple hash would share keys: as likely as two 64-bit hashes
-    colliding, and like a key collision it misroutes only.
+    conversation's earlier turns, a shared document or system prompt). Each chunk's
+    tokens are hashed as one tuple (about 5 ns a token) and the prefix of whole chunks
+    ending with it gets an id, the previous prefix's xor the hash of that tuple hash
+    with the chunk's position's salt (:func:`block_keys`' chaining, a chunk a link);
+    the cache maps a prefix's id to the keys of all its chunks (the list a prompt's
+    keys were learnt in, and how many of its chunks). So a repeated prefix costs a
+    tuple hash per 256 tokens and a lookup or two (its deepest known prefix, found from
+    the prompt's end), not one a chunk; its keys are the same lists every time, the very
+    int objects the indexes hold (a lookup matches them by identity). A prompt's chunks
+    past its deepest known prefix are hashed block by block when needed (see
+    :class:`ChunkedKeys`) and remembered (only the first, if no chunk of the prompt was
+    known). Two prefixes with the same id would share keys: as likely as two 64-bit
+    hashes colliding, and like a key collision it misroutes only.
+
+    A prompt's first chunk is looked up before the others are hashed: a prompt of its
+    own costs one tuple hash until its keys are needed. A lookup refreshes the first
+    prefix and the deepest one it found; the ones between can be forgotten first (a
+    prompt that needs one of them again finds the first, and learns the rest again).
     """
 
     def __init__(self, block_size: int, max_chunks: int) -> None:
         self.block_size = block_size
         self.max_chunks = max(1, max_chunks)
         self._span = CHUNK_BLOCKS * block_size
-        self._chunks: dict[int, list[int]] = {}
-        """hash((parent key, hash of the chunk's tokens as a tuple)) -> the chunk's keys."""
+        self._chunks: dict[int, tuple[list[list[int]], int]] = {}
+        """A prefix's id -> (chunk key lists, of which the prefix's are the first n; n)."""
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -266,55 +266,52 @@ class ChunkKeys:
         span = self._span
         total = len(token_ids)
         chunks = self._chunks
-        out: list[list[int]] = []
-        parent = ROOT_KEY
-        start = 0
-        token_hash: int | None = None
-        # Each full chunk's tokens hashed as one tuple, zip building it from the tokens
-        # (no slice copied per chunk), one chunk at a time: none past the first miss.
-        # A chunk is looked up by one int for its parent and tokens (a tuple key would
-        # cost a cache miss more per chunk in a large cache).
-        for token_hash in map(hash, zip(*(iter(token_ids),) * span, strict=False)):
-            key = hash((parent, token_hash))
-            known = chunks.pop(key, None)
-            if known is None:
-                break
-            chunks[key] = known  # most recently used: out last
-            out.append(known)
-            parent = known[-1]
-            start += span
-        else:
-            token_hash = None
-        keys = ChunkedKeys(out, total // self.block_size)
+        keys = ChunkedKeys([], total // self.block_size)
+        # The full chunks' tuple hashes, zip building each tuple from the tokens (no
+        # slice copied per chunk), lazily: the first alone, the others if it is known.
+        hashes = map(hash, zip(*(iter(token_ids),) * span, strict=False))
+        first = next(hashes, None)
+        ids: list[int] = []
+        found = 0
+        if first is not None:
+            salts = _salts(total // span)
+            ids.append(hash((first, salts[0])))
+            entry = chunks.pop(ids[0], None)
+            if entry is not None:
+                chunks[ids[0]] = entry  # most recently used: out last
+                # the others' ids at C level: each chunk's hash with its position's salt,
+                # chained by xor (as block keys are)
+                salted = map(hash, zip(hashes, islice(salts, 1, None), strict=False))
+                ids = list(accumulate(salted, xor, initial=ids[0]))
+                for deepest in range(len(ids) - 1, 0, -1):
+                    deeper = chunks.pop(ids[deepest], None)
+                    if deeper is not None:
+                        chunks[ids[deepest]] = entry = deeper
+                        break
+                lists, found = entry
+                keys.chunks = lists[:found]
+        start = found * span
         if start < total:
-            keys.known = start // self.block_size
-            keys._rest = _Rest(self, token_ids, start, parent, token_hash)
+            keys.known = found * CHUNK_BLOCKS
+            parent = keys.chunks[-1][-1] if found else ROOT_KEY
+            keys._rest = _Rest(self, token_ids, start, parent, found, ids)
         return keys
 
     def _learn(
-        self,
-        token_ids: Sequence[int],
-        out: list[list[int]],
-        known_chunks: int,
-        token_hash: int | None,
-        parent: int,
+        self, token_ids: Sequence[int], out: list[list[int]], cached: int, ids: list[int]
     ) -> None:
-        """Remember the new full chunks of a prompt whose first ``known_chunks`` were
-        known (``token_hash``: the first new chunk's, if taken; ``parent``: the last known
-        key): all of them if its first chunk was known (a conversation or a document
-        coming back), else only the first (a prompt of its own may never come back: it
-        costs one tuple hash, not one a chunk; if it does come back, the rest is learnt
-        then)."""
-        span = self._span
+        """Remember the new full chunks of a prompt whose first ``cached`` chunks were
+        known (``ids``: its prefixes' ids, as far as taken): all of them if its first
+        chunk was known (a conversation or a document coming back), else only the first
+        (a prompt of its own may never come back: it costs one tuple hash, not one a
+        chunk; if it does come back, the rest is learnt then)."""
         chunks = self._chunks
-        start = known_chunks * span
-        full = len(token_ids) - len(token_ids) % span
-        learn = full if start else min(full, span)
-        for number, at in enumerate(range(start, learn, span), start=known_chunks):
-            if at > start or token_hash is None:
-                token_hash = hash(tuple(token_ids[at : at + span]))
-            chunks[hash((parent, token_hash))] = out[number]
-            parent = out[number][-1]
+        whole = len(token_ids) // self._span
+        learn = whole if cached else min(whole, 1)
+        if learn > cached:
+            kept = out[:learn]  # the learnt chunks only: not the prompt's partial last one
+            for number in range(cached, learn):
+                chunks[ids[number]] = (kept, number + 1)
         excess = len(chunks) - self.max_chunks
         if excess > 0:
             for old in list(islice(chunks, excess)):
