@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks._routing import follow_up_prompts, warm_decision
+from benchmarks._routing import WarmDecision, _tokens, follow_up_prompts, warm_decision
 from trio_dpcoord.routing import ChunkKeys, PrefixRouter, RankPrefixIndex
 from trio_dpcoord.routing._prefix_index import ChunkedKeys
 
@@ -92,12 +92,25 @@ def instrument() -> tuple[dict[str, int], Callable[[], None]]:
 
 
 def profile(
-    ranks: int, calls: int, passes: int, capacity_blocks: int, use_cprofile: bool, defer: bool
+    ranks: int,
+    calls: int,
+    passes: int,
+    capacity_blocks: int,
+    use_cprofile: bool,
+    defer: bool,
+    no_reuse: bool = False,
 ) -> dict[str, Any]:
     """The parts of ``passes`` x ``calls`` decisions at ``ranks`` (see the module
     docstring); with ``defer``, the router's store deferred (``defer_store``) and
-    ``settle()`` timed apart after each choice."""
+    ``settle()`` timed apart after each choice; with ``no_reuse``, fresh random prompts
+    of 4,096 tokens instead of follow-up turns (nothing to match, all to store)."""
     warm = warm_decision(ranks, capacity_blocks)
+    make_prompts: Callable[[WarmDecision, int], list[list[int]]] = follow_up_prompts
+    if no_reuse:
+
+        def make_prompts(warm: WarmDecision, calls: int) -> list[list[int]]:
+            return [_tokens(warm.rng, 4096) for _ in range(calls)]
+
     chooser, loads = warm.chooser, warm.loads
     router = chooser.router
     assert router is not None
@@ -111,7 +124,7 @@ def profile(
     settled: list[float] = []
     parts: dict[str, list[float]] = {}
     for _ in range(passes):
-        for prompt in follow_up_prompts(warm, calls):  # plain decisions
+        for prompt in make_prompts(warm, calls):  # plain decisions
             t0 = clock()
             chooser.choose(loads, prompt, now=now)
             t1 = clock()
@@ -122,7 +135,7 @@ def profile(
             now += 1e-4
         times, restore = instrument()  # the same kind of decisions, parts timed
         try:
-            for prompt in follow_up_prompts(warm, calls):
+            for prompt in make_prompts(warm, calls):
                 times.clear()
                 chooser.choose(loads, prompt, now=now)
                 in_choice = dict(times)
@@ -136,6 +149,7 @@ def profile(
             restore()
     result: dict[str, Any] = {
         "ranks": ranks,
+        "prompts": "no reuse" if no_reuse else "follow-up",
         "deferred": deferring,
         "choose_p50_us": statistics.median(whole),
         "choose_p99_us": _percentile(whole, 99),
@@ -147,7 +161,7 @@ def profile(
         },
     }
     if use_cprofile:
-        prompts = follow_up_prompts(warm, calls)
+        prompts = make_prompts(warm, calls)
         profiler = cProfile.Profile()
         profiler.enable()
         for prompt in prompts:
@@ -173,6 +187,58 @@ def profile(
     return result
 
 
+def floor(ranks: int, calls: int, passes: int, capacity_blocks: int) -> dict[str, Any]:
+    """The least parts of a decision cost on the same warm index and prompts, p50 each
+    (the lowest of ``passes``): reading the prompt at all (a list copy: every token's
+    object touched), hashing its whole chunks as tuples (as :class:`ChunkKeys` does),
+    the same again on the now hot prompt (as a tokenizer's fresh output would be), the
+    key lookup (hashes, prefix ids, one to three lookups), lookup and walk, and the
+    pick after them (the router's own, without the chooser around it)."""
+    warm = warm_decision(ranks, capacity_blocks)
+    chooser, loads = warm.chooser, warm.loads
+    router = chooser.router
+    assert router is not None
+    now = warm.now
+    for prompt in follow_up_prompts(warm, 2 * ranks):  # every document followed up once
+        chooser.choose(loads, prompt, now=now)
+        now += 1e-4
+    span = router._keys._span
+    queued = [float(10 * (rank % 7)) for rank in range(ranks)]
+
+    def chunk_hashes(prompt: list[int]) -> None:
+        list(map(hash, zip(*(iter(prompt),) * span, strict=False)))
+
+    def lookup_walk(prompt: list[int]) -> None:
+        router._walk(router._keys.lookup(prompt))
+
+    def lookup_walk_pick(prompt: list[int]) -> None:
+        keys = router._keys.lookup(prompt)
+        router._pick(router._walk(keys), keys, len(prompt), queued)
+
+    steps: dict[str, Callable[[list[int]], Any]] = {
+        "copy the prompt (p[:])": lambda prompt: prompt[:],
+        "hash its chunks": chunk_hashes,
+        "hash its chunks, prompt hot": chunk_hashes,
+        "keys lookup": router._keys.lookup,
+        "keys lookup + walk": lookup_walk,
+        "keys lookup + walk + pick": lookup_walk_pick,
+    }
+    clock = time.perf_counter_ns
+    best: dict[str, float] = {}
+    for _ in range(passes):
+        for name, step in steps.items():
+            timings: list[float] = []
+            for prompt in follow_up_prompts(warm, calls):
+                if name.endswith("hot"):
+                    step(prompt)
+                t0 = clock()
+                step(prompt)
+                timings.append((clock() - t0) / 1000)
+            value = statistics.median(timings)
+            best[name] = min(best.get(name, value), value)
+    return {"ranks": ranks, "floor_p50_us": best}
+
+
 def _rounded(value: Any) -> Any:
     if isinstance(value, float):
         return round(value, 2)
@@ -196,8 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--defer", action="store_true", help="defer the store (settle() timed apart)"
     )
+    parser.add_argument("--no-reuse", action="store_true", help="fresh random prompts")
+    parser.add_argument("--floor", action="store_true", help="the least parts (see floor())")
     arguments = parser.parse_args(argv)
     for ranks in arguments.ranks:
+        if arguments.floor:
+            found = floor(ranks, arguments.calls, arguments.passes, arguments.capacity_blocks)
+            print(json.dumps(_rounded(found)), flush=True)
+            continue
         result = profile(
             ranks,
             arguments.calls,
@@ -205,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             arguments.capacity_blocks,
             arguments.cprofile,
             arguments.defer,
+            arguments.no_reuse,
         )
         print(json.dumps(_rounded(result)), flush=True)
     return 0

@@ -373,17 +373,20 @@ def measure_decision(
     clock = time.perf_counter_ns
     counters = router.counters
     prompt_tokens, cached_tokens = counters.prompt_tokens, counters.cached_tokens
+    can_defer = hasattr(router, "settle")  # (an older trio_dpcoord, for comparisons)
+    settle = getattr(router, "settle", lambda: None)
     for _ in range(passes):
         prompts = follow_up_prompts(warm, calls)
         base = EngineChooser(ranks)
         timings: dict[str, list[float]] = {name: [] for name in names}
         for number, prompt in enumerate(prompts):
             # every other decision with the store deferred, settle() timed apart
-            deferring = router.defer_store = bool(number % 2)
+            deferring = can_defer and bool(number % 2)
+            router.defer_store = deferring
             t0 = clock()
             ours.choose(loads, prompt, now=now)
             t1 = clock()
-            router.settle()
+            settle()
             t2 = clock()
             base.choose(loads, prompt, now=now)
             t3 = clock()
@@ -395,7 +398,8 @@ def measure_decision(
             timings["vllm"].append((t3 - t2) / 1000)
             now += 1e-4
         for name, values in timings.items():
-            timed[name].append(values)
+            if values:
+                timed[name].append(values)
     router.defer_store = False
     return {
         "ranks": ranks,

@@ -1094,7 +1094,7 @@ class Runner:
                         note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached",
                     )
                 )
-            for q, target_us in zip((50, 99), targets, strict=True):
+            for q, target_us in zip((50, 99), targets if d["deferred_us"] else (), strict=False):
                 target = f"<= {target_us:g} us" if target_us else ""
                 value = best(d["deferred_us"], q)
                 self.rows.append(

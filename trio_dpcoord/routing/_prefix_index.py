@@ -11,10 +11,12 @@ prompt before its parents) and by ``max_age`` (a block not seen for that long is
 forgotten), so a lost event batch cannot leave blocks believed cached for ever; a gap or
 a step back in a rank's event sequence also forgets that rank's exact knowledge at once.
 
-One decision hashes the prompt's blocks once (its leading chunks' keys come from
-:class:`ChunkKeys`' cache) and bisects a block -> ranks map (or walks it from the first
-block, once KV events may have left a rank holding a block without its parent): its
-cost grows with the prompt, not with the number of ranks times the prompt.
+One decision hashes the prompt's whole chunks as tuples (their keys come from
+:class:`ChunkKeys`' cache), keys block by block only as far as some rank holds the
+prompt (the rest when the prompt is stored), and bisects a block -> ranks map (or walks
+it from the first block, once KV events may have left a rank holding a block without
+its parent): its cost grows with the prompt, not with the number of ranks times the
+prompt.
 """
 
 from __future__ import annotations

@@ -186,6 +186,12 @@ class PrefixRouter:
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
     (and, until they are due, believes its own decisions provisionally).
 
+    With :attr:`defer_store` set, :meth:`route` returns before the routed prompt is
+    learnt, which :meth:`settle` does (a front-end calls it once the request is sent;
+    anything that reads or changes the indexes does it first): the same choices and
+    indexes, the store (and hashing the prompt past what the walk read) off the
+    decision's latency.
+
     ``indexes`` are the router's own: outside code may store whole prompts in them
     (``store(block_keys(tokens, block_size), now)``, as the vLLM plugin does for pinned
     requests) and nothing else, since with the approximate feed the walk relies on every
@@ -206,7 +212,8 @@ class PrefixRouter:
         self._pending: tuple[int, Sequence[int], int, float] | None = None
         """The routed prompt :meth:`settle` stores: (rank, keys, blocks held, now)."""
         self.defer_store = False
-        """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next)."""
+        """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next);
+        the prompt's token list must not change until then (it is read then)."""
         self._exact: list[_ExactRank] = []
         self._keys = ChunkKeys(self.block_size, 0)
         self._closed = self.feed == "approximate"
