@@ -12,9 +12,14 @@ router has one: what the call does after the choice, timed apart). Two readings:
   decision (cProfile's own cost inflates Python-level calls, so the sum is above the
   plain decision's; it names the functions inside each part).
 
+``--defer`` sets ``PrefixRouter.defer_store`` and times ``settle()`` apart (the parts
+done there are marked ``(settle)``); ``--no-reuse`` feeds fresh random prompts instead
+of follow-ups; ``--floor`` times the least parts instead (:func:`floor`).
+
 Works on the router before and after issue 37's cuts (it wraps whichever methods
-exist), so that ``PYTHONPATH=OLD:. python -m benchmarks._decision_profile`` profiles an
-older ``trio_dpcoord`` with the same prompts.
+exist), so that ``cd OLD && PYTHONPATH=OLD:REPO python -m benchmarks._decision_profile``
+profiles an older ``trio_dpcoord`` (unpacked in OLD) with the same prompts (``-m`` puts
+the working directory first on ``sys.path``).
 """
 
 from __future__ import annotations
