@@ -527,11 +527,18 @@ class RankPrefixIndex:
         count = len(keys)
         fresh = list(keys[held:])
         # The new keys, a piece per stretch of PIECE_BLOCKS (or the part of one from ``held``).
-        starts = [held, *range((held // PIECE_BLOCKS + 1) * PIECE_BLOCKS, count, PIECE_BLOCKS)]
-        ends = [*starts[1:], count]
-        runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
-        new = list(map(_Piece, runs, starts, repeat(now))) if fresh else []
-        if fresh:
+        boundary = (held // PIECE_BLOCKS + 1) * PIECE_BLOCKS
+        new: list[_Piece] = []
+        if not fresh:
+            pass
+        elif count <= boundary:  # one piece (a follow-up turn's new blocks, usually)
+            new.append(_Piece(fresh, held, now))
+            by_key[fresh[0]] = new[0]
+        else:
+            starts = [held, *range(boundary, count, PIECE_BLOCKS)]
+            ends = [*starts[1:], count]
+            runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
+            new = list(map(_Piece, runs, starts, repeat(now)))
             by_key.update(zip(map(itemgetter(0), runs), new, strict=True))
         self._count += len(fresh)
         if refreshed and depth > held:  # the last piece runs past the prefix: split it
@@ -543,7 +550,10 @@ class RankPrefixIndex:
             by_key[part.keys[0]] = part
             by_key[last.keys[0]] = last
             refreshed[-1] = part
-        pieces.update(zip(reversed(new), repeat(None)))
+        if len(new) == 1:
+            pieces[new[0]] = None
+        else:
+            pieces.update(zip(reversed(new), repeat(None)))
         for piece in reversed(refreshed):
             pieces.pop(piece, None)  # (the split-off part is not in yet)
             piece.time = now
