@@ -293,24 +293,23 @@ def best_percentile(passes: list[list[float]], q: float) -> float:
     return min(percentile(timings, q) for timings in passes)
 
 
-def measure_decision(
-    ranks: int,
-    calls: int,
-    capacity_blocks: int,
-    seed: int = 0,
-    passes: int = DECISION_PASSES,
-) -> dict[str, Any]:
-    """p50/p99 of ``EngineChooser.choose`` with 4,096-token prompts on a warm index, ours
-    (prefix, approximate) and vLLM's score (``routing="vllm"``, same loads), the timings
-    of ``passes`` passes each (``ours_us``, ``vllm_us``: a list per pass, see
-    :func:`best_percentile`), and the index's memory; ``loads`` is the load table, for
-    vLLM's own choice on the same loads (:func:`vllm_choice_us`).
+@dataclass
+class WarmDecision:
+    """A chooser whose prefix index is at its bound (:func:`warm_decision`)."""
 
-    Warm: documents of 4,096 tokens, one per rank, are routed until every rank's index
-    is at its bound; each timed prompt is a document's first 3,840 tokens plus 256 new
-    ones (a follow-up turn: 240 blocks to match, 16 new), so the walk is deep. Each pass
-    has prompts of its own (new tails), on the router as the previous passes left it.
-    """
+    chooser: EngineChooser
+    docs: list[list[int]]
+    loads: list[EngineLoad]
+    rng: random.Random
+    now: float
+    memory_bytes: int
+
+
+def warm_decision(ranks: int, capacity_blocks: int, seed: int = 0) -> WarmDecision:
+    """An ``EngineChooser`` (prefix, approximate) whose every rank's index is at its
+    bound: documents of 4,096 tokens, one per rank, and fresh filler prompts are routed
+    until the indexes are full, then the documents once more (on the ranks the router
+    gives them); the index's memory is measured over the filling (tracemalloc)."""
     rng = random.Random(seed)
     docs = [_tokens(rng, 4096) for _ in range(ranks)]
     loads = [
@@ -335,32 +334,82 @@ def measure_decision(
     tracemalloc.stop()
     for doc in docs:  # the documents themselves, on the ranks the router gives them
         ours.choose(loads, doc, now=now)
-    timed: dict[str, list[list[float]]] = {"ours": [], "vllm": []}
+    return WarmDecision(ours, docs, loads, rng, now, memory)
+
+
+def follow_up_prompts(warm: WarmDecision, calls: int) -> list[list[int]]:
+    """``calls`` follow-up turns: a document's first 3,840 tokens plus 256 new ones (240
+    blocks to match, 16 new), built ahead (their new tokens cold, as a request's are)."""
+    docs, rng = warm.docs, warm.rng
+    return [docs[rng.randrange(len(docs))][:3840] + _tokens(rng, 256) for _ in range(calls)]
+
+
+def measure_decision(
+    ranks: int,
+    calls: int,
+    capacity_blocks: int,
+    seed: int = 0,
+    passes: int = DECISION_PASSES,
+) -> dict[str, Any]:
+    """p50/p99 of ``EngineChooser.choose`` with 4,096-token prompts on a warm index, ours
+    (prefix, approximate) and vLLM's score (``routing="vllm"``, same loads), the timings
+    of ``passes`` passes each (``ours_us``, ``vllm_us``: a list per pass, see
+    :func:`best_percentile`), and the index's memory; ``loads`` is the load table, for
+    vLLM's own choice on the same loads (:func:`vllm_choice_us`). Every other decision
+    of ours is made with the router's store deferred (``PrefixRouter.defer_store``): its
+    ``choose()`` in ``deferred_us``, the ``settle()`` that follows in ``settle_us``
+    (the others store before ``choose()`` returns: ``ours_us``).
+
+    Warm: see :func:`warm_decision`; each timed prompt is a follow-up turn
+    (:func:`follow_up_prompts`), so the walk is deep. Each pass has prompts of its own
+    (new tails), on the router as the previous passes left it.
+    """
+    warm = warm_decision(ranks, capacity_blocks, seed)
+    ours, loads, now = warm.chooser, warm.loads, warm.now
+    router = ours.router
+    assert router is not None
+    names = ("ours", "deferred", "settle", "vllm")
+    timed: dict[str, list[list[float]]] = {name: [] for name in names}
     clock = time.perf_counter_ns
     counters = router.counters
     prompt_tokens, cached_tokens = counters.prompt_tokens, counters.cached_tokens
+    can_defer = hasattr(router, "settle")  # (an older trio_dpcoord, for comparisons)
+    settle = getattr(router, "settle", lambda: None)
     for _ in range(passes):
-        prompts = [docs[rng.randrange(ranks)][:3840] + _tokens(rng, 256) for _ in range(calls)]
+        prompts = follow_up_prompts(warm, calls)
         base = EngineChooser(ranks)
-        timings: dict[str, list[float]] = {"ours": [], "vllm": []}
-        for prompt in prompts:
+        timings: dict[str, list[float]] = {name: [] for name in names}
+        for number, prompt in enumerate(prompts):
+            # every other decision with the store deferred, settle() timed apart
+            deferring = can_defer and bool(number % 2)
+            router.defer_store = deferring
             t0 = clock()
             ours.choose(loads, prompt, now=now)
             t1 = clock()
-            base.choose(loads, prompt, now=now)
+            settle()
             t2 = clock()
-            timings["ours"].append((t1 - t0) / 1000)
-            timings["vllm"].append((t2 - t1) / 1000)
+            base.choose(loads, prompt, now=now)
+            t3 = clock()
+            if deferring:
+                timings["deferred"].append((t1 - t0) / 1000)
+                timings["settle"].append((t2 - t1) / 1000)
+            else:
+                timings["ours"].append((t1 - t0) / 1000)
+            timings["vllm"].append((t3 - t2) / 1000)
             now += 1e-4
         for name, values in timings.items():
-            timed[name].append(values)
+            if values:
+                timed[name].append(values)
+    router.defer_store = False
     return {
         "ranks": ranks,
         "ours_us": timed["ours"],
+        "deferred_us": timed["deferred"],
+        "settle_us": timed["settle"],
         "vllm_us": timed["vllm"],
         "stored_blocks": router.stored_blocks,
         "bound_blocks": ranks * capacity_blocks,
-        "memory_bytes": memory,
+        "memory_bytes": warm.memory_bytes,
         "cached_fraction": (counters.cached_tokens - cached_tokens)
         / max(1, counters.prompt_tokens - prompt_tokens),
         "loads": [[load.waiting, load.running, load.kv_cache_usage] for load in loads],

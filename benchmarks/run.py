@@ -1120,6 +1120,22 @@ class Runner:
                         note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached",
                     )
                 )
+            for q, target_us in zip((50, 99), targets if d["deferred_us"] else (), strict=False):
+                target = f"<= {target_us:g} us" if target_us else ""
+                value = best(d["deferred_us"], q)
+                self.rows.append(
+                    Row(
+                        section,
+                        f"choose() p{q}, prefix, store deferred ({shape})",
+                        value,
+                        "us",
+                        best(d["vllm_us"], q),
+                        "vLLM 0.33.0 score (EngineChooser, no prompt)",
+                        target,
+                        value <= target_us if target_us else None,
+                        note=f"then settle() p{q} {best(d['settle_us'], q):.1f} us",
+                    )
+                )
             if "vllm_own_us" in d:
                 for q in (50, 99):
                     value = best(d["vllm_us"], q)

@@ -29,7 +29,12 @@ from trio_dpcoord.routing import (
     block_keys,
     vllm_score,
 )
-from trio_dpcoord.testing import prefix_walks, store_as_the_router, use_chain_mode
+from trio_dpcoord.testing import (
+    prefix_walk_of_prompt,
+    prefix_walks,
+    store_as_the_router,
+    use_chain_mode,
+)
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 
@@ -357,6 +362,28 @@ def test_the_bisecting_walk_is_the_block_walk(
             bisected, walk = prefix_walks(router, keys)
             assert bisected is not None  # the approximate feed keeps the indexes closed
             assert bisected == walk == reference_walk(router, keys)
+            # the walk a decision makes: the keys its chunk cache knows, the rest on demand
+            lazy, keyed = prefix_walk_of_prompt(router, probe)
+            assert lazy == walk
+            assert keyed <= len(keys)
+
+
+def test_the_walk_keys_a_prompt_only_as_far_as_ranks_hold_it() -> None:
+    """A decision keys the chunks its cache knows, then a chunk more while some rank
+    holds the block past them: here a document learnt whole on rank 1 (the cache knows
+    its first chunk only), read again up to various cuts; the walk is every rank's own
+    prefix count and stops keying at the chunk where rank 1 stops holding."""
+    router = PrefixRouter(3, PrefixRouting(block_size=1, capacity_blocks=1000))
+    document = list(range(5 * CHUNK_BLOCKS + 3))
+    router.route(document, [0.0] * 3, 0.0, pinned_rank=1)
+    for cut in (0, 1, CHUNK_BLOCKS - 1, CHUNK_BLOCKS, 2 * CHUNK_BLOCKS + 5, len(document)):
+        prompt = document[:cut] + [10**6] * 40
+        groups, keyed = prefix_walk_of_prompt(router, prompt)
+        assert groups == reference_walk(router, block_keys(prompt, 1))
+        assert groups == ([(cut, 0b10)] if cut else [])
+        # (no rank holds the first block of a prompt of no known chunk: none keyed but it)
+        chunks_to_cut = -(-cut // CHUNK_BLOCKS)  # the chunks holding the cut's blocks
+        assert keyed == (min(len(prompt), max(1, chunks_to_cut) * CHUNK_BLOCKS) if cut else 0)
 
 
 @settings(max_examples=150, deadline=None)
@@ -371,7 +398,8 @@ def test_the_chunk_cache_gives_the_block_keys(
     """Remembered chunks, new ones, partial last chunks and blocks, evictions from the
     cache: the keys are :func:`block_keys`' every time, and the cache stays bounded."""
     keys = ChunkKeys(block, max_chunks)
-    for tokens in prompts:
+    lazy = ChunkKeys(block, max_chunks)  # the same prompts, as a decision keys them
+    for number, tokens in enumerate(prompts):
         got, want = keys(tokens), block_keys(tokens, block)
         assert list(got) == want == [got[i] for i in range(len(got))]
         assert all(len(chunk) <= CHUNK_BLOCKS for chunk in got.chunks)
@@ -380,6 +408,73 @@ def test_the_chunk_cache_gives_the_block_keys(
             for stop in (*cuts, None):
                 assert got[start:stop] == want[start:stop]
         assert len(keys) <= max_chunks
+        # Looked up: the known chunks' keys, the next block's alone, then the rest; the
+        # cache learns what the eager one learns (the next lookups find the same).
+        partial = lazy.lookup(tokens)
+        assert len(partial) == len(want)
+        assert partial.known % CHUNK_BLOCKS == 0 or partial.known == len(want)
+        assert [key for chunk in partial.chunks for key in chunk] == want[: partial.known]
+        if partial.known < len(want) and number % 2:
+            assert partial.probe() == want[partial.known]
+        assert list(partial.complete()) == want
+        assert partial.known == len(want)
+        assert len(lazy) == len(keys)
+        assert [lazy.lookup(t).known for t in BASES] == [keys.lookup(t).known for t in BASES]
+
+
+def test_the_chunk_cache_keeps_what_comes_back() -> None:
+    """The cache forgets the least recently *used* chunks: a document read again and
+    again stays known while one-off prompts' chunks pass through it."""
+    block = 2
+    span = CHUNK_BLOCKS * block
+    document = [(7 * i) % 5 for i in range(3 * span)]
+    keys = ChunkKeys(block, max_chunks=6)
+    keys(document)
+    keys(document)  # first chunk known: all three learnt
+    assert keys.lookup(document).known == 3 * CHUNK_BLOCKS
+    for one_off in range(20):
+        keys([one_off, *document[1:span], 9, 9, 9, 9] + [one_off] * span)
+        assert keys.lookup(document).known == 3 * CHUNK_BLOCKS
+        assert len(keys) <= 6
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ranks=st.integers(1, 6),
+    block=st.sampled_from([1, 2]),
+    capacity=st.integers(1, 3 * CHUNK_BLOCKS),
+    steps=st.lists(
+        st.tuples(long_prompts, st.none() | st.integers(0, 5), st.floats(0, 1.0), st.booleans()),
+        max_size=20,
+    ),
+)
+def test_a_deferred_store_changes_no_choice(
+    ranks: int,
+    block: int,
+    capacity: int,
+    steps: list[tuple[list[int], int | None, float, bool]],
+) -> None:
+    """``defer_store``: each routed prompt is stored by ``settle()``, or by whatever
+    reads or changes the indexes next; the decisions, the counters and the indexes
+    (recency order included) are those of a router that stores at once."""
+    routing = PrefixRouting(block_size=block, capacity_blocks=capacity, max_age=2.0)
+    at_once, deferred = PrefixRouter(ranks, routing), PrefixRouter(ranks, routing)
+    deferred.defer_store = True
+    now = 0.0
+    for tokens, pin, step, settle in steps:
+        now += step
+        queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
+        pinned = None if pin is None else pin % ranks
+        assert deferred.route(tokens, queued, now, pinned) == at_once.route(
+            tokens, queued, now, pinned
+        )
+        if settle:
+            deferred.settle()
+            assert deferred.block_owners() == at_once.block_owners()
+    assert deferred.counters == at_once.counters
+    assert deferred.block_owners() == at_once.block_owners()
+    for ours, theirs in zip(deferred.indexes, at_once.indexes, strict=True):
+        assert list(ours.blocks().items()) == list(theirs.blocks().items())
 
 
 # --- vLLM's score: the rotated scan, recomputed per choice -------------------------------

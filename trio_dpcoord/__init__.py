@@ -65,9 +65,9 @@ if TYPE_CHECKING:
     from .routing._chooser import ChooserStatistics as ChooserStatistics
     from .routing._chooser import EngineChooser as EngineChooser
     from .routing._chooser import Routing as Routing
-    from .routing._prefix_router import PrefixRouting as PrefixRouting
-    from .routing._prefix_router import RouteDecision as RouteDecision
-    from .routing._prefix_router import RouterCounters as RouterCounters
+    from .routing._settings import PrefixRouting as PrefixRouting
+    from .routing._settings import RouteDecision as RouteDecision
+    from .routing._settings import RouterCounters as RouterCounters
 
 __version__ = "0.1.0"
 
@@ -135,7 +135,7 @@ _EXPORTS: dict[str, str] = {
     "FrontendStatistics": ".core._frontend",
     "HistogramSnapshot": ".core._counters",
     "Liveness": "._shell.endpoints",
-    "PrefixRouting": ".routing._prefix_router",
+    "PrefixRouting": ".routing._settings",
     "PrivateIpcDirectory": "._shell.endpoints",
     "ProtocolError": ".protocol",
     "ReadyTimeoutError": "._errors",
@@ -143,8 +143,8 @@ _EXPORTS: dict[str, str] = {
     "RequestOutput": "._shell.request_stream",
     "RequestStream": "._shell.request_stream",
     "Route": "._shell.view",
-    "RouteDecision": ".routing._prefix_router",
-    "RouterCounters": ".routing._prefix_router",
+    "RouteDecision": ".routing._settings",
+    "RouterCounters": ".routing._settings",
     "Routing": ".routing._chooser",
     "SamplingParams": ".protocol",
     "SubscriptionView": ".core._counters",

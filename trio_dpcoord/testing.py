@@ -24,6 +24,7 @@ model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import signal
@@ -64,6 +65,7 @@ __all__ = [
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
+    "prefix_walk_of_prompt",
     "prefix_walks",
     "read_lines",
     "replace_recovery_rules",
@@ -515,6 +517,19 @@ def prefix_walks(
     it is the one used) and the block-by-block walk. They must agree; read-only."""
     bisected = router._bisect(keys) if router._closed else None
     return bisected, router._walk_blocks(keys)
+
+
+def prefix_walk_of_prompt(
+    router: PrefixRouter, token_ids: Sequence[int]
+) -> tuple[list[tuple[int, int]], int]:
+    """The walk :meth:`PrefixRouter.route` makes for ``token_ids`` (with prefix-closed
+    indexes, over the keys its chunk cache knows and the rest on demand), and how many
+    of the prompt's blocks it keyed; read-only (a copy of the router's chunk cache)."""
+    cache = copy.copy(router._keys)
+    cache._chunks = dict(router._keys._chunks)
+    keys = cache.lookup(token_ids) if router._closed else cache(token_ids)
+    groups = router._walk(keys if router._closed else list(keys))
+    return groups, keys.known
 
 
 def use_chain_mode(index: RankPrefixIndex) -> None:

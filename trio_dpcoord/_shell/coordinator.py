@@ -49,7 +49,7 @@ from ..core._recovery import Recovery
 from ..core._wave import WaveSnapshot
 from ..protocol import EngineLoad
 from ..routing._chooser import EngineChooser, Routing
-from ..routing._prefix_router import PrefixRouting
+from ..routing._settings import PrefixRouting
 from ..trio_zmq import AsyncSocket
 from .coordinator_sockets import Bound, curve_server, open_bound_sockets, requested_sockets
 from .endpoints import DEFAULT_LIVENESS, Liveness

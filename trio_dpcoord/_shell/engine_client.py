@@ -53,7 +53,7 @@ from ..protocol import (
     engine_identity,
 )
 from ..routing._chooser import EngineChooser, Routing
-from ..routing._prefix_router import PrefixRouting
+from ..routing._settings import PrefixRouting
 from ..trio_zmq import open_context, open_socket
 from .coordinator import Coordinator, open_coordinator
 from .endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address

@@ -40,7 +40,7 @@ from ..core._frontend import FrontendState, FrontendStatistics
 from ..core._wave import HEARTBEAT_INTERVAL, WaveSnapshot
 from ..protocol import EngineLoad
 from ..routing._chooser import Routing
-from ..routing._prefix_router import PrefixRouting
+from ..routing._settings import PrefixRouting
 from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from .monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
 from .tasks import RejectLog, open_task_nursery

@@ -25,7 +25,7 @@ from .. import protocol
 from .._errors import CoordinatorError
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..routing._chooser import EngineChooser, Routing, check_routing
-from ..routing._prefix_router import PrefixRouting, RouterCounters
+from ..routing._settings import PrefixRouting, RouterCounters
 from ._coordinator import Reject
 from ._wave import WaveSnapshot, WaveState, check_engine_index
 

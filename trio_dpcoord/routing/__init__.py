@@ -23,16 +23,17 @@ if TYPE_CHECKING:
     from ._chooser import ChooserStatistics as ChooserStatistics
     from ._chooser import EngineChooser as EngineChooser
     from ._chooser import Routing as Routing
-    from ._prefix_index import CHUNK_BLOCKS as CHUNK_BLOCKS
-    from ._prefix_index import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
-    from ._prefix_index import ChunkKeys as ChunkKeys
+    from ._keys import CHUNK_BLOCKS as CHUNK_BLOCKS
+    from ._keys import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+    from ._keys import ChunkedKeys as ChunkedKeys
+    from ._keys import ChunkKeys as ChunkKeys
+    from ._keys import block_keys as block_keys
     from ._prefix_index import RankPrefixIndex as RankPrefixIndex
-    from ._prefix_index import block_keys as block_keys
     from ._prefix_router import PrefixRouter as PrefixRouter
-    from ._prefix_router import PrefixRouting as PrefixRouting
-    from ._prefix_router import RouteDecision as RouteDecision
-    from ._prefix_router import RouterCounters as RouterCounters
     from ._score import vllm_score as vllm_score
+    from ._settings import PrefixRouting as PrefixRouting
+    from ._settings import RouteDecision as RouteDecision
+    from ._settings import RouterCounters as RouterCounters
 
 __all__ = [
     "CHUNK_BLOCKS",
@@ -40,6 +41,7 @@ __all__ = [
     "ROUTINGS",
     "ChooserStatistics",
     "ChunkKeys",
+    "ChunkedKeys",
     "EngineChooser",
     "PrefixRouter",
     "PrefixRouting",
@@ -52,19 +54,20 @@ __all__ = [
 ]
 
 _EXPORTS: dict[str, str] = {
-    "CHUNK_BLOCKS": "._prefix_index",
-    "ChunkKeys": "._prefix_index",
-    "DEFAULT_BLOCK_SIZE": "._prefix_index",
+    "CHUNK_BLOCKS": "._keys",
+    "ChunkKeys": "._keys",
+    "ChunkedKeys": "._keys",
+    "DEFAULT_BLOCK_SIZE": "._keys",
     "ROUTINGS": "._chooser",
     "ChooserStatistics": "._chooser",
     "EngineChooser": "._chooser",
     "PrefixRouter": "._prefix_router",
-    "PrefixRouting": "._prefix_router",
+    "PrefixRouting": "._settings",
     "RankPrefixIndex": "._prefix_index",
-    "RouteDecision": "._prefix_router",
-    "RouterCounters": "._prefix_router",
+    "RouteDecision": "._settings",
+    "RouterCounters": "._settings",
     "Routing": "._chooser",
-    "block_keys": "._prefix_index",
+    "block_keys": "._keys",
     "vllm_score": "._score",
 }
 

@@ -14,8 +14,9 @@ from math import isfinite
 from typing import Literal
 
 from ..protocol import IDLE_LOAD, EngineLoad
-from ._prefix_router import PrefixRouter, PrefixRouting, RouterCounters, first_from
+from ._prefix_router import PrefixRouter, first_from
 from ._score import vllm_score
+from ._settings import PrefixRouting, RouterCounters
 
 __all__ = ["ROUTINGS", "ChooserStatistics", "EngineChooser", "Routing"]
 

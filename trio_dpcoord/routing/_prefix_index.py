@@ -11,187 +11,44 @@ prompt before its parents) and by ``max_age`` (a block not seen for that long is
 forgotten), so a lost event batch cannot leave blocks believed cached for ever; a gap or
 a step back in a rank's event sequence also forgets that rank's exact knowledge at once.
 
-One decision hashes the prompt's blocks once (its leading chunks' keys come from
-:class:`ChunkKeys`' cache) and bisects a block -> ranks map (or walks it from the first
-block, once KV events may have left a rank holding a block without its parent): its
-cost grows with the prompt, not with the number of ranks times the prompt.
+One decision hashes the prompt's whole chunks as tuples (their keys come from
+:class:`ChunkKeys`' cache), keys block by block only as far as some rank holds the
+prompt (the rest when the prompt is stored), and bisects a block -> ranks map (or walks
+it from the first block, once KV events may have left a rank holding a block without
+its parent): its cost grows with the prompt, not with the number of ranks times the
+prompt.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import accumulate, chain, compress, islice, repeat, takewhile
-from operator import and_, is_, or_, xor
-from typing import Literal, overload
+from collections.abc import Iterable, Sequence
+from itertools import chain, compress, islice, repeat, takewhile
+from operator import and_, is_, itemgetter, or_
+
+from ._keys import (
+    CHUNK_BLOCKS,
+    DEFAULT_BLOCK_SIZE,
+    ROOT_KEY,
+    ChunkedKeys,
+    ChunkKeys,
+    Feed,
+    block_keys,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "ROOT_KEY", "Feed", "RankPrefixIndex", "block_keys"]
-
-DEFAULT_BLOCK_SIZE = 16
-"""vLLM's default KV-cache block size."""
-
-Feed = Literal["approximate", "exact"]
-
-ROOT_KEY = 0
-"""The chain's start: the key "before" a prompt's first block."""
-
-_POSITION_SALTS: list[int] = []
-"""Per block position, a fixed random 61-bit salt (one seeded stream, extended on
-demand): a block's contribution depends on where it sits, so reordered blocks differ."""
-_SALT_STREAM = random.Random(0x7472696F)
-
-
-def _salts(upto: int) -> list[int]:
-    if len(_POSITION_SALTS) < upto:
-        more = max(upto, 2 * len(_POSITION_SALTS), 4096) - len(_POSITION_SALTS)
-        _POSITION_SALTS.extend(_SALT_STREAM.getrandbits(61) for _ in range(more))
-    return _POSITION_SALTS
-
-
-def block_keys(
-    token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY, depth: int = 0
-) -> list[int]:
-    """Chained keys of the full blocks of ``token_ids`` (a partial last block has none).
-
-    Key ``i`` is ``parent`` xor, over blocks ``j <= i``, the hash of block ``j``'s tokens
-    together with the salt of its position ``depth + j``: a running xor, so that hashing
-    and chaining a prompt take one C-level pass each (Python's hash of a tuple of ints
-    does not depend on the process's hash seed). ``parent``/``depth`` continue a chain
-    (a vLLM ``BlockStored`` whose parent block is known). Distinct prefixes collide
-    about as often as random 64-bit values do (none among 320,000 sequences of a few
-    blocks in every order, measured); a collision only misroutes one request.
-
-    Xor, not a sum: the tuple hash's last round adds its last item, the salt, and
-    multiplies, so a block's hash is nearly its own part plus its position's; summed,
-    the positions nearly cancel out and a key hardly depends on its blocks' order (the
-    same two blocks in swapped places shared a key a third of the time; the 4,096
-    orders of six blocks drawn from four, 590 keys).
-    """
-    blocks = len(token_ids) // block_size
-    if blocks == 0:
-        return []
-    salts: Iterable[int] = _salts(depth + blocks)
-    if depth:
-        salts = islice(salts, depth, None)
-    # zip groups the tokens in blocks (the grouper idiom); a partial last block ends it
-    # (zip stops at the tokens' end before it takes a salt).
-    hashes = map(hash, zip(*(iter(token_ids),) * block_size, salts, strict=False))
-    if not parent:
-        return list(accumulate(hashes, xor))
-    keys = list(accumulate(hashes, xor, initial=parent))
-    del keys[0]
-    return keys
-
-
-CHUNK_BLOCKS = 16
-"""Blocks per chunk of :class:`ChunkKeys`' cache (256 tokens at vLLM's block size)."""
-
-
-class ChunkedKeys(Sequence[int]):
-    """A prompt's keys in lists of :data:`CHUNK_BLOCKS` (the last may be shorter), as
-    :class:`ChunkKeys` gives them: the cached chunks are its own lists, not copied, so
-    a prompt's keys cost one reference a chunk rather than one a key (each a write to
-    the key's int object, out of the CPU's caches at 256 ranks)."""
-
-    __slots__ = ("_length", "chunks")
-
-    def __init__(self, chunks: list[list[int]], length: int) -> None:
-        self.chunks = chunks
-        self._length = length
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __iter__(self) -> Iterator[int]:
-        return chain.from_iterable(self.chunks)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            start, stop, step = index.indices(self._length)
-            if step != 1 or stop <= start:
-                return list(self)[index]
-            first, offset = divmod(start, CHUNK_BLOCKS)
-            if stop - start <= CHUNK_BLOCKS - offset:  # within one chunk
-                return self.chunks[first][offset : offset + stop - start]
-            return list(islice(self, start, stop))
-        if index < 0:
-            index += self._length
-        return self.chunks[index // CHUNK_BLOCKS][index % CHUNK_BLOCKS]
-
-
-class ChunkKeys:
-    """:func:`block_keys` from ``ROOT_KEY``, with the keys of prompts' leading chunks of
-    :data:`CHUNK_BLOCKS` blocks remembered (at most ``max_chunks`` of them, oldest out
-    first).
-
-    Hashing every block is the costliest step of a decision in pure Python (a 17-item
-    tuple per block, about 10 ns a token) and prompts repeat their leading tokens (a
-    conversation's earlier turns, a shared document or system prompt). A chunk is looked
-    up by its parent key (the last key before it, standing for every token before it) and
-    Python's hash of its tokens as one tuple (about 3 ns a token); its keys are the same
-    list every time, so a repeated prefix costs a hash and a lookup per 256 tokens, and
-    its keys are the very int objects the indexes hold (a lookup matches them by
-    identity). A prompt's chunks from its first miss on are hashed block by block and
-    remembered (only the first, if no chunk of the prompt was known). Two chunks with
-    the same parent and tuple hash would share keys: as likely as two 64-bit hashes
-    colliding, and like a key collision it misroutes only.
-    """
-
-    def __init__(self, block_size: int, max_chunks: int) -> None:
-        self.block_size = block_size
-        self.max_chunks = max(1, max_chunks)
-        self._span = CHUNK_BLOCKS * block_size
-        self._chunks: dict[tuple[int, int], list[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self._chunks)
-
-    def __call__(self, token_ids: Sequence[int]) -> ChunkedKeys:
-        """``block_keys(token_ids, block_size)``, in chunks."""
-        span, size = self._span, self.block_size
-        total = len(token_ids)
-        chunks = self._chunks
-        out: list[list[int]] = []
-        parent = ROOT_KEY
-        start = 0
-        token_hash = 0
-        full = total - total % span
-        while start < full:
-            token_hash = hash(tuple(token_ids[start : start + span]))
-            known = chunks.get((parent, token_hash))
-            if known is None:
-                break
-            out.append(known)
-            parent = known[-1]
-            start += span
-        rest = block_keys(token_ids[start:] if start else token_ids, size, parent, start // size)
-        out.extend(rest[at : at + CHUNK_BLOCKS] for at in range(0, len(rest), CHUNK_BLOCKS))
-        # Remember the new full chunks (the first one's tokens are hashed already): all of
-        # them if the prompt's first chunk was known (a conversation or a document coming
-        # back), else only the first (a prompt of its own may never come back: it costs
-        # one tuple hash, not one a chunk; if it does come back, the rest is learnt then).
-        learn = full if start else min(full, span)
-        for number, at in enumerate(range(start, learn, span), start=start // span):
-            if at > start:
-                token_hash = hash(tuple(token_ids[at : at + span]))
-            chunks[parent, token_hash] = out[number]
-            parent = out[number][-1]
-        excess = len(chunks) - self.max_chunks
-        if excess > 0:
-            for old in list(islice(chunks, excess)):
-                del chunks[old]
-        return ChunkedKeys(out, total // size)
-
+__all__ = [
+    "CHUNK_BLOCKS",
+    "DEFAULT_BLOCK_SIZE",
+    "ROOT_KEY",
+    "ChunkKeys",
+    "ChunkedKeys",
+    "Feed",
+    "RankPrefixIndex",
+    "block_keys",
+]
 
 PIECE_BLOCKS = 64
 """Blocks per piece of a chain-mode index at most (see :class:`_Piece`)."""
@@ -263,7 +120,12 @@ class RankPrefixIndex:
         evicting (a belief beyond the capacity would send requests to blocks the engine
         has already evicted)."""
         self._held: dict[int, _Piece] | None = None
-        """Chain mode (not None): key -> the piece holding it, instead of ``_seen``."""
+        """Chain mode (not None), instead of ``_seen``: each piece's first key -> the
+        piece (a store finds the held prefix's pieces by their first keys; whether a key
+        is held here is this rank's bit in ``owners``), so a stored or evicted key costs
+        no write here, only in ``owners``."""
+        self._count = 0
+        """Chain mode: the keys held (in the pieces)."""
         self._pieces: dict[_Piece, None] = {}
         """Chain mode: the pieces, least recently used first; within a piece, its keys
         deepest first (a store's order: see :meth:`store`). The plain order, in pieces."""
@@ -276,10 +138,12 @@ class RankPrefixIndex:
         many as there are provisional blocks."""
 
     def __len__(self) -> int:
-        return len(self._seen if self._held is None else self._held)
+        return len(self._seen) if self._held is None else self._count
 
     def __contains__(self, key: int) -> bool:
-        return key in (self._seen if self._held is None else self._held)
+        if self._held is None:
+            return key in self._seen
+        return bool(self._owners.get(key, 0) & self._bit)  # chain mode: the owners map
 
     def knows(self, key: int) -> bool:
         """Whether ``key`` is believed cached here or was reported and only displaced
@@ -289,8 +153,12 @@ class RankPrefixIndex:
     def last_seen(self, key: int) -> float | None:
         if self._held is None:
             return self._seen.get(key)
-        piece = self._held.get(key)
-        return None if piece is None else piece.time
+        if key not in self:
+            return None
+        for piece in self._pieces:  # chain mode: a diagnostic's search
+            if key in piece.keys:
+                return piece.time
+        return None
 
     def _oldest(self, count: int) -> list[int]:
         """The ``count`` least recently used keys (fewer if there are not as many)."""
@@ -318,7 +186,7 @@ class RankPrefixIndex:
         that repeats in ``keys`` ends where its first occurrence puts it.
         """
         if self._held is not None:
-            held = sum(1 for _ in takewhile(self._held.__contains__, keys))
+            held = sum(1 for _ in takewhile(self.__contains__, keys))
             self._store_chain(keys, held, now)
             return
         if self._displaced:
@@ -389,28 +257,40 @@ class RankPrefixIndex:
         count = len(keys)
         fresh = list(keys[held:])
         # The new keys, a piece per stretch of PIECE_BLOCKS (or the part of one from ``held``).
-        starts = [held, *range((held // PIECE_BLOCKS + 1) * PIECE_BLOCKS, count, PIECE_BLOCKS)]
-        ends = [*starts[1:], count]
-        runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
-        new = list(map(_Piece, runs, starts, repeat(now))) if fresh else []
-        owner = chain.from_iterable(map(repeat, new, map(len, runs)))
-        by_key.update(zip(fresh, owner, strict=True))
+        boundary = (held // PIECE_BLOCKS + 1) * PIECE_BLOCKS
+        new: list[_Piece] = []
+        if not fresh:
+            pass
+        elif count <= boundary:  # one piece (a follow-up turn's new blocks, usually)
+            new.append(_Piece(fresh, held, now))
+            by_key[fresh[0]] = new[0]
+        else:
+            starts = [held, *range(boundary, count, PIECE_BLOCKS)]
+            ends = [*starts[1:], count]
+            runs = [fresh[a - held : b - held] for a, b in zip(starts, ends, strict=True)]
+            new = list(map(_Piece, runs, starts, repeat(now)))
+            by_key.update(zip(map(itemgetter(0), runs), new, strict=True))
+        self._count += len(fresh)
         if refreshed and depth > held:  # the last piece runs past the prefix: split it
             last = refreshed[-1]
             cut = held - last.lo
             part = _Piece(last.keys[:cut], last.lo, now)
             del last.keys[:cut]
             last.lo = held
-            by_key.update(zip(part.keys, repeat(part)))
+            by_key[part.keys[0]] = part
+            by_key[last.keys[0]] = last
             refreshed[-1] = part
-        pieces.update(zip(reversed(new), repeat(None)))
+        if len(new) == 1:
+            pieces[new[0]] = None
+        else:
+            pieces.update(zip(reversed(new), repeat(None)))
         for piece in reversed(refreshed):
             pieces.pop(piece, None)  # (the split-off part is not in yet)
             piece.time = now
             pieces[piece] = None
         if fresh:
             self._own_new(fresh)
-        excess = len(by_key) - self.capacity_blocks
+        excess = self._count - self.capacity_blocks
         if excess > 0:
             self._evict_pieces(excess)
 
@@ -432,8 +312,11 @@ class RankPrefixIndex:
             if len(keys) == need:
                 break
         deque(map(pieces.__delitem__, emptied), maxlen=0)
-        gone = list(map(by_key.pop, victims, repeat(None)))
-        self._disown(list(compress(victims, gone)))
+        for piece in emptied:
+            if by_key.get(piece.keys[0]) is piece:
+                del by_key[piece.keys[0]]
+        self._count -= len(victims)
+        self._disown(victims)
 
     def _materialize(self) -> None:
         """Leave chain mode: the pieces become the plain order (same keys, times, order)."""
@@ -445,6 +328,7 @@ class RankPrefixIndex:
         self._seen = seen
         self._held = None
         self._pieces = {}
+        self._count = 0
 
     def _evict_over_capacity(self) -> None:
         excess = len(self._seen) - self.capacity_blocks
@@ -523,9 +407,10 @@ class RankPrefixIndex:
 
     def clear(self) -> None:
         if self._held is not None:
-            self._disown(list(self._held))
+            self._disown(list(chain.from_iterable(piece.keys for piece in self._pieces)))
             self._held.clear()
             self._pieces.clear()
+            self._count = 0
             return
         self._forget(list(self._seen))
         self._provisional.clear()
@@ -591,14 +476,16 @@ class RankPrefixIndex:
     def matched_blocks(self, keys: Sequence[int], now: float) -> int:
         """How many leading blocks of ``keys`` are cached here (chained: stops at a miss)."""
         self.expire(now)
-        held = self._seen if self._held is None else self._held
-        return len(list(takewhile(held.__contains__, keys)))
+        held = self._seen.__contains__ if self._held is None else self.__contains__
+        return len(list(takewhile(held, keys)))
 
     # --- read-only views (tests, diagnostics): copies, never the index's own state ---------
 
     def blocks(self) -> dict[int, float]:
         """Every block believed cached here -> when it was last seen, least recently used
         first (the order eviction takes them in). A copy."""
+        if self._held is not None:
+            return {key: piece.time for piece in self._pieces for key in reversed(piece.keys)}
         last_seen = self.last_seen
         return {key: last_seen(key) or 0.0 for key in self._oldest(len(self))}
 

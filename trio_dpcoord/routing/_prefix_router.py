@@ -17,7 +17,6 @@ from ..protocol import (
 )
 from ._prefix_index import (
     CHUNK_BLOCKS,
-    DEFAULT_BLOCK_SIZE,
     ROOT_KEY,
     ChunkedKeys,
     ChunkKeys,
@@ -25,141 +24,9 @@ from ._prefix_index import (
     RankPrefixIndex,
     block_keys,
 )
+from ._settings import PrefixRouting, RouteDecision, RouterCounters
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefixRouting:
-    """The prefix policy's settings (``EngineChooser(..., prefix=PrefixRouting(...))``).
-
-    ``block_size``: tokens per block, as the engines' ``--block-size`` (vLLM: 16); only
-    full blocks are matched. ``capacity_blocks``: blocks remembered per rank; set it to
-    the engines' KV-cache size in blocks (vLLM logs it as ``# GPU blocks``), since an
-    index larger than the real cache believes evicted blocks are still there (the
-    default, 16,384 blocks = 262,144 tokens, is a mid-size GPU's; the index costs about
-    250 bytes a block). ``max_age``: seconds after which an unseen block is forgotten
-    (within ``max_age / 8`` more), the bound on stale beliefs when events are lost.
-    ``imbalance_abs`` (tokens) and ``imbalance_rel``: when the busiest rank's queued
-    work exceeds the idlest's by more than ``imbalance_abs`` *and* by a factor of more
-    than ``imbalance_rel``, the loads are imbalanced beyond what affinity may cost and
-    the guard sends the request to the least loaded rank (SGLang's cache-aware router
-    has the same two thresholds, in requests). The defaults, 4,096 tokens and 3x, lose
-    least in the worst case of sweeps on the lock-step model and the process fleet
-    (``benchmarks/README.md``, the routing section); no setting is best everywhere. With
-    caches of two documents a rank, a guard that never fires (SGLang's 32,768) left most
-    of 64 ranks idle behind the holders of a few shared documents (2.3x vLLM's
-    throughput, against 4.8x); with caches twice as large the default costs a fifth
-    there instead (7.3x against 9.0x); a tighter guard (2x, 1.5x, or 3,072 tokens)
-    broke up conversations for nothing (multi-turn up to 15 % slower, and on the
-    fleet, whose load reports lag, 4 points of hit rate). ``feed``: ``"approximate"`` takes every
-    routed prompt as cached on its rank; ``"exact"`` learns from the engines' KV
-    events (:meth:`~trio_dpcoord.EngineChooser.receive_kv_events`), and takes a routed
-    prompt's new blocks as cached *provisionally*, for ``provisional_age`` seconds
-    (``max_age`` at most; within ``provisional_age / 8`` more), until the rank's events
-    confirm them: an engine stores a prompt's blocks only when it computes them, after
-    its queue, and without the provisional belief the next turn of a conversation
-    routed before that would find nothing anywhere (0: events only).
-    Provisional blocks count against ``capacity_blocks`` as the engine's own do (it
-    makes room for a prompt by evicting); the reported blocks they push out are kept
-    aside, unbelieved, until the events say which ones the engine evicted, so the index
-    remembers at most twice ``capacity_blocks`` a rank and believes at most that.
-
-    ``reuse_weight``: the choice's price, in tokens, for each token of the deepest known
-    prefix of the prompt that the chosen rank lacks, on top of computing it there: a
-    rank's cost is its queued work plus the prompt tokens it would compute plus
-    ``reuse_weight`` times the cached tokens it throws away (computed again by the fleet,
-    and lost to the next requests of that prefix, which would have found it where it
-    was). So a request stays on the rank holding its longest prefix until that rank's
-    queue exceeds another's by more than ``1 + reuse_weight`` times the cached tokens.
-    The default, 1: on a real ``vllm serve`` (``benchmarks/README.md``, the real-engine
-    section) 0, the least own work, lost 4-5 points of hit rate and 3 matched 1 within a
-    point; on the lock-step model 1 did best of 0, 1, 3 and 10 but for 64 ranks of
-    shared documents. With nothing cached the cost is the queue alone: the least loaded
-    rank (vLLM's choice when the queued work is vLLM's score in tokens, as the vLLM
-    plugin passes it), or the caller's own choice if it gives one
-    (:meth:`PrefixRouter.route`'s ``unshared_choice``, as :class:`EngineChooser` does).
-    ``rendezvous_slack``: 0 (the default) or, for front-ends that each keep their own
-    index (several API servers, approximate feed), the load tolerance, in prompts, of a
-    choice they all agree on: when no single rank holds more of the prompt than every
-    other, the rank is chosen by rendezvous hashing of the prompt's first block past
-    the prefix they share, among the ranks whose cost is within ``rendezvous_slack``
-    times the prompt's tokens of the best. A conversation's first turns and a
-    document's readers then meet on one rank whichever front-end takes them (a session
-    one front-end moved, the others do not follow: the KV-event feed shares that). With
-    nothing shared it is a spread by hash within the slack, not the least loaded rank.
-    ``rendezvous_home`` (with ``rendezvous_slack``; off by default, an experiment): the
-    rendezvous decides every choice, not only those no single rank holds more of, and
-    hashes the prompt's first block past its last *branch point*, the deepest block this
-    router has seen followed by two different blocks (the end of a shared system prompt
-    or document), among the ranks holding the prompt up to that point if any do: a
-    conversation's turns then have one home whatever each front-end knows of where its
-    history is cached, as long as the home's cost is within the slack of the best. On
-    the lock-step model with two front-ends (approximate feed, 20 requests/s a rank,
-    slack 3; ``python -m benchmarks._front_ends``) it raised multi-turn's hit rate from
-    0.73-0.75 to 0.81-0.82 at DP = 2 (one front-end: 0.80-0.81) and from 0.63 to
-    0.69-0.75 at DP = 8 (one: 0.78-0.81), shared documents' from 0.42 to 0.48 at DP = 8;
-    with nothing shared it spreads by hash within the slack (0.91-0.98x the throughput
-    of vLLM's choice in the model). On a real ``vllm serve`` with two API servers, one
-    run: 70.7 % multi-turn hit rate against 64-65 % with the default rendezvous and
-    72.7 % with one server.
-    """
-
-    block_size: int = DEFAULT_BLOCK_SIZE
-    capacity_blocks: int = 16384
-    max_age: float = 600.0
-    imbalance_abs: float = 4096.0
-    imbalance_rel: float = 3.0
-    feed: Feed = "approximate"
-    provisional_age: float = 10.0
-    reuse_weight: float = 1.0
-    rendezvous_slack: float = 0.0
-    rendezvous_home: bool = False
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
-        if not self.max_age > 0:
-            raise ValueError(f"max_age must be > 0, got {self.max_age}")
-        if not self.imbalance_abs >= 0 or not self.imbalance_rel >= 1:
-            raise ValueError("need imbalance_abs >= 0 and imbalance_rel >= 1")
-        if self.feed not in ("approximate", "exact"):
-            raise ValueError(f"feed must be 'approximate' or 'exact', got {self.feed!r}")
-        if not self.provisional_age >= 0:
-            raise ValueError(f"provisional_age must be >= 0, got {self.provisional_age!r}")
-        if not self.reuse_weight >= 0:
-            raise ValueError(f"reuse_weight must be >= 0, got {self.reuse_weight!r}")
-        if not self.rendezvous_slack >= 0:
-            raise ValueError(f"rendezvous_slack must be >= 0, got {self.rendezvous_slack!r}")
-
-
-@dataclass
-class RouterCounters:
-    """What the router did: decisions (pinned ones included), the prompt tokens they
-    routed and how many of those were believed cached on the chosen rank, guard
-    fallbacks, KV-event batches applied, rejected (undecodable or from an unknown rank)
-    and sequence gaps (lost or reordered batches, each of which forgot that rank's
-    exact knowledge)."""
-
-    decisions: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    guard_fallbacks: int = 0
-    event_batches: int = 0
-    rejected_event_batches: int = 0
-    event_gaps: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """One choice: the rank, the prompt's tokens believed cached there, and whether the
-    imbalance guard made it (least loaded, affinity ignored)."""
-
-    rank: int
-    cached_tokens: int
-    guarded: bool
 
 
 @dataclass
@@ -207,6 +74,12 @@ class PrefixRouter:
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
     (and, until they are due, believes its own decisions provisionally).
 
+    With :attr:`defer_store` set, :meth:`route` returns before the routed prompt is
+    learnt, which :meth:`settle` does (a front-end calls it once the request is sent;
+    anything that reads or changes the indexes does it first): the same choices and
+    indexes, the store (and hashing the prompt past what the walk read) off the
+    decision's latency.
+
     ``indexes`` are the router's own: outside code may store whole prompts in them
     (``store(block_keys(tokens, block_size), now)``, as the vLLM plugin does for pinned
     requests) and nothing else, since with the approximate feed the walk relies on every
@@ -223,7 +96,12 @@ class PrefixRouter:
         """Block key -> bit mask of the ranks believed to hold it."""
         self._all = 0
         self._byte_ranks: list[list[tuple[int, ...]]] = []
-        self.indexes: list[RankPrefixIndex] = []
+        self._indexes: list[RankPrefixIndex] = []
+        self._pending: tuple[int, Sequence[int], int, float] | None = None
+        """The routed prompt :meth:`settle` stores: (rank, keys, blocks held, now)."""
+        self.defer_store = False
+        """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next);
+        the prompt's token list must not change until then (it is read then)."""
         self._exact: list[_ExactRank] = []
         self._keys = ChunkKeys(self.block_size, 0)
         self._closed = self.feed == "approximate"
@@ -247,17 +125,18 @@ class PrefixRouter:
         """Elastic EP: follow a new rank count (ranks beyond it are forgotten)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
-        for index in self.indexes[ranks:]:
+        self.settle()
+        for index in self._indexes[ranks:]:
             index.clear()
-        del self.indexes[ranks:], self._exact[ranks:]
+        del self._indexes[ranks:], self._exact[ranks:]
         routing = self.routing
-        for rank in range(len(self.indexes), ranks):
+        for rank in range(len(self._indexes), ranks):
             index = RankPrefixIndex(
                 routing.capacity_blocks, routing.max_age, bit=1 << rank, owners=self._owners
             )
             if self._closed:
                 index._chain_mode()  # every store a prompt's chain: the order in pieces
-            self.indexes.append(index)
+            self._indexes.append(index)
             self._exact.append(_ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
@@ -269,6 +148,12 @@ class PrefixRouter:
             for offset in range(width)
         ]
         self._rotation = getattr(self, "_rotation", 0) % ranks
+
+    @property
+    def indexes(self) -> list[RankPrefixIndex]:
+        """The ranks' indexes (see the class docstring), the last routed prompt stored."""
+        self.settle()
+        return self._indexes
 
     @property
     def stored_blocks(self) -> int:
@@ -311,17 +196,21 @@ class PrefixRouter:
         if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
             raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
         self.counters.decisions += 1
-        keys: Sequence[int] = self._keys(token_ids)
-        if not self._closed:
-            keys = list(keys)  # the plain indexes and the walk block by block take a list
+        if self._pending is not None:
+            self.settle()
+        # Closed indexes: the rest of the keys as the walk needs them; else a list (the
+        # plain indexes and the walk block by block take one).
+        keys: Sequence[int] = (
+            self._keys.lookup(token_ids) if self._closed else list(self._keys(token_ids))
+        )
         if now >= self._next_sweep:
-            for index in self.indexes:
+            for index in self._indexes:
                 index.expire(now)
             self._next_sweep = now + self.routing.max_age / 8
         if self.feed == "exact" and self.routing.provisional_age and now >= self._next_belief_sweep:
             # Every rank's due beliefs end, not only the chosen rank's: a rank no
             # request went to since must not keep a belief no event confirmed.
-            for index in self.indexes:
+            for index in self._indexes:
                 index.expire_provisional(now)
             self._next_belief_sweep = now + self.routing.provisional_age / 8
         groups = self._walk(keys)
@@ -336,16 +225,39 @@ class PrefixRouter:
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
             if self.feed == "approximate":
-                index = self.indexes[decision.rank]
-                if index._held is not None:  # chain mode: the held prefix is the walk's
-                    index._store_chain(keys, decision.cached_tokens // self.block_size, now)
-                else:
-                    index.store(keys, now)
+                # learnt now, or by :meth:`settle` (``defer_store``): before anything reads
+                # or changes the indexes again
+                held = decision.cached_tokens // self.block_size
+                self._pending = (decision.rank, keys, held, now)
+                if not self.defer_store:
+                    self.settle()
             elif self.routing.provisional_age > 0:
                 # the exact feed's belief in a prompt just routed, until events are due
                 until = now + min(self.routing.provisional_age, self.routing.max_age)
-                self.indexes[decision.rank].store_provisionally(keys, now, until)
+                self._indexes[decision.rank].store_provisionally(keys, now, until)
         return decision
+
+    def settle(self) -> None:
+        """Learn the last routed prompt on its rank (approximate feed), if not yet done.
+
+        With :attr:`defer_store` set, :meth:`route` returns its choice before storing the
+        prompt (the store, and hashing the prompt's blocks past what the walk read, are
+        most of a decision's work): call this once the request is on its way, off the
+        decision's latency. It is done anyway before anything reads or changes the
+        indexes (the next decision, KV events, :attr:`indexes`, the views), so the
+        choices and the indexes are the same either way."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        rank, keys, held, now = pending
+        if isinstance(keys, ChunkedKeys):
+            keys.complete()
+        index = self._indexes[rank]
+        if index._held is not None:  # chain mode: the held prefix is the walk's
+            index._store_chain(keys, held, now)
+        else:
+            index.store(keys, now)
 
     def _learn_branches(self, keys: Sequence[int]) -> None:
         children = self._children
@@ -416,21 +328,53 @@ class PrefixRouter:
         along the prompt, and a stretch whose two ends have the same holders has them
         throughout. Bisecting the stretches whose ends differ finds every depth where
         ranks drop out in about (depths where some do) x log2(blocks) lookups instead of
-        one a block: 2 for a prompt held whole by the same ranks."""
+        one a block: 2 for a prompt held whole by the same ranks.
+
+        Keys from :meth:`ChunkKeys.lookup` may be known only for the prompt's leading
+        chunks: while some rank holding the last known block holds the next one (its key
+        alone, :meth:`ChunkedKeys.probe`), the next chunk is keyed
+        (:meth:`ChunkedKeys.extend`); then the walk ends, and the rest of the prompt is
+        hashed only when it is stored (a follow-up turn: its new tokens past the chunk
+        where it leaves its history; no reuse: all but one block)."""
         count = len(keys)
         if not count:
             return []
+        owners = self._owners.get
+        everyone = self._all
         # keys[k] is chunks[k // span][k % span], without a Python-level call per key
         chunks: Sequence[Sequence[int]] = [keys]
         span = count
         if isinstance(keys, ChunkedKeys):
-            chunks, span = keys.chunks, CHUNK_BLOCKS
-        owners = self._owners.get
-        everyone = self._all
-        first = owners(keys[0], 0) & everyone
+            chunks, span = keys.chunks, CHUNK_BLOCKS  # (the list extend() appends to)
+            if keys.known < count:
+                if not keys.known:
+                    if not owners(keys.probe(), 0) & everyone:
+                        return []
+                    keys.extend()
+                first = owners(chunks[0][0], 0) & everyone
+                if not first:
+                    return []
+                while True:  # a chunk more while ranks hold the block past the known ones
+                    known = keys.known
+                    end = known - 1
+                    last = owners(chunks[end // span][end % span], 0) & first
+                    if known == count or not last or not owners(keys.probe(), 0) & last:
+                        return self._bisect_range(chunks, span, known, first, last)
+                    keys.extend()
+        first = owners(chunks[0][0], 0) & everyone
         if not first:
             return []
-        last = owners(keys[-1], 0) & first
+        end = count - 1
+        last = owners(chunks[end // span][end % span], 0) & first
+        return self._bisect_range(chunks, span, count, first, last)
+
+    def _bisect_range(
+        self, chunks: Sequence[Sequence[int]], span: int, count: int, first: int, last: int
+    ) -> list[tuple[int, int]]:
+        """:meth:`_bisect` of the first ``count`` keys (``chunks`` of ``span``), the
+        holders of the first (``first``) and of the last (``last``) given; none of the
+        ranks holding the last one holds the key after it."""
+        owners = self._owners.get
         groups: list[tuple[int, int]] = []
         # Stretches (low, high, holders at low, holders at high), leftmost on top.
         stack = [(0, count - 1, first, last)]
@@ -484,8 +428,8 @@ class PrefixRouter:
         rest = keys[held:]
         masks: dict[int, int] = {}
         for rank in self._members(ranks):
-            index = self.indexes[rank]
-            contains = (index._seen if index._held is None else index._held).__contains__
+            index = self._indexes[rank]
+            contains = index._seen.__contains__ if index._held is None else index.__contains__
             depth = held + len(list(takewhile(contains, rest)))
             masks[depth] = masks.get(depth, 0) | 1 << rank
         groups.extend(sorted(masks.items()))
@@ -623,8 +567,9 @@ class PrefixRouter:
             self.counters.rejected_event_batches += 1
             logger.warning("KV event batch from rank %d rejected: %s", rank, exc)
             return False
+        self.settle()
         state = self._exact[rank]
-        index = self.indexes[rank]
+        index = self._indexes[rank]
         if state.last_seq is not None and seq != state.last_seq + 1:
             self.counters.event_gaps += 1
             logger.warning(
@@ -636,7 +581,7 @@ class PrefixRouter:
         self.counters.event_batches += 1
         if self._closed:  # chains continued from a parent, evictions in any order
             self._closed = False
-            for each in self.indexes:
+            for each in self._indexes:
                 each._materialize()
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -670,6 +615,7 @@ class PrefixRouter:
     def block_owners(self) -> dict[int, int]:
         """Block key -> bit mask of the ranks believed to hold it (bit ``r``: rank ``r``),
         every rank's index together. A copy."""
+        self.settle()
         return dict(self._owners)
 
     def prefix_groups(self, keys: Sequence[int]) -> list[tuple[int, int]]:
@@ -677,4 +623,5 @@ class PrefixRouter:
         ``(leading blocks held, bit mask of the ranks holding exactly that many)`` per
         depth, deepest last, ranks holding none omitted. What one decision weighs; it
         changes nothing (not even the indexes' recency or ages)."""
+        self.settle()
         return self._walk(keys)
