@@ -11,8 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks._client_ceiling import SCHEDULER, STARTUP, breakdown
-from benchmarks._stand_in_engine import outputs_frame
-from trio_dpcoord import protocol
+from benchmarks._stand_in_engine import (
+    TOKEN,
+    decode_add,
+    outputs_frame,
+    step_frame,
+    wire_request,
+)
+from trio_dpcoord import SamplingParams, protocol
 
 items = st.lists(
     st.tuples(st.text(max_size=8), st.integers(0, 2**32), st.sampled_from([None, 1, 2])),
@@ -39,6 +45,57 @@ def test_the_stand_in_engines_write_the_encoders_bytes(
         )
     )
     assert outputs_frame(rank, rows, timestamp) == expected
+
+
+LENGTH = protocol.FINISH_REASONS.index("length")
+
+
+@given(
+    st.lists(
+        st.tuples(st.text(max_size=12), st.integers(1, 3)), max_size=40, unique_by=lambda t: t[0]
+    ),
+    st.integers(0, 3),
+    st.floats(0, 1e9),
+)
+def test_a_pre_encoded_step_is_the_encoders_bytes(
+    requests: list[tuple[str, int]], rank: int, timestamp: float
+) -> None:
+    """Each step of pre-encoded outputs, joined, is the frame the checked encoder writes
+    for the same outputs (token :data:`TOKEN`, the last with finish reason ``length``);
+    a request leaves the running set with its last output, and the frames of one set of
+    requests count down to none (up to 40 outputs: msgpack's 16-item header edge)."""
+    running = [wire_request(rid, tokens) for rid, tokens in requests]
+    left = {rid: max(1, tokens) for rid, tokens in requests}
+    steps = 0
+    while running:
+        rows = [
+            (
+                r.request_id,
+                TOKEN,
+                None if left[r.request_id] > 1 else protocol.FINISH_REASONS.index("length"),
+            )
+            for r in running
+        ]
+        frame, running = step_frame(rank, running, timestamp)
+        assert frame == outputs_frame(rank, rows, timestamp)
+        for r in rows:
+            left[r[0]] -= 1
+        assert [r.request_id for r in running] == [r[0] for r in rows if left[r[0]] > 0]
+        steps += 1
+    assert steps == max((t for _, t in requests), default=0)
+
+
+def test_the_stand_in_reads_an_add_as_the_checked_decoder_does() -> None:
+    """The stand-in's one msgspec call takes from an ADD what the checked decoder does:
+    the request id, ``max_tokens`` (vLLM's default 16 when the map omits it), the wave."""
+    for params, wave in ((SamplingParams(max_tokens=5), 3), (SamplingParams(), 0)):
+        frames = protocol.encode_add("r-1", [1, 2, 3], params, arrival_time=1.0, current_wave=wave)
+        checked = protocol.decode_engine_request(frames)
+        assert decode_add(frames[1]) == (
+            checked.request_id,
+            checked.max_tokens,
+            checked.current_wave,
+        )
 
 
 def stack(*frames: str) -> str:
