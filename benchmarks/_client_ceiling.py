@@ -556,7 +556,73 @@ def parts(repeat: int = 5) -> dict[str, float]:
         number = max(1, 20_000 // per)
         best = min(timeit.repeat(call, number=number, repeat=repeat)) / number
         out[name] = best / per * 1e6
+    for reading in (False, True):
+        name = (
+            "floor: a request's 16 outputs decoded and delivered, "
+            + ("each read by its task (async for)" if reading else "gathered (complete)")
+            + ", per request"
+        )
+        out[name] = min(_delivery_floor(params, reading) for _ in range(repeat))
     return out
+
+
+def _delivery_floor(params: Any, reading: bool, size: int = 1024, tokens: int = 16) -> float:
+    """Microseconds of CPU per request for the client's receive path alone, in one trio
+    run without sockets or engines: ``size`` streams open (as ``generate`` leaves them,
+    a task each reading its stream with ``async for`` when ``reading``, else gathering
+    tokens as ``complete`` does, woken once at the end), ``tokens`` engine steps of one
+    output per stream each decoded by the client's decoder and handed to the streams
+    (``RequestStream._push``), the readers run after each step."""
+    import trio
+    import trio.testing
+
+    from benchmarks._stand_in_engine import TOKEN, outputs_frame
+    from trio_dpcoord import protocol
+    from trio_dpcoord._shell.request_stream import RequestStream
+
+    rids = [f"trio-0123456789ab-{i}" for i in range(size)]
+    frames = [
+        outputs_frame(0, [(rid, TOKEN, None if step < tokens - 1 else 1) for rid in rids], 1.0)
+        for step in range(tokens)
+    ]
+    reasons = protocol.FINISH_REASONS
+    elapsed = 0.0
+
+    async def main() -> None:
+        nonlocal elapsed
+        streams: dict[str, RequestStream] = {}
+        for rid in rids:
+            stream = RequestStream(None, rid, [1], params, None, 0, 1 << 20)  # type: ignore[arg-type]
+            stream._entered = True
+            if not reading:
+                stream._collected = []
+            streams[rid] = stream
+
+        async def read(stream: RequestStream) -> None:
+            if reading:
+                async for _ in stream:
+                    pass
+            else:
+                await stream._until_ended()
+
+        async with trio.open_nursery() as nursery:
+            for stream in streams.values():
+                nursery.start_soon(read, stream)
+            await trio.testing.wait_all_tasks_blocked()
+            began = time.process_time()
+            get = streams.get
+            for frame in frames:
+                message = protocol.decode_client_frames([frame])
+                for out in message[0]:  # type: ignore[index]
+                    found = get(out.request_id)
+                    if found is not None:
+                        finish = out.finish_reason
+                        found._push(out.new_token_ids, None if finish is None else reasons[finish])
+                await trio.lowlevel.checkpoint()  # the readers woken run
+        elapsed = time.process_time() - began  # once every reader ended
+
+    trio.run(main)
+    return elapsed / size * 1e6
 
 
 def _floor_parts(params: Any) -> dict[str, tuple[Any, int]]:
