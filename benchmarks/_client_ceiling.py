@@ -3,14 +3,16 @@
 The ``client`` section (:mod:`benchmarks._engine_client`) puts both clients in front of
 real vLLM engines, whose forward passes set the pace: the clients idle most of the time,
 and their CPU per request is measured but their ceiling is not. Here the engines are
-stand-ins that answer at wire speed: simulated engine cores (``python -m
-trio_dpcoord.sim engine --handshake-address ...``, :mod:`trio_dpcoord.sim.engine_core`:
-vLLM's handshake, ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out, lock-step waves
-through the client's DP coordinator) with ``step_time`` 0 and room for every request in
-flight, writing their outputs with one ``msgpack.packb`` per step
-(:mod:`benchmarks._stand_in_engine`, the same bytes). With enough requests in flight the
-client process is what limits: its requests/s is its ceiling, its CPU per request and
-per output token its cost.
+stand-ins that cost far less per request than a client: simulated engine cores
+(``python -m trio_dpcoord.sim engine --handshake-address ...``,
+:mod:`trio_dpcoord.sim.engine_core`: vLLM's handshake, ``EngineCoreRequest`` in,
+``EngineCoreOutputs`` out, lock-step waves through the client's DP coordinator) with room
+for every request in flight, a short step time, one msgspec call per ADD and each step
+one frame joined from pre-encoded outputs (:mod:`benchmarks._stand_in_engine`, the same
+bytes as the protocol's encoder). With enough requests in flight the client process is
+what limits (its CPU near a whole core, the engines' total well below, both in the
+results): its requests/s is its ceiling, its CPU per request and per output token its
+cost.
 
 The same workers as the ``client`` section, on the same kind of plan:
 
@@ -368,6 +370,11 @@ def best(measured: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _share(best_pass: dict[str, Any]) -> str:
+    share = best_pass.get("engines_cpu_share")
+    return "?" if share is None else f"{share:.0%}"
+
+
 def figures(passes: dict[str, dict[str, list[dict[str, Any]]]], load: str) -> list[dict[str, Any]]:
     """The rows of ``python -m benchmarks client_ceiling`` (keyword arguments of
     ``benchmarks.run.Row``): per shape, ours against vLLM's best pass."""
@@ -378,7 +385,8 @@ def figures(passes: dict[str, dict[str, list[dict[str, Any]]]], load: str) -> li
         label = base["client"]
         share = (
             f"client busy {ours['client_cpu_share']:.0%} of its time, vLLM's "
-            f"{base['client_cpu_share']:.0%}; passes (req/s): ours {ours['passes_per_s']}, "
+            f"{base['client_cpu_share']:.0%}; the engines {_share(ours)} / {_share(base)} "
+            f"of a core; passes (req/s): ours {ours['passes_per_s']}, "
             f"vLLM {base['passes_per_s']}"
         )
         rate = ours["requests_per_s"] / base["requests_per_s"]
