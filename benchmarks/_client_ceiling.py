@@ -83,19 +83,22 @@ class CeilingSizes:
 
 CEILING_QUICK = CeilingSizes(
     requests=20_000,
-    concurrency=4096,
+    concurrency=2048,
     max_tokens=16,
-    warmup=4096,
+    warmup=2048,
     passes=3,
     rounds=1,
-    step_time=0.004,
+    step_time=0.002,
 )
 CEILING_FULL = replace(CEILING_QUICK, rounds=2)
-"""4096 requests in flight over 2 engines, a step every 4 ms or a little more: the engines
-could serve 4096 / (16 x 4 ms) = 64k requests/s, well above either client, and their CPU
-stays well below the client's (a few hundred steps per second, ~1000 outputs per frame;
-``engines_cpu_share`` in the results). With a step time of 0 they step as fast as their
-loop turns and each spends a whole core on the lock-step collective."""
+"""2048 requests in flight over 2 engines, a step every 2 ms or a little more: the engines
+could serve 2048 / (16 x 2 ms) = 64k requests/s, well above either client, and their CPU
+stays well below the client's (a few hundred steps per second, hundreds of outputs per
+frame; ``engines_cpu_share`` in the results). With a step time of 0 they step as fast as
+their loop turns and each spends a whole core on the lock-step collective. The point is
+vLLM's client's best of those tried (benchmarks/README.md): its CPU per request grows with
+the requests in flight (about doubled at 4096), ours does not; at 1024 in flight the
+engines (1 ms steps) pace vLLM's client."""
 
 
 def unavailable() -> str | None:
