@@ -152,3 +152,75 @@ def test_the_breakdown_sorts_stacks_into_the_request_path(tmp_path: Path) -> Non
         }
     )
     assert list(shares) == sorted(shares, key=lambda name: -shares[name])
+
+
+@pytest.mark.trio
+async def test_the_client_gets_every_token_from_the_stand_in_engines(tmp_path: Path) -> None:
+    """Two stand-in engines (in this process) behind the real engine client, over real
+    sockets: every request gets exactly its ``max_tokens`` outputs (token :data:`TOKEN`,
+    finish reason ``length``) whether its tokens are gathered, read one by one, or pinned
+    to a rank, with many requests in flight (ADDs batched per receive, steps of many
+    outputs); a stream left early is aborted and the engines go on serving the rest."""
+    import trio
+
+    from benchmarks._stand_in_engine import WireSpeedEngineCore
+    from tests.vllm_real import free_port
+    from trio_dpcoord import SamplingParams, open_engine_client
+    from trio_dpcoord.sim.engine_config import EngineConfig
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engines = [
+        WireSpeedEngineCore(
+            EngineConfig(
+                rank=rank,
+                engine_count=2,
+                back_publish_address="",
+                back_output_address="",
+                request_address="",
+                completion_address="",
+                collective_address=f"ipc://{tmp_path}/collective",
+                step_time=0.001,
+                max_running=256,
+            ),
+            address,
+        )
+        for rank in range(2)
+    ]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(engine.run)  # it says HELLO once the client listens
+            async with open_engine_client(2, address) as client:
+                results: list[tuple[int, tuple[int, ...], str]] = []
+
+                async def gathered(tokens: int, rank: int | None) -> None:
+                    done = await client.complete(
+                        [1, 2, 3], SamplingParams(max_tokens=tokens), rank=rank
+                    )
+                    results.append((tokens, done.token_ids, done.finish_reason))
+
+                async def read(tokens: int) -> None:
+                    got: list[int] = []
+                    async with client.generate([4, 5], SamplingParams(max_tokens=tokens)) as stream:
+                        async for output in stream:
+                            got += output.new_token_ids
+                    assert stream.finish_reason is not None
+                    results.append((tokens, tuple(got), stream.finish_reason))
+
+                async with trio.open_nursery() as load:
+                    for i in range(200):
+                        if i % 2:
+                            load.start_soon(read, 1 + i % 7)
+                        else:
+                            load.start_soon(
+                                gathered, 1 + i % 5, (i // 2) % 2 if i % 10 == 0 else None
+                            )
+                async with client.generate([6], SamplingParams(max_tokens=10_000)) as stream:
+                    async for _ in stream:
+                        break  # left early: aborted on its engine
+                await gathered(3, None)  # the engines still serve
+                assert client.in_flight() == []
+            nursery.cancel_scope.cancel()
+    assert len(results) == 201
+    for tokens, token_ids, reason in results:
+        assert token_ids == (TOKEN,) * tokens and reason == "length"
