@@ -3,14 +3,16 @@
 The ``client`` section (:mod:`benchmarks._engine_client`) puts both clients in front of
 real vLLM engines, whose forward passes set the pace: the clients idle most of the time,
 and their CPU per request is measured but their ceiling is not. Here the engines are
-stand-ins that answer at wire speed: simulated engine cores (``python -m
-trio_dpcoord.sim engine --handshake-address ...``, :mod:`trio_dpcoord.sim.engine_core`:
-vLLM's handshake, ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out, lock-step waves
-through the client's DP coordinator) with ``step_time`` 0 and room for every request in
-flight, writing their outputs with one ``msgpack.packb`` per step
-(:mod:`benchmarks._stand_in_engine`, the same bytes). With enough requests in flight the
-client process is what limits: its requests/s is its ceiling, its CPU per request and
-per output token its cost.
+stand-ins that cost far less per request than a client: simulated engine cores
+(``python -m trio_dpcoord.sim engine --handshake-address ...``,
+:mod:`trio_dpcoord.sim.engine_core`: vLLM's handshake, ``EngineCoreRequest`` in,
+``EngineCoreOutputs`` out, lock-step waves through the client's DP coordinator) with room
+for every request in flight, a short step time, one msgspec call per ADD and each step
+one frame joined from pre-encoded outputs (:mod:`benchmarks._stand_in_engine`, the same
+bytes as the protocol's encoder). With enough requests in flight the client process is
+what limits (its CPU near a whole core, the engines' total well below, both in the
+results): its requests/s is its ceiling, its CPU per request and per output token its
+cost.
 
 The same workers as the ``client`` section, on the same kind of plan:
 
@@ -42,12 +44,14 @@ fastest pass of each counts (background load on the shared machine only slows a 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import logging
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -74,15 +78,27 @@ class CeilingSizes:
     rounds: int
     engines: int = 2
     step_time: float = 0.0
-    """Seconds each simulated step sleeps: 0, the engines answer at wire speed."""
+    """Seconds each simulated step sleeps before it answers (at wire speed otherwise)."""
 
 
 CEILING_QUICK = CeilingSizes(
-    requests=4_000, concurrency=256, max_tokens=16, warmup=512, passes=3, rounds=1
+    requests=20_000,
+    concurrency=2048,
+    max_tokens=16,
+    warmup=2048,
+    passes=3,
+    rounds=1,
+    step_time=0.002,
 )
-CEILING_FULL = CeilingSizes(
-    requests=8_000, concurrency=256, max_tokens=16, warmup=512, passes=3, rounds=2
-)
+CEILING_FULL = replace(CEILING_QUICK, rounds=2)
+"""2048 requests in flight over 2 engines, a step every 2 ms or a little more: the engines
+could serve 2048 / (16 x 2 ms) = 64k requests/s, well above either client, and their CPU
+stays well below the client's (a few hundred steps per second, hundreds of outputs per
+frame; ``engines_cpu_share`` in the results). With a step time of 0 they step as fast as
+their loop turns and each spends a whole core on the lock-step collective. The point is
+vLLM's client's best of those tried (benchmarks/README.md): its CPU per request grows with
+the requests in flight (about doubled at 4096), ours does not; at 1024 in flight the
+engines (1 ms steps) pace vLLM's client."""
 
 
 def unavailable() -> str | None:
@@ -226,11 +242,64 @@ def measure(
                 )
                 for rank in range(sizes.engines)
             ]
-            result = _result(worker, engines)
+            with _CpuSampler([e.pid for e in engines]) as sampler:
+                result = _result(worker, engines)
             result["engines_cpu_s"] = sum(cpu_ns(e.pid) for e in engines) / 1e9
+            for measured in result["passes"]:
+                began = measured.get("began_unix")
+                if began is not None:
+                    measured["engines_pass_cpu_s"] = sampler.between(
+                        began, began + measured["seconds"]
+                    )
         return result
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+class _CpuSampler:
+    """The engines' CPU seconds (all their threads), sampled every ``period`` seconds on
+    a thread of the parent, so that each pass gets its own share (their start-up left
+    out): :meth:`between` interpolates two wall-clock times."""
+
+    def __init__(self, pids: list[int], period: float = 0.05) -> None:
+        self._pids = pids
+        self._period = period
+        self._samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        try:
+            cpu = sum(cpu_ns(pid) for pid in self._pids) / 1e9
+        except OSError:  # an engine gone
+            return
+        self._samples.append((time.time(), cpu))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self._period)
+
+    def __enter__(self) -> _CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()  # one after the last pass
+
+    def at(self, when: float) -> float | None:
+        samples = self._samples
+        i = bisect.bisect_left(samples, (when, -1.0))
+        if i == 0 or i == len(samples):
+            return None
+        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+        return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
+
+    def between(self, start: float, end: float) -> float | None:
+        a, b = self.at(start), self.at(end)
+        return None if a is None or b is None else b - a
 
 
 def engine_argv(sizes: CeilingSizes, rank: int, port: int, collective: str) -> list[str]:
@@ -290,8 +359,23 @@ def best(measured: list[dict[str, Any]]) -> dict[str, Any]:
             else None
         ),
         "engines_cpu_s_whole_run": top["engines_cpu_s"],
+        "engines_cpu_share": (
+            top["engines_pass_cpu_s"] / top["seconds"]
+            if top.get("engines_pass_cpu_s") is not None
+            else None
+        ),
+        "engines_us_per_request": (
+            top["engines_pass_cpu_s"] / top["requests"] * 1e6
+            if top.get("engines_pass_cpu_s") is not None
+            else None
+        ),
         "passes_per_s": [round(p["requests"] / p["seconds"], 1) for p in measured],
     }
+
+
+def _share(best_pass: dict[str, Any]) -> str:
+    share = best_pass.get("engines_cpu_share")
+    return "?" if share is None else f"{share:.0%}"
 
 
 def figures(passes: dict[str, dict[str, list[dict[str, Any]]]], load: str) -> list[dict[str, Any]]:
@@ -304,7 +388,8 @@ def figures(passes: dict[str, dict[str, list[dict[str, Any]]]], load: str) -> li
         label = base["client"]
         share = (
             f"client busy {ours['client_cpu_share']:.0%} of its time, vLLM's "
-            f"{base['client_cpu_share']:.0%}; passes (req/s): ours {ours['passes_per_s']}, "
+            f"{base['client_cpu_share']:.0%}; the engines {_share(ours)} / {_share(base)} "
+            f"of a core; passes (req/s): ours {ours['passes_per_s']}, "
             f"vLLM {base['passes_per_s']}"
         )
         rate = ours["requests_per_s"] / base["requests_per_s"]
@@ -476,12 +561,155 @@ def parts(repeat: int = 5) -> dict[str, float]:
             1,
         ),
     }
+    timed.update(_floor_parts(params))
     out = {}
     for name, (call, per) in timed.items():
         number = max(1, 20_000 // per)
         best = min(timeit.repeat(call, number=number, repeat=repeat)) / number
         out[name] = best / per * 1e6
+    for reading in (False, True):
+        name = (
+            "floor: a request's 16 outputs decoded and delivered, "
+            + ("each read by its task (async for)" if reading else "gathered (complete)")
+            + ", per request"
+        )
+        out[name] = min(_delivery_floor(params, reading) for _ in range(repeat))
     return out
+
+
+def _delivery_floor(params: Any, reading: bool, size: int = 1024, tokens: int = 16) -> float:
+    """Microseconds of CPU per request for the client's receive path alone, in one trio
+    run without sockets or engines: ``size`` streams open (as ``generate`` leaves them,
+    a task each reading its stream with ``async for`` when ``reading``, else gathering
+    tokens as ``complete`` does, woken once at the end), ``tokens`` engine steps of one
+    output per stream each decoded by the client's decoder and handed to the streams
+    (``RequestStream._push``), the readers run after each step."""
+    import trio
+    import trio.testing
+
+    from benchmarks._stand_in_engine import TOKEN, outputs_frame
+    from trio_dpcoord import RequestStream, protocol
+
+    rids = [f"trio-0123456789ab-{i}" for i in range(size)]
+    frames = [
+        outputs_frame(0, [(rid, TOKEN, None if step < tokens - 1 else 1) for rid in rids], 1.0)
+        for step in range(tokens)
+    ]
+    reasons = protocol.FINISH_REASONS
+    elapsed = 0.0
+
+    async def main() -> None:
+        nonlocal elapsed
+        streams: dict[str, RequestStream] = {}
+        for rid in rids:
+            stream = RequestStream(None, rid, [1], params, None, 0, 1 << 20)  # type: ignore[arg-type]
+            stream._entered = True
+            if not reading:
+                stream._collected = []
+            streams[rid] = stream
+
+        async def read(stream: RequestStream) -> None:
+            if reading:
+                async for _ in stream:
+                    pass
+            else:
+                await stream._until_ended()
+
+        async with trio.open_nursery() as nursery:
+            for stream in streams.values():
+                nursery.start_soon(read, stream)
+            await trio.testing.wait_all_tasks_blocked()
+            began = time.process_time()
+            get = streams.get
+            for frame in frames:
+                message = protocol.decode_client_frames([frame])
+                for out in message[0]:  # type: ignore[index]
+                    found = get(out.request_id)
+                    if found is not None:
+                        finish = out.finish_reason
+                        found._push(out.new_token_ids, None if finish is None else reasons[finish])
+                await trio.lowlevel.checkpoint()  # the readers woken run
+        elapsed = time.process_time() - began  # once every reader ended
+
+    trio.run(main)
+    return elapsed / size * 1e6
+
+
+def _floor_parts(params: Any) -> dict[str, tuple[Any, int]]:
+    """The floor of the client's receive path, per output: one stand-in step of 1024
+    outputs (their requests' streams open, as the client holds them) decoded by the
+    client's decoder and each output handed to its stream (``RequestStream._push``) with
+    no reader waiting, as in the ``whole`` shape (tokens gathered) and the streams shape
+    (an output object buffered); and an ADD onto a zmq socket (``send_multipart`` of
+    the three frames the client sends, a thread of this process reading them: its
+    share of the GIL is in the figure, an upper bound)."""
+    import zmq
+
+    from benchmarks._stand_in_engine import TOKEN, outputs_frame
+    from trio_dpcoord import RequestStream, protocol
+
+    size = 1024
+    rids = [f"trio-0123456789ab-{i}" for i in range(size)]
+    frame = outputs_frame(0, [(rid, TOKEN, None) for rid in rids], 1.0)
+
+    def streams(collect: bool) -> dict[str, RequestStream]:
+        out = {}
+        for rid in rids:
+            stream = RequestStream(None, rid, [1], params, None, 0, 1 << 30)  # type: ignore[arg-type]
+            stream._entered = True
+            if collect:
+                stream._collected = []
+            out[rid] = stream
+        return out
+
+    def deliver(table: dict[str, RequestStream]) -> Any:
+        def run() -> None:
+            message = protocol.decode_client_frames([frame])
+            get = table.get
+            for out in message[0]:  # type: ignore[index]
+                stream = get(out.request_id)
+                if stream is not None:
+                    stream._push(out.new_token_ids, None)
+            if not collected:
+                for stream in table.values():
+                    stream._buffer.clear()
+
+        collected = next(iter(table.values()))._collected is not None
+        return run
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.setsockopt(zmq.LINGER, 0)
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(f"tcp://127.0.0.1:{port}")
+    threading.Thread(
+        target=lambda: [pull.recv_multipart() for _ in iter(int, 1)], daemon=True
+    ).start()
+    add = protocol.encode_add(
+        "trio-0123456789ab-17", [3, 4, 5, 6], params, arrival_time=1.5, current_wave=0
+    )
+    message = [b"\x00\x00", *add]
+
+    def send() -> None:
+        push.send_multipart(message)
+
+    return {
+        "floor: decode + hand to a stream, whole (tokens gathered), per output": (
+            deliver(streams(True)),
+            size,
+        ),
+        "floor: decode + hand to a stream, streams (output buffered), per output": (
+            deliver(streams(False)),
+            size,
+        ),
+        "floor: an ADD's three frames onto a zmq socket (send_multipart), per request": (
+            send,
+            1,
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=SHAPES, action="append", help="(default: all)")
     parser.add_argument("--concurrency", type=int, help="requests in flight")
     parser.add_argument("--requests", type=int, help="requests per pass")
+    parser.add_argument("--step-time", type=float, help="seconds each engine step sleeps")
     parser.add_argument("--profile", type=Path, metavar="DIR", help="profile each client")
     parser.add_argument("--profiler", choices=PROFILERS, default="py-spy")
     parser.add_argument(
@@ -518,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = replace(sizes, concurrency=args.concurrency)
     if args.requests:
         sizes = replace(sizes, requests=args.requests)
+    if args.step_time is not None:
+        sizes = replace(sizes, step_time=args.step_time)
     profile = None
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)

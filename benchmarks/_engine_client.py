@@ -241,6 +241,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
             cpu_before = time.process_time()
             main_before = time.thread_time()
             began = time.monotonic()
+            began_unix = time.time()  # for the parent sampling the engines' CPU
             ttfts, total = await load(plan["prompts"])
             seconds = time.monotonic() - began
             cpu_s = time.process_time() - cpu_before
@@ -251,6 +252,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "requests": len(ttfts),
                     "tokens": total,
                     "seconds": seconds,
+                    "began_unix": began_unix,
                     "ttft_s": ttfts if plan.get("report_ttft", True) else [],
                     "cpu_s": cpu_s,
                     "coordinator_cpu_s": None,  # inside the client's process, in cpu_s

@@ -228,6 +228,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
             cpu_before = time.process_time()
             coordinator_before = _process_cpu_s(coordinator_pid) if coordinator_pid else 0.0
             began = time.monotonic()
+            began_unix = time.time()  # for the parent sampling the engines' CPU
             ttfts, total = await load(plan["prompts"])
             seconds = time.monotonic() - began
             cpu_s = time.process_time() - cpu_before
@@ -239,6 +240,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "requests": len(ttfts),
                     "tokens": total,
                     "seconds": seconds,
+                    "began_unix": began_unix,
                     "ttft_s": ttfts if plan.get("report_ttft", True) else [],
                     "cpu_s": cpu_s,
                     "coordinator_cpu_s": coordinator_cpu_s,

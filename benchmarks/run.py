@@ -965,14 +965,15 @@ class Runner:
     # -- 11 (opt-in) -----------------------------------------------------------------------
 
     def client_ceiling(self) -> None:
-        """Our engine client against vLLM's DPLBAsyncMPClient in front of simulated engine
-        cores that answer at wire speed, three caller shapes (benchmarks/_client_ceiling.py)."""
+        """Our engine client against vLLM's DPLBAsyncMPClient in front of stand-in engines
+        that cost far less than a client, three caller shapes (benchmarks/_client_ceiling.py)."""
         from benchmarks import _client_ceiling as cc
 
         sizes = cc.CEILING_QUICK if self.env.quick else cc.CEILING_FULL
         load = (
             f"best pass of {sizes.passes * sizes.rounds}: {sizes.requests} requests, "
-            f"{sizes.concurrency} in flight, {sizes.max_tokens} tokens each, DP = {sizes.engines}"
+            f"{sizes.concurrency} in flight, {sizes.max_tokens} tokens each, DP = {sizes.engines}, "
+            f"a step every {sizes.step_time * 1000:g} ms"
         )
         reason = cc.unavailable()
         if reason:

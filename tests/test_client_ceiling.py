@@ -11,8 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks._client_ceiling import SCHEDULER, STARTUP, breakdown
-from benchmarks._stand_in_engine import outputs_frame
-from trio_dpcoord import protocol
+from benchmarks._stand_in_engine import (
+    TOKEN,
+    decode_add,
+    outputs_frame,
+    step_frame,
+    wire_request,
+)
+from trio_dpcoord import SamplingParams, protocol
 
 items = st.lists(
     st.tuples(st.text(max_size=8), st.integers(0, 2**32), st.sampled_from([None, 1, 2])),
@@ -39,6 +45,57 @@ def test_the_stand_in_engines_write_the_encoders_bytes(
         )
     )
     assert outputs_frame(rank, rows, timestamp) == expected
+
+
+LENGTH = protocol.FINISH_REASONS.index("length")
+
+
+@given(
+    st.lists(
+        st.tuples(st.text(max_size=12), st.integers(1, 3)), max_size=40, unique_by=lambda t: t[0]
+    ),
+    st.integers(0, 3),
+    st.floats(0, 1e9),
+)
+def test_a_pre_encoded_step_is_the_encoders_bytes(
+    requests: list[tuple[str, int]], rank: int, timestamp: float
+) -> None:
+    """Each step of pre-encoded outputs, joined, is the frame the checked encoder writes
+    for the same outputs (token :data:`TOKEN`, the last with finish reason ``length``);
+    a request leaves the running set with its last output, and the frames of one set of
+    requests count down to none (up to 40 outputs: msgpack's 16-item header edge)."""
+    running = [wire_request(rid, tokens) for rid, tokens in requests]
+    left = {rid: max(1, tokens) for rid, tokens in requests}
+    steps = 0
+    while running:
+        rows = [
+            (
+                r.request_id,
+                TOKEN,
+                None if left[r.request_id] > 1 else protocol.FINISH_REASONS.index("length"),
+            )
+            for r in running
+        ]
+        frame, running = step_frame(rank, running, timestamp)
+        assert frame == outputs_frame(rank, rows, timestamp)
+        for r in rows:
+            left[r[0]] -= 1
+        assert [r.request_id for r in running] == [r[0] for r in rows if left[r[0]] > 0]
+        steps += 1
+    assert steps == max((t for _, t in requests), default=0)
+
+
+def test_the_stand_in_reads_an_add_as_the_checked_decoder_does() -> None:
+    """The stand-in's one msgspec call takes from an ADD what the checked decoder does:
+    the request id, ``max_tokens`` (vLLM's default 16 when the map omits it), the wave."""
+    for params, wave in ((SamplingParams(max_tokens=5), 3), (SamplingParams(), 0)):
+        frames = protocol.encode_add("r-1", [1, 2, 3], params, arrival_time=1.0, current_wave=wave)
+        checked = protocol.decode_engine_request(frames)
+        assert decode_add(frames[1]) == (
+            checked.request_id,
+            checked.max_tokens,
+            checked.current_wave,
+        )
 
 
 def stack(*frames: str) -> str:
@@ -95,3 +152,75 @@ def test_the_breakdown_sorts_stacks_into_the_request_path(tmp_path: Path) -> Non
         }
     )
     assert list(shares) == sorted(shares, key=lambda name: -shares[name])
+
+
+@pytest.mark.trio
+async def test_the_client_gets_every_token_from_the_stand_in_engines(tmp_path: Path) -> None:
+    """Two stand-in engines (in this process) behind the real engine client, over real
+    sockets: every request gets exactly its ``max_tokens`` outputs (token :data:`TOKEN`,
+    finish reason ``length``) whether its tokens are gathered, read one by one, or pinned
+    to a rank, with many requests in flight (ADDs batched per receive, steps of many
+    outputs); a stream left early is aborted and the engines go on serving the rest."""
+    import trio
+
+    from benchmarks._stand_in_engine import WireSpeedEngineCore
+    from tests.vllm_real import free_port
+    from trio_dpcoord import SamplingParams, open_engine_client
+    from trio_dpcoord.sim.engine_config import EngineConfig
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engines = [
+        WireSpeedEngineCore(
+            EngineConfig(
+                rank=rank,
+                engine_count=2,
+                back_publish_address="",
+                back_output_address="",
+                request_address="",
+                completion_address="",
+                collective_address=f"ipc://{tmp_path}/collective",
+                step_time=0.001,
+                max_running=256,
+            ),
+            address,
+        )
+        for rank in range(2)
+    ]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(engine.run)  # it says HELLO once the client listens
+            async with open_engine_client(2, address) as client:
+                results: list[tuple[int, tuple[int, ...], str]] = []
+
+                async def gathered(tokens: int, rank: int | None) -> None:
+                    done = await client.complete(
+                        [1, 2, 3], SamplingParams(max_tokens=tokens), rank=rank
+                    )
+                    results.append((tokens, done.token_ids, done.finish_reason))
+
+                async def read(tokens: int) -> None:
+                    got: list[int] = []
+                    async with client.generate([4, 5], SamplingParams(max_tokens=tokens)) as stream:
+                        async for output in stream:
+                            got += output.new_token_ids
+                    assert stream.finish_reason is not None
+                    results.append((tokens, tuple(got), stream.finish_reason))
+
+                async with trio.open_nursery() as load:
+                    for i in range(200):
+                        if i % 2:
+                            load.start_soon(read, 1 + i % 7)
+                        else:
+                            load.start_soon(
+                                gathered, 1 + i % 5, (i // 2) % 2 if i % 10 == 0 else None
+                            )
+                async with client.generate([6], SamplingParams(max_tokens=10_000)) as stream:
+                    async for _ in stream:
+                        break  # left early: aborted on its engine
+                await gathered(3, None)  # the engines still serve
+                assert client.in_flight() == []
+            nursery.cancel_scope.cancel()
+    assert len(results) == 201
+    for tokens, token_ids, reason in results:
+        assert token_ids == (TOKEN,) * tokens and reason == "length"

@@ -52,6 +52,7 @@ from .collective import CollectiveClient, CollectiveHost, CollectiveTimeoutError
 from .engine_config import (
     FINISH_ABORT,
     FINISH_LENGTH,
+    AbortInput,
     CoordinatorLostError,
     EngineConfig,
     EngineCounters,
@@ -72,17 +73,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Abort:
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class _Announce:
     """The connection to the coordinator is back: report this rank's load again."""
 
 
 _Input = (
-    protocol.EngineCoreRequest | protocol.StartDPWave | protocol.UtilityCall | _Abort | _Announce
+    protocol.EngineCoreRequest
+    | protocol.StartDPWave
+    | protocol.UtilityCall
+    | AbortInput
+    | _Announce
 )
 
 
@@ -177,7 +177,7 @@ class SimEngine:
                 elif kind is protocol.RequestType.UTILITY:
                     self._input_send.send_nowait(protocol.decode_utility(frames))
                 elif kind is protocol.RequestType.ABORT:
-                    self._input_send.send_nowait(_Abort(protocol.decode_abort(frames)))
+                    self._input_send.send_nowait(AbortInput(protocol.decode_abort(frames)))
                 else:
                     raise protocol.ProtocolError(f"unexpected {kind.name} on the request socket")
             except protocol.ProtocolError as exc:
@@ -331,7 +331,7 @@ class SimEngine:
             "rank %d: unknown command %r at wave %d", self.rank, call.method, self.current_wave
         )
 
-    async def _on_abort(self, abort: _Abort) -> None:
+    async def _on_abort(self, abort: AbortInput) -> None:
         ids = set(abort.request_ids)
         dropped = [r for r in (*self.waiting, *self.running) if r.request_id in ids]
         if not dropped:

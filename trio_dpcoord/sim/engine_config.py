@@ -21,6 +21,7 @@ __all__ = [
     "EXIT_PROTOCOL_ERROR",
     "FINISH_ABORT",
     "FINISH_LENGTH",
+    "AbortInput",
     "CoordinatorLostError",
     "EngineConfig",
     "EngineCounters",
@@ -158,3 +159,11 @@ class EngineCounters:
     computed_tokens: int = 0
     """Tokens processed by real steps (prefill chunks plus decodes; the prefix cache)."""
     kv_event_batches: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AbortInput:
+    """An ABORT read off the input socket, queued for the busy loop in order with the
+    other inputs (a stand-in engine that reads its own socket queues it the same way)."""
+
+    request_ids: tuple[str, ...]
