@@ -1105,38 +1105,30 @@ class Runner:
             section = f"10 routing decision N={fleet_size}"
             shape = "4,096-token prompts, warm index"
             targets = rt.DECISION_TARGETS_US.get(fleet_size, (None, None))
-            for q, target_us in zip((50, 99), targets, strict=True):
-                target = f"<= {target_us:g} us" if target_us else ""
-                value = best(d["ours_us"], q)
-                self.rows.append(
-                    Row(
-                        section,
-                        f"choose() p{q}, prefix ({shape})",
-                        value,
-                        "us",
-                        best(d["vllm_us"], q),
-                        "vLLM 0.33.0 score (EngineChooser, no prompt)",
-                        target,
-                        value <= target_us if target_us else None,
-                        note=f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached",
+            cached = f"{d['cached_fraction'] * 100:.0f}% of prompt tokens cached"
+            variants = [("ours_us", "", {q: cached for q in (50, 99)})]
+            if d["deferred_us"]:
+                settle = {
+                    q: f"then settle() p{q} {best(d['settle_us'], q):.1f} us" for q in (50, 99)
+                }
+                variants.append(("deferred_us", ", store deferred", settle))
+            for key, label, notes in variants:
+                for q, target_us in zip((50, 99), targets, strict=True):
+                    target = f"<= {target_us:g} us" if target_us else ""
+                    value = best(d[key], q)
+                    self.rows.append(
+                        Row(
+                            section,
+                            f"choose() p{q}, prefix{label} ({shape})",
+                            value,
+                            "us",
+                            best(d["vllm_us"], q),
+                            "vLLM 0.33.0 score (EngineChooser, no prompt)",
+                            target,
+                            value <= target_us if target_us else None,
+                            note=notes[q],
+                        )
                     )
-                )
-            for q, target_us in zip((50, 99), targets if d["deferred_us"] else (), strict=False):
-                target = f"<= {target_us:g} us" if target_us else ""
-                value = best(d["deferred_us"], q)
-                self.rows.append(
-                    Row(
-                        section,
-                        f"choose() p{q}, prefix, store deferred ({shape})",
-                        value,
-                        "us",
-                        best(d["vllm_us"], q),
-                        "vLLM 0.33.0 score (EngineChooser, no prompt)",
-                        target,
-                        value <= target_us if target_us else None,
-                        note=f"then settle() p{q} {best(d['settle_us'], q):.1f} us",
-                    )
-                )
             if "vllm_own_us" in d:
                 for q in (50, 99):
                     value = best(d["vllm_us"], q)
