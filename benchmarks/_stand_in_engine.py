@@ -36,7 +36,7 @@ import trio
 
 import trio_dpcoord.sim.__main__ as sim_main
 from trio_dpcoord import protocol
-from trio_dpcoord.sim.engine_config import FINISH_LENGTH, AbortInput, RequestState
+from trio_dpcoord.sim.engine_config import FINISH_LENGTH, RequestState
 from trio_dpcoord.sim.engine_core import SimEngineCore
 
 logger = logging.getLogger(__name__)
@@ -215,26 +215,9 @@ class WireSpeedEngineCore(SimEngineCore):
                 if batch.requests:
                     send(batch)
                     batch = _AddBatch([], [])
-                self._decode_other(frames)
+                self._queue_request(frames)  # anything else, as the simulated engine takes it
             if batch.requests:
                 send(batch)
-
-    def _decode_other(self, frames: list[bytes]) -> None:
-        """A message other than a well-formed ADD, as the simulated engine takes it."""
-        try:
-            kind = protocol.decode_request_type(frames[0])
-            if kind is protocol.RequestType.ADD:
-                request = protocol.decode_engine_request(frames)  # raises: malformed
-                self._input_send.send_nowait(request)
-            elif kind is protocol.RequestType.UTILITY:
-                self._input_send.send_nowait(protocol.decode_utility(frames))
-            elif kind is protocol.RequestType.ABORT:
-                self._input_send.send_nowait(AbortInput(protocol.decode_abort(frames)))
-            else:
-                raise protocol.ProtocolError(f"unexpected {kind.name} on the request socket")
-        except protocol.ProtocolError as exc:
-            self.counters.bad_requests += 1
-            logger.warning("rank %d: dropping a bad front-end message: %s", self.rank, exc)
 
     async def _handle(self, item: Any) -> None:
         if type(item) is not _AddBatch:

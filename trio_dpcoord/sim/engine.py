@@ -169,25 +169,26 @@ class SimEngine:
     ) -> None:
         task_status.started()
         while True:
-            frames = await dealer.recv_multipart()
-            try:
-                kind = protocol.decode_request_type(frames[0])
-                if kind is protocol.RequestType.ADD:
-                    self._input_send.send_nowait(protocol.decode_engine_request(frames))
-                elif kind is protocol.RequestType.UTILITY:
-                    self._input_send.send_nowait(protocol.decode_utility(frames))
-                elif kind is protocol.RequestType.ABORT:
-                    self._input_send.send_nowait(AbortInput(protocol.decode_abort(frames)))
-                else:
-                    raise protocol.ProtocolError(f"unexpected {kind.name} on the request socket")
-            except protocol.ProtocolError as exc:
-                self.counters.bad_requests += 1
-                logger.warning(
-                    "rank %d: dropping a bad front-end message at wave %d: %s",
-                    self.rank,
-                    self.current_wave,
-                    exc,
-                )
+            self._queue_request(await dealer.recv_multipart())
+
+    def _queue_request(self, frames: list[bytes]) -> None:
+        """A front-end message queued for the busy loop, or counted, logged and dropped."""
+        try:
+            kind = protocol.decode_request_type(frames[0])
+            if kind is protocol.RequestType.ADD:
+                self._input_send.send_nowait(protocol.decode_engine_request(frames))
+            elif kind is protocol.RequestType.UTILITY:
+                self._input_send.send_nowait(protocol.decode_utility(frames))
+            elif kind is protocol.RequestType.ABORT:
+                self._input_send.send_nowait(AbortInput(protocol.decode_abort(frames)))
+            else:
+                raise protocol.ProtocolError(f"unexpected {kind.name} on the request socket")
+        except protocol.ProtocolError as exc:
+            self.counters.bad_requests += 1
+            wave = self.current_wave
+            logger.warning(
+                "rank %d: dropping a bad front-end message at wave %d: %s", self.rank, wave, exc
+            )
 
     # --- sending (only the busy loop sends on these sockets) ------------------------
 
