@@ -2,13 +2,16 @@
 
 ``python -m benchmarks._front_ends --ranks 2 8 --rate 20 --trace multi-turn
 approx1=approximate:1 approx2=approximate:2:rendezvous_slack=1
-home=approximate:2:rendezvous_slack=3,rendezvous_home=1 exact2=exact:2:rendezvous_slack=1``
+home=approximate:2:rendezvous_slack=3,rendezvous_home=1 exact2=exact:2:rendezvous_slack=1
+shared2=approximate:2:share_routes=1``
 
 Each ``LABEL=POLICY:FRONT_ENDS[:FIELD=VALUE,...]`` is one of
 :data:`trio_dpcoord.sim.routing.POLICIES` with that many front-ends
 (:class:`~trio_dpcoord.sim.routing.FrontEnds`: each its own chooser and index, every
 request drawn at random to one of them, as the kernel spreads connections over API
-servers sharing a port) and :class:`~trio_dpcoord.PrefixRouting` overrides. The traces
+servers sharing a port) and :class:`~trio_dpcoord.PrefixRouting` overrides, or
+``share_routes=1``: the front-ends tell each other their routes (the vLLM plugin's
+default with several API servers). The traces
 are the ``routing`` benchmark's (quick sizes) at ``--rate`` requests/s a rank: at its
 600 a session's turns all arrive within a few steps, before the earlier ones are
 computed, unlike a chat whose user waits for each answer; 20 spaces them out.
@@ -42,6 +45,7 @@ def main() -> None:
                 for key, _, value in (item.partition("=") for item in ",".join(extra).split(","))
                 if key
             }
+            share = bool(fields.pop("share_routes", 0))
             figures = []
             for seed in range(args.seeds):
                 trace = rt.make_trace(args.trace, seed, ranks, sizes)
@@ -52,6 +56,7 @@ def main() -> None:
                     prefix=PrefixRouting(**fields) if name != "vllm" else None,  # type: ignore[arg-type]
                     front_ends=int(fronts),
                     seed=seed,
+                    share_routes=share,
                 )
                 result = run_policy(trace, ranks, policy, sizes.capacity_blocks)
                 figures.append(

@@ -41,16 +41,25 @@ def routing_root() -> Path:
 
 
 async def run_routing(
-    root: Path, routing: str | None, *, plugins: bool = True, kv_events_dir: Path | None = None
+    root: Path,
+    routing: str | None,
+    *,
+    plugins: bool = True,
+    kv_events_dir: Path | None = None,
+    two_servers: dict[str, Any] | None = None,
+    peers: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """The runner's report and its stderr (vLLM's logs and ours)."""
     env = reference_env(root)
     env.pop("TRIO_DPCOORD_VLLM", None)
     env.pop("TRIO_DPCOORD_VLLM_ROUTING", None)
+    env.pop("TRIO_DPCOORD_VLLM_ROUTING_PEERS", None)
     if routing is not None:
         env["TRIO_DPCOORD_VLLM_ROUTING"] = routing
+    if peers is not None:
+        env["TRIO_DPCOORD_VLLM_ROUTING_PEERS"] = peers
     events_dir = None if kv_events_dir is None else str(kv_events_dir)
-    config = {"plugins": plugins, "kv_events_dir": events_dir}
+    config = {"plugins": plugins, "kv_events_dir": events_dir, "two_servers": two_servers}
     with trio.fail_after(TIMEOUT):
         done = await trio.run_process(
             runner_command(RUNNER, json.dumps(config)),
@@ -121,3 +130,39 @@ async def test_exact_mode_follows_vllms_kv_events(routing_root: Path, tmp_path: 
     assert choices["unrelated"] == 1, choices
     # once engine 0 reports them removed, rotation decides again (engine 1 is next)
     assert choices["after_removed"] == 1, choices
+
+
+async def test_two_api_servers_share_their_routes(routing_root: Path, tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/coordinator-publish"
+    report, stderr = await run_routing(
+        routing_root, "prefix", two_servers={"address": address, "share": True}
+    )
+    assert "sharing routes with 1 other API server(s)" in stderr, stderr
+    assert report["slack"] == [0.0, 0.0], report  # the rendezvous is not needed
+    choices = report["choices"]
+    # every turn went through the other server than the turn before, and each found
+    # the history where the previous server had sent it
+    for session in range(SESSIONS):
+        engines = session_engines(choices, session)
+        assert len(set(engines)) == 1, (session, engines, choices)
+    assert {session_engines(choices, s)[0] for s in range(SESSIONS)} == {0, 1}, choices
+    sent = [peer["sent"] for peer in report["peers"]]
+    received = [peer["received"] for peer in report["peers"]]
+    assert all(peer["rejected"] == 0 for peer in report["peers"]), report
+    # what one sent after the warm-up, the other applied; nothing beyond what was sent
+    assert received[0] <= sent[1] and received[1] <= sent[0], report
+    assert received[0] >= 6 and received[1] >= 6, report  # six turns each way
+    assert "shared routes: " in stderr and " refused" in stderr, stderr  # the stop's tally
+
+
+async def test_two_api_servers_without_shared_routes_use_the_rendezvous(
+    routing_root: Path, tmp_path: Path
+) -> None:
+    address = f"ipc://{tmp_path}/coordinator-publish"
+    report, stderr = await run_routing(
+        routing_root, "prefix", two_servers={"address": address, "share": False}, peers="0"
+    )
+    assert "sharing routes" not in stderr, stderr
+    assert report["peers"] == [None, None], report
+    assert report["slack"] == [1.0, 1.0], report
+    assert "rendezvous slack 1)" in stderr, stderr

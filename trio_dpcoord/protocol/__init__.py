@@ -21,6 +21,8 @@ module                            messages
 ``_engine_core``                  the engine-core protocol: identities, handshake, ADD (one
                                   encoder), ABORT, utility calls, engines' answers
 ``_kv_events``                    vLLM's KV-cache event frames and ``EventBatch`` payloads
+``_peer_routes``                  ours, between front-ends: a prompt's block keys and the
+                                  engine it was routed to (the prefix router's shared feed)
 ================================  ============================================================
 
 :func:`decode_coordinator_output` takes one of two paths, chosen once per process
@@ -133,6 +135,7 @@ from ._outputs import (
     decode_engine_core_outputs,
     encode_engine_core_outputs,
 )
+from ._peer_routes import PEER_ROUTE_MAGIC, PeerRoute, decode_peer_route, encode_peer_route
 
 __all__ = [
     "CLIENT_OUTPUT_DECODER",
@@ -143,6 +146,7 @@ __all__ = [
     "MAX_CONTROL_FRAME_BYTES",
     "MAX_DATA_FRAME_BYTES",
     "NO_PREFIX_CACHE_STATS",
+    "PEER_ROUTE_MAGIC",
     "READY",
     "SCALE_ELASTIC_EP",
     "SUBSCRIBE",
@@ -165,6 +169,7 @@ __all__ = [
     "KVEventError",
     "LegacyFirstRequest",
     "OutputKind",
+    "PeerRoute",
     "PrefixCacheStats",
     "ProtocolError",
     "RequestTokens",
@@ -196,6 +201,7 @@ __all__ = [
     "decode_handshake",
     "decode_handshake_metadata",
     "decode_kv_event_frames",
+    "decode_peer_route",
     "decode_ready_response",
     "decode_request_type",
     "decode_start_dp_wave",
@@ -214,6 +220,7 @@ __all__ = [
     "encode_handshake_ready",
     "encode_kv_event_frames",
     "encode_legacy_first_request",
+    "encode_peer_route",
     "encode_ready_response",
     "encode_scale_elastic_ep",
     "encode_start_dp_wave",

@@ -100,6 +100,10 @@ class PrefixRouter:
         self._pending: tuple[int, Sequence[int], int, float] | None = None
         """The routed prompt :meth:`settle` stores: (rank, keys, blocks held, now)."""
         self.defer_store = False
+        self.share_routes = False
+        """Keep each routed prompt (approximate feed) for :meth:`take_routed`, so that a
+        front-end can tell the others (:meth:`receive_routed` on theirs)."""
+        self._routed: list[tuple[int, Sequence[int]]] = []
         """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next);
         the prompt's token list must not change until then (it is read then)."""
         self._exact: list[_ExactRank] = []
@@ -258,6 +262,29 @@ class PrefixRouter:
             index._store_chain(keys, held, now)
         else:
             index.store(keys, now)
+        if self.share_routes:
+            self._routed.append((rank, list(keys)))
+
+    def take_routed(self) -> list[tuple[int, Sequence[int]]]:
+        """The prompts routed since the last call, as (rank, block keys), with
+        :attr:`share_routes` set (approximate feed; pinned ones included): what this
+        front-end tells the others, each of which calls :meth:`receive_routed`."""
+        self.settle()
+        routed, self._routed = self._routed, []
+        return routed
+
+    def receive_routed(self, rank: int, keys: Sequence[int], now: float) -> bool:
+        """Another front-end routed a prompt of these block keys (:func:`block_keys` of
+        this router's block size, root first) to ``rank``: believed cached there, as this
+        router's own choices are (approximate feed; ignored with the exact one, whose
+        events are every front-end's already). False, and nothing changed, for a rank out
+        of range or with the exact feed."""
+        if self.feed != "approximate" or not 0 <= rank < self.ranks:
+            return False
+        self.settle()
+        if keys:
+            self._indexes[rank].store(keys, now)
+        return True
 
     def _learn_branches(self, keys: Sequence[int]) -> None:
         children = self._children

@@ -168,12 +168,25 @@ class FrontEnds(Policy):
     with its own index (``client_index`` of ``client_count``), all fed the same loads and
     (exact feed) every rank's KV events; each request goes to one front-end drawn at
     random (seeded), as the kernel spreads connections over API servers sharing a port,
-    and each front-end hears only of its own requests finishing."""
+    and each front-end hears only of its own requests finishing. With ``share_routes``
+    (approximate feed) every front-end tells the others each prompt it routes at once
+    (:meth:`~trio_dpcoord.routing.PrefixRouter.take_routed` /
+    :meth:`~trio_dpcoord.routing.PrefixRouter.receive_routed`), as the vLLM plugin's
+    API servers do."""
 
-    def __init__(self, front_ends: list[ChooserPolicy], seed: int = 0) -> None:
+    def __init__(
+        self, front_ends: list[ChooserPolicy], seed: int = 0, *, share_routes: bool = False
+    ) -> None:
         if not front_ends:
             raise ValueError("need at least one front-end")
         self.front_ends = front_ends
+        self._routers = [
+            router
+            for router in (front.chooser.router for front in front_ends)
+            if share_routes and router is not None and router.feed == "approximate"
+        ]
+        for router in self._routers:
+            router.share_routes = True
         self.wants_kv_events = front_ends[0].exact
         self.name = f"{front_ends[0].name} x{len(front_ends)}"
         self._rng = random.Random(seed)
@@ -211,6 +224,12 @@ class FrontEnds(Policy):
             self.front_ends[0]._events.remember(request.token_ids)
         rank = front.chooser.choose(front._loads, request.token_ids, now=request.arrival_s)
         self._outstanding[number][id(request)] = rank
+        if self._routers:
+            sender = self._routers[number]
+            for routed_rank, keys in sender.take_routed():
+                for router in self._routers:
+                    if router is not sender:
+                        router.receive_routed(routed_rank, keys, request.arrival_s)
         return rank
 
 
@@ -226,10 +245,12 @@ def make_policy(
     prefix: PrefixRouting | None = None,
     front_ends: int = 1,
     seed: int = 0,
+    share_routes: bool = False,
 ) -> Policy:
     """One of :data:`POLICIES`, fresh (policies keep state: one per run). With
     ``front_ends`` > 1 (not round-robin), that many :class:`FrontEnds` share the
-    requests (drawn with ``seed``)."""
+    requests (drawn with ``seed``), telling each other their routes with
+    ``share_routes``."""
     if name == "round-robin":
         return RoundRobin()
     if name in ("vllm", "approximate", "exact"):
@@ -246,7 +267,9 @@ def make_policy(
             )
             for index in range(front_ends)
         ]
-        return fronts[0] if front_ends == 1 else FrontEnds(fronts, seed)
+        if front_ends == 1:
+            return fronts[0]
+        return FrontEnds(fronts, seed, share_routes=share_routes)
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}")
 
 

@@ -36,12 +36,15 @@ What each engine holds is learnt one of two ways:
 
 With several API servers (``--api-server-count``) each keeps its own index; fed by its
 own choices alone (approximate), a server would not know where another sent a
-conversation's earlier turns. So with more than one API server the router's
-``rendezvous_slack`` is on (:data:`MULTI_SERVER_SLACK`): a prompt no single engine is known
-to hold more of than the others goes to the engine that rendezvous hashing of its first
-block past their common prefix ranks first, among the engines within that many prompts
-of the least loaded; every server computes the same engine for a conversation's first
-turn and, not knowing it, for its later ones.
+conversation's earlier turns. So the servers tell each other every route
+(:mod:`._peers`, over ``ipc://`` sockets of this host) and each keeps the index one
+server would. With ``TRIO_DPCOORD_VLLM_ROUTING_PEERS=0`` (or where those sockets cannot
+be made) the router's ``rendezvous_slack`` is on instead (:data:`MULTI_SERVER_SLACK`): a
+prompt no single engine is known to hold more of than the others goes to the engine that
+rendezvous hashing of its first block past their common prefix ranks first, among the
+engines within that many prompts of the least loaded; every server computes the same
+engine for a conversation's first turn and, not knowing it, for its later ones. With the
+exact feed every server reads every engine's events, and neither is needed.
 
 ``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS`` (a JSON object of
 :class:`~trio_dpcoord.routing.PrefixRouting` fields, e.g. ``{"reuse_weight": 2}``)
@@ -67,6 +70,7 @@ from typing import Any
 
 from ..protocol import KVEventError, decode_kv_event_frames
 from ..routing import PrefixRouter, PrefixRouting, RouteDecision, vllm_score
+from ._peers import PeerRoutes, peer_endpoints, peers_wanted
 
 __all__ = [
     "OPTIONS_VARIABLE",
@@ -258,10 +262,12 @@ class RoutingState:
         options: dict[str, Any] = {}
         if isinstance(capacity_tokens, int) and capacity_tokens >= block_size:
             options["capacity_blocks"] = capacity_tokens // block_size
-        if int(client.client_count) > 1:
+        sources = _event_sources(client, self.ranks)
+        share = sources is None and int(client.client_count) > 1 and peers_wanted()
+        endpoints = _peer_endpoints(client) if share else None
+        if int(client.client_count) > 1 and endpoints is None:
             options["rendezvous_slack"] = MULTI_SERVER_SLACK
         options.update(routing_options())
-        sources = _event_sources(client, self.ranks)
         self.router = PrefixRouter(
             self.ranks,
             PrefixRouting(
@@ -271,6 +277,19 @@ class RoutingState:
             ),
             start=start,
         )
+        self.peers: PeerRoutes | None = None
+        if endpoints is not None:
+            try:
+                self.peers = PeerRoutes(
+                    self.router, client.ctx, endpoints, int(client.client_index)
+                )
+            except Exception as exc:  # no ipc here: the rendezvous instead
+                logger.warning("shared routes unavailable (%s): rendezvous instead", exc)
+                self.router.routing = dataclasses.replace(
+                    self.router.routing, rendezvous_slack=MULTI_SERVER_SLACK
+                )
+            else:
+                self.router.share_routes = True
         self.mean_uncached_tokens = 0.0
         """The mean of the prompt tokens this server's requests had to compute where they
         went (not cached there): what a queued request stands for in tokens."""
@@ -320,6 +339,9 @@ class RoutingState:
             work[index] = score * unit
         decision = self.router.route(token_ids, work, time.monotonic())
         self._learn_uncached(decision, len(token_ids))
+        if self.peers is not None:
+            self.peers.ensure_started()
+            self.peers.publish(self.router.take_routed())
         return decision.rank
 
     def note_pinned(self, token_ids: Sequence[int], engine_index: int) -> None:
@@ -329,6 +351,8 @@ class RoutingState:
             token_ids, [0.0] * self.ranks, time.monotonic(), pinned_rank=engine_index
         )
         self._learn_uncached(decision, len(token_ids))
+        if self.peers is not None:
+            self.peers.publish(self.router.take_routed())
 
     def receive_kv_events(self, engine_index: int, seq: int, payload: bytes) -> bool:
         return self.router.receive_kv_events(engine_index, seq, payload, time.monotonic())
@@ -337,6 +361,8 @@ class RoutingState:
         """Stop following KV events; log what the router did (at the client's shutdown)."""
         if self.follower is not None:
             self.follower.stop()
+        if self.peers is not None:
+            self.peers.stop()
         counters = self.router.counters
         logger.info(
             "prefix-aware engine choice (%s): %d decisions, %d guard fallbacks, %d KV event "
@@ -372,6 +398,16 @@ def subscribe_endpoint(endpoint: str) -> str | None:
     elif host in ("::", "[::]", "[*]"):
         host = "[::1]"
     return f"tcp://{host}:{port}"
+
+
+def _peer_endpoints(client: Any) -> list[str] | None:
+    """The API servers' shared-route endpoints (:mod:`._peers`), or None when this
+    client has no coordinator address to name them by."""
+    address = getattr(client, "stats_update_address", None)
+    if not isinstance(address, str) or not address:
+        logger.warning("no stats_update_address: API servers cannot share routes")
+        return None
+    return peer_endpoints(address, int(client.client_count))
 
 
 def _event_sources(client: Any, ranks: int) -> list[tuple[str, bytes]] | None:

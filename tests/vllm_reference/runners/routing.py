@@ -2,7 +2,9 @@
 
 Run as ``python routing.py CONFIG_JSON`` with the cluster import root
 (``tests.vllm_reference.dp_cluster.prepare_cluster_root``) first on ``PYTHONPATH`` and the
-project installed. ``CONFIG_JSON``: ``{"plugins": bool, "kv_events_dir": str | null}``.
+project installed. ``CONFIG_JSON``: ``{"plugins": bool, "kv_events_dir": str | null,
+"two_servers": {"address": str, "share": bool} | null}`` (two API servers of one
+deployment, their shared routes on or off).
 
 Real vLLM code: ``load_general_plugins()`` (which finds our ``vllm.general_plugins`` entry
 point and, with ``TRIO_DPCOORD_VLLM_ROUTING=prefix`` in the environment, installs our
@@ -84,12 +86,18 @@ class KVEventsSource:
         self.topic = "kv"
 
 
-def make_client(kv_sources: dict[int, KVEventsSource]) -> Any:
+def make_client(
+    kv_sources: dict[int, KVEventsSource],
+    client_count: int = 1,
+    client_index: int = 0,
+    stats_update_address: str | None = None,
+) -> Any:
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
     client = object.__new__(DPLBAsyncMPClient)
-    client.client_count = 1
-    client.client_index = 0
+    client.client_count = client_count
+    client.client_index = client_index
+    client.stats_update_address = stats_update_address
     client.reqs_in_flight = {}
     client.streaming_reqs = set()
     client.engine_inflight = Counter()
@@ -223,6 +231,72 @@ async def kv_events(scenario: Scenario, publishers: list[zmq.asyncio.Socket]) ->
     }
 
 
+async def two_servers(address: str, share: bool) -> dict[str, Any]:
+    """Two API servers (``client_count`` 2) of one deployment (one coordinator address);
+    each turn of each session goes to the other server than the turn before, as the
+    kernel may spread a user's connections. With shared routes each server waits for the
+    other's announcement of a turn before the next (the test's order; a real server does
+    not wait)."""
+    from trio_dpcoord.testing import vllm_routing_state as routing_state
+
+    clients = [make_client({}, 2, index, address) for index in range(2)]
+    scenarios = [Scenario(client) for client in clients]
+    report: dict[str, Any] = {}
+    try:
+        if share:
+            # A SUB connects asynchronously: announcements before it are lost (a real
+            # server's first request comes long after). Warm each direction up.
+            for sender in range(2):
+                other = 1 - sender
+                heard = 0
+                for attempt in range(200):
+                    ids = [scenarios[sender].route(f"warm{sender}", [4, 4, sender] * 20)]
+                    await scenarios[sender].finish(ids)
+                    receiver = routing_state(clients[other])
+                    if receiver is None:  # no choice made there yet: start its reader
+                        await scenarios[other].finish([scenarios[other].route("start", [6] * 8)])
+                        continue
+                    assert receiver.peers is not None
+                    try:
+                        await asyncio.wait_for(receiver.peers.wait_received(1), 0.05)
+                    except asyncio.TimeoutError:
+                        continue
+                    heard = attempt + 1
+                    break
+                report[f"warm_up_{sender}"] = heard
+        for turn in range(4):
+            for session in range(3):
+                server = (session + turn) % 2
+                scenario = scenarios[server]
+                ids = [scenario.route(f"s{session}t{turn}", session_tokens(session, turn))]
+                if share:
+                    receiver = routing_state(clients[1 - server])
+                    assert receiver is not None and receiver.peers is not None
+                    await asyncio.wait_for(
+                        receiver.peers.wait_received(receiver.peers.received + 1), 10
+                    )
+                await scenario.finish(ids)
+        states = [routing_state(client) for client in clients]
+        report["peers"] = [
+            None
+            if state is None or state.peers is None
+            else {
+                "sent": state.peers.sent,
+                "received": state.peers.received,
+                "rejected": state.peers.rejected,
+            }
+            for state in states
+        ]
+        report["slack"] = [
+            None if state is None else state.router.routing.rendezvous_slack for state in states
+        ]
+    finally:
+        for client in clients:
+            client.shutdown()
+    report["choices"] = {k: v for scenario in scenarios for k, v in scenario.choices.items()}
+    return report
+
+
 async def run(config: dict[str, Any]) -> dict[str, Any]:
     if config["plugins"]:
         from vllm.plugins import load_general_plugins
@@ -232,6 +306,10 @@ async def run(config: dict[str, Any]) -> dict[str, Any]:
 
     method = DPLBAsyncMPClient.get_core_engine_for_request
     report: dict[str, Any] = {"method": f"{method.__module__}.{method.__qualname__}"}
+    if config.get("two_servers") is not None:
+        two = config["two_servers"]
+        report.update(await two_servers(two["address"], two["share"]))
+        return report
     publishers: list[zmq.asyncio.Socket] = []
     kv_sources: dict[int, KVEventsSource] = {}
     context = zmq.asyncio.Context()
