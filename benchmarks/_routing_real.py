@@ -17,7 +17,12 @@ the machine's speed weighs on each alike:
 
 Traces (token-id prompts; the model has no tokenizer):
 - ``multi-turn``: sessions resending their whole history each turn, a few in flight;
-- ``shared-docs``: users asking about a few long documents, a few in flight;
+- ``shared-docs``: users asking about a few long documents, a few in flight (the
+  documents fit in the two engines' caches, and nearly in one);
+- ``shared-docs-many``: more documents than one engine's cache holds (about 1.4 times),
+  half of them fitting in each, and more readers a document (8 on average): the library
+  or support-desk case, where a choice that spreads each document over every engine
+  makes each engine cycle through all of them;
 - ``no-reuse``: unrelated prompts of 1-4k tokens, a few in flight;
 - ``mooncake``: a replay of a Mooncake-format JSONL trace on its timestamps
   (``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``: each hash id
@@ -66,7 +71,7 @@ POLICY_LABELS = {
     "exact": "ours exact",
     "pinned": "pinned (control)",
 }
-TRACES = ("multi-turn", "shared-docs", "no-reuse", "mooncake")
+TRACES = ("multi-turn", "shared-docs", "shared-docs-many", "no-reuse", "mooncake")
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, float]]:
@@ -120,6 +125,11 @@ class Sizes:
     document_tokens: tuple[int, int] = (2048, 3072)
     readers: int = 64
     question_tokens: tuple[int, int] = (64, 128)
+    many_documents: int = 20
+    many_document_tokens: tuple[int, int] = (2048, 2560)
+    """About 46,000 tokens in all: 1.4 times one engine's cache, 0.7 times in each
+    engine's half (with a few requests' working blocks beside them)."""
+    many_readers: int = 160
     unrelated: int = 40
     unrelated_tokens: tuple[int, int] = (1024, 4000)
     mooncake_output_cap: int = 64
@@ -175,15 +185,18 @@ def multi_turn(seed: int, sizes: Sizes) -> Trace:
     return Trace("multi-turn", sessions=sessions)
 
 
-def shared_docs(seed: int, sizes: Sizes) -> Trace:
-    rng = random.Random(f"shared-docs-{seed}")
-    docs = [_tokens(rng, rng.randint(*sizes.document_tokens)) for _ in range(sizes.documents)]
+def shared_docs(seed: int, sizes: Sizes, *, many: bool = False) -> Trace:
+    name = "shared-docs-many" if many else "shared-docs"
+    rng = random.Random(f"{name}-{seed}")
+    count = sizes.many_documents if many else sizes.documents
+    lengths = sizes.many_document_tokens if many else sizes.document_tokens
+    docs = [_tokens(rng, rng.randint(*lengths)) for _ in range(count)]
     readers = []
-    for _ in range(sizes.readers):
+    for _ in range(sizes.many_readers if many else sizes.readers):
         doc = rng.randrange(len(docs))
         question = _tokens(rng, rng.randint(*sizes.question_tokens))
         readers.append(Session(doc, [Turn(docs[doc] + question, sizes.output_tokens)], False))
-    return Trace("shared-docs", sessions=readers)
+    return Trace(name, sessions=readers)
 
 
 def no_reuse(seed: int, sizes: Sizes) -> Trace:
@@ -594,6 +607,8 @@ def make_traces(names: Sequence[str], seed: int, sizes: Sizes, trace_file: Path)
             traces.append(multi_turn(seed, sizes))
         elif name == "shared-docs":
             traces.append(shared_docs(seed, sizes))
+        elif name == "shared-docs-many":
+            traces.append(shared_docs(seed, sizes, many=True))
         elif name == "no-reuse":
             traces.append(no_reuse(seed, sizes))
         elif name == "mooncake":
@@ -645,7 +660,7 @@ def run(options: argparse.Namespace) -> list[dict[str, Any]]:
                         if options.json:  # as it goes: a run cut short keeps its rows
                             write_rows(options.json, rows)
                 for line in server.logs().splitlines():
-                    if "prefix-aware engine choice (" in line:
+                    if "prefix-aware engine choice (" in line or "shared routes: " in line:
                         logger.info("%s: %s", name, line.split("] ", 1)[-1])
     return rows
 

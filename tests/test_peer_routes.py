@@ -26,7 +26,8 @@ from trio_dpcoord.protocol import (
 from trio_dpcoord.routing import PrefixRouter, block_keys
 from trio_dpcoord.sim.routing import FrontEnds, make_policy, run_policy
 from trio_dpcoord.sim.traces import multi_turn_chat
-from trio_dpcoord.vllm._peers import PeerRoutes, peer_endpoints
+from trio_dpcoord.testing import VllmPeerRoutes as PeerRoutes
+from trio_dpcoord.testing import vllm_peer_endpoints as peer_endpoints
 
 KEY = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
@@ -139,7 +140,7 @@ def test_the_plugins_sockets_refuse_bad_frames_and_apply_good_ones(
     endpoints = peer_endpoints(f"ipc://{tmp_path}/stats", 2)
     assert endpoints == peer_endpoints(f"ipc://{tmp_path}/stats", 2)  # every server alike
     assert endpoints != peer_endpoints(f"ipc://{tmp_path}/other", 2)  # another deployment
-    caplog.set_level(logging.WARNING, "trio_dpcoord.vllm._peers")
+    caplog.set_level(logging.WARNING)
     routing = PrefixRouting(block_size=4)
     routers = [PrefixRouter(2, routing), PrefixRouter(2, routing)]
     prompt = list(range(40))

@@ -19,7 +19,8 @@ private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` l
 model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
 :func:`coordinator_pumps` are the coordinator's shell driven by hand, and
 ``vllm_routing_setting``, ``vllm_routing_options``, ``vllm_subscribe_endpoint`` and
-``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing.
+``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing,
+``VllmPeerRoutes`` and ``vllm_peer_endpoints`` its API servers' shared routes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from ._shell.supervision import inject_failure
 from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
 from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
+from .vllm._peers import PeerRoutes as VllmPeerRoutes
+from .vllm._peers import peer_endpoints as vllm_peer_endpoints
 from .vllm._routing import routing_options as vllm_routing_options
 from .vllm._routing import routing_setting as vllm_routing_setting
 from .vllm._routing import routing_state as vllm_routing_state
@@ -54,6 +57,7 @@ __all__ = [
     "CoreInternals",
     "EnginePeer",
     "ServeProcess",
+    "VllmPeerRoutes",
     "connect_engines",
     "coordinator_ingest_paths",
     "coordinator_pumps",
@@ -73,6 +77,7 @@ __all__ = [
     "serve_command",
     "store_as_the_router",
     "use_chain_mode",
+    "vllm_peer_endpoints",
     "vllm_routing_options",
     "vllm_routing_setting",
     "vllm_routing_state",

@@ -82,9 +82,12 @@ class PrefixRouting:
     0.73-0.75 to 0.81-0.82 at DP = 2 (one front-end: 0.80-0.81) and from 0.63 to
     0.69-0.75 at DP = 8 (one: 0.78-0.81), shared documents' from 0.42 to 0.48 at DP = 8;
     with nothing shared it spreads by hash within the slack (0.91-0.98x the throughput
-    of vLLM's choice in the model). On a real ``vllm serve`` with two API servers, one
-    run: 70.7 % multi-turn hit rate against 64-65 % with the default rendezvous and
-    72.7 % with one server.
+    of vLLM's choice in the model). On a real ``vllm serve`` with two API servers it is
+    not reliable: 70.7 % multi-turn hit rate on seed 0 (one server 72.7 %), 62.4 % on
+    seed 1 (one server 71.5 %; slack 1: 68.9 %), the busier engine taking 60 % of the
+    prompt tokens. Front-ends that can reach each other share their routes instead
+    (:meth:`PrefixRouter.take_routed`, :meth:`PrefixRouter.receive_routed`; the vLLM
+    plugin's default with several API servers), and need no rendezvous.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE

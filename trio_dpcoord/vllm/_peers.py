@@ -81,7 +81,7 @@ class PeerRoutes:
         self._index = index
         self._own = endpoints[index]
         self._others = [e for i, e in enumerate(endpoints) if i != index]
-        sync_context = zmq.Context.shadow(context.underlying)
+        sync_context: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
         self._publisher: Any = sync_context.socket(zmq.PUB)
         self._publisher.setsockopt(zmq.LINGER, 0)
         self._publisher.bind(self._own)  # a stale file of a dead server is replaced
