@@ -684,7 +684,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         return float(tokens) / float(sum(g["seconds"] for g in group))
 
     lines = [
-        f"{'api':>3} {'trace':<12} {'policy':<34} {'hit rate (each server)':>24} {'bound':>6}"
+        f"{'api':>3} {'trace':<16} {'policy':<34} {'hit rate (each server)':>24} {'bound':>6}"
         f" {'req/s':>6} {'tok/s':>6} {'x vLLM':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ok':>9}"
         f" {'rank share':>10} {'busiest computed':>16}"
     ]
@@ -710,7 +710,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         computed = [max(g["computed"]) for g in group if g.get("computed")]
         busiest = f"{statistics.mean(computed):,.0f}" if computed else "-"
         lines.append(
-            f"{api:>3} {trace:<12} {policy_label(policy):<34}"
+            f"{api:>3} {trace:<16} {policy_label(policy):<34}"
             f" {statistics.mean(hits) if hits else math.nan:>5.1f}% ({each:>14})"
             f" {statistics.mean(g['bound'] for g in group) * 100:>5.1f}%"
             f" {ok / seconds:>6.2f} {rate(group):>6.0f} {ratio:>5.2f}x"
