@@ -148,7 +148,16 @@ def two_api_servers(
     tmp_path_factory: pytest.TempPathFactory,
     models: dict[str, Path],
 ) -> Iterator[VllmServer]:
-    server = _start(tmp_path_factory, "api2", models["moe"], request.param, api_server_count=2)
+    # prefix routing on: the API servers share their routes (tested below), beside the
+    # coordinator's tests
+    server = _start(
+        tmp_path_factory,
+        "api2",
+        models["moe"],
+        request.param,
+        api_server_count=2,
+        env={"TRIO_DPCOORD_VLLM_ROUTING": "prefix"},
+    )
     yield from _serve(server)
 
 
@@ -404,6 +413,32 @@ async def test_two_api_servers(two_api_servers: VllmServer) -> None:
         waves_ended=waves.ended,
         silent_waves=waves.silent,
     )
+
+
+async def test_two_api_servers_share_their_routes(two_api_servers: VllmServer) -> None:
+    """Each API server hears the other's routes (``vllm/_peers.py``) in vLLM's real
+    process layout: a server's reader starts with its first choice, and the kernel picks
+    the server of each connection, so connections go on until both have heard."""
+    server = two_api_servers
+    arriving = [f"shared routes: API server {i}'s routes arriving at" for i in (0, 1)]
+    # three full blocks of vLLM's default 16 tokens each: a route has keys to tell
+    prompts = [[(11 * i + j) % 500 + 3 for j in range(48)] for i in range(8)]
+    with trio.fail_after(REQUEST_TIMEOUT):
+        for _ in range(20):
+            if all(line in server.logs() for line in arriving):
+                break
+            clients = [_client(server) for _ in range(4)]
+            try:
+                async with trio.open_nursery() as nursery:
+                    for index, client in enumerate(clients):
+                        nursery.start_soon(_burst, client, prompts[index::4], 2)
+            finally:
+                for client in clients:
+                    await client.aclose()
+    logs = server.logs()
+    assert logs.count("sharing routes with 1 other API server(s)") == 2, logs[-4000:]
+    assert all(line in logs for line in arriving), logs[-4000:]
+    assert "shared routes: frame refused" not in logs
 
 
 def test_the_coordinator_killed_fails_vllm(two_api_servers: VllmServer) -> None:

@@ -87,6 +87,7 @@ class PeerRoutes:
         self._publisher.bind(self._own)  # a stale file of a dead server is replaced
         self._task: asyncio.Task[None] | None = None
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._heard: set[int] = set()
         self.sent = self.dropped = self.received = self.rejected = 0
 
     async def wait_received(self, count: int) -> None:
@@ -155,6 +156,13 @@ class PeerRoutes:
             )
             return False
         self.received += 1
+        if route.sender not in self._heard:  # the sockets work: say so once a sender
+            self._heard.add(route.sender)
+            logger.info(
+                "shared routes: API server %d's routes arriving at API server %d",
+                route.sender,
+                self._index,
+            )
         if self._waiters:
             ready = [future for count, future in self._waiters if count <= self.received]
             self._waiters = [(c, f) for c, f in self._waiters if c > self.received]
