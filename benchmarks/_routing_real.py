@@ -20,7 +20,8 @@ Traces (token-id prompts; the model has no tokenizer):
 - ``shared-docs``: users asking about a few long documents, a few in flight (the
   documents fit in the two engines' caches, and nearly in one);
 - ``shared-docs-many``: more documents than one engine's cache holds (about 1.4 times),
-  half of them fitting in each, and more readers a document (8 on average): the library
+  half of them fitting in each, longer ones (3.6-4k tokens) and more readers a document
+  (16 on average): the library
   or support-desk case, where a choice that spreads each document over every engine
   makes each engine cycle through all of them;
 - ``no-reuse``: unrelated prompts of 1-4k tokens, a few in flight;
@@ -39,6 +40,7 @@ time against prefill tokens (a least-squares fit of sequential single requests' 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -48,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +127,11 @@ class Sizes:
     document_tokens: tuple[int, int] = (2048, 3072)
     readers: int = 64
     question_tokens: tuple[int, int] = (64, 128)
-    many_documents: int = 20
-    many_document_tokens: tuple[int, int] = (2048, 2560)
-    """About 46,000 tokens in all: 1.4 times one engine's cache, 0.7 times in each
+    many_documents: int = 12
+    many_document_tokens: tuple[int, int] = (3584, 4000)
+    """About 45,000 tokens in all: 1.4 times one engine's cache, 0.7 times in each
     engine's half (with a few requests' working blocks beside them)."""
-    many_readers: int = 160
+    many_readers: int = 192
     unrelated: int = 40
     unrelated_tokens: tuple[int, int] = (1024, 4000)
     mooncake_output_cap: int = 64
@@ -616,6 +618,22 @@ def make_traces(names: Sequence[str], seed: int, sizes: Sizes, trace_file: Path)
     return traces
 
 
+def size_override(spec: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` of :class:`Sizes`: an int, a float, or ints joined by commas (a
+    range such as ``document_tokens``)."""
+    name, _, value = spec.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(Sizes)}
+    if name not in fields or not value:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected FIELD=VALUE, FIELD of Sizes")
+    try:
+        if "," in value:
+            return name, tuple(int(part) for part in value.split(","))
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: not a number") from None
+    return name, int(number) if number.is_integer() and "." not in value else number
+
+
 def abba(policies: Sequence[str], passes: int) -> list[str]:
     order: list[str] = []
     for number in range(passes):
@@ -624,7 +642,9 @@ def abba(policies: Sequence[str], passes: int) -> list[str]:
 
 
 def run(options: argparse.Namespace) -> list[dict[str, Any]]:
-    sizes = Sizes(dp=options.dp, mooncake_time_scale=options.time_scale)
+    sizes = replace(
+        Sizes(dp=options.dp, mooncake_time_scale=options.time_scale), **dict(options.size)
+    )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rr-") as temporary:
         scratch = options.work_dir or Path(temporary)
@@ -738,6 +758,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--time-scale", type=float, default=1.0, help="Mooncake replay speed-up")
     parser.add_argument("--api-servers", nargs="+", type=int, default=[1])
     parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument(
+        "--size",
+        nargs="+",
+        type=size_override,
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override Sizes fields: many_readers=160 many_document_tokens=2048,2560",
+    )
     parser.add_argument("--passes", type=int, default=2, help="2: ABBA; 1: each policy once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--coordinator", choices=("trio", "vllm"), default="trio")
