@@ -425,8 +425,9 @@ async def test_two_api_servers_share_their_routes(two_api_servers: VllmServer) -
     the server of each connection, so connections go on until both have heard."""
     server = two_api_servers
     arriving = [f"shared routes: API server {i}'s routes arriving at" for i in (0, 1)]
-    # three full blocks of vLLM's default 16 tokens each: a route has keys to tell
-    prompts = [[(11 * i + j) % 500 + 3 for j in range(48)] for i in range(8)]
+    # a full block of the CPU build's default 128 tokens (--max-model-len 256): a route
+    # has keys to tell
+    prompts = [[(11 * i + j) % 500 + 3 for j in range(200)] for i in range(8)]
     with trio.fail_after(REQUEST_TIMEOUT):
         for _ in range(20):
             if all(line in server.logs() for line in arriving):
