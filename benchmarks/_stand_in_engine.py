@@ -224,15 +224,8 @@ class WireSpeedEngineCore(SimEngineCore):
             await super()._handle(item)
             return
         self.waiting.extend(item.requests)
-        for stamped in item.waves:  # SimEngine._on_add's wave rules, request by request
-            if stamped > self.current_wave:
-                self.current_wave = stamped
-            if self.config.report_start_wave:
-                if not self.engines_running and not self.scheduler_paused:
-                    self.engines_running = True
-                    await self._send_start_wave(self.current_wave)
-            elif stamped < self.current_wave and not self.engines_running:
-                await self._send_start_wave(self.current_wave)
+        for stamped in item.waves:  # the simulated engine's wave rules, request by request
+            await self._on_stamped_wave(stamped)
 
     async def _real_step(self) -> None:
         if self._prefix is not None:

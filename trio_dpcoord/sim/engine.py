@@ -252,15 +252,15 @@ class SimEngine:
         self.waiting.append(
             RequestState(request.request_id, max(1, tokens), prompt=request.prompt_token_ids)
         )
-        stamped = request.current_wave
+        await self._on_stamped_wave(request.current_wave)
+
+    async def _on_stamped_wave(self, stamped: int) -> None:
+        """A request stamped with wave ``stamped`` arrived: adopt a newer wave, and wake."""
         if stamped > self.current_wave:
+            was, self.current_wave = self.current_wave, stamped
             logger.debug(
-                "rank %d: adopting wave %d from a request (was %d)",
-                self.rank,
-                stamped,
-                self.current_wave,
+                "rank %d: adopting wave %d from a request (was %d)", self.rank, stamped, was
             )
-            self.current_wave = stamped
         if self.config.report_start_wave:
             # vLLM 0.33.0: wake itself first (R5), then tell the coordinator.
             if not self.engines_running and not self.scheduler_paused:
