@@ -38,8 +38,9 @@ from typing import Any
 
 from ..protocol import ProtocolError, decode_peer_route, encode_peer_route
 from ..routing import PrefixRouter
+from ._loop import Tally, asyncio_context, cancel_from_any_thread
 
-__all__ = ["PEERS_VARIABLE", "PeerRoutes", "peer_endpoints", "peers_wanted"]
+__all__ = ["PEERS_VARIABLE", "PeerRoutes", "bind_publisher", "peer_endpoints", "peers_wanted"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,23 @@ def peer_endpoints(stats_address: str, client_count: int) -> list[str]:
     return [f"ipc://{base}-{index}" for index in range(client_count)]
 
 
+def bind_publisher(context: Any, endpoint: str) -> Any:
+    """This server's PUB, bound at ``endpoint`` on a plain view of vLLM's ``context`` (it is
+    written by the choice itself, never awaited); a stale file of a dead server is
+    replaced. ``zmq.ZMQError`` where the endpoint cannot be bound."""
+    import zmq
+
+    sync_context: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
+    publisher = sync_context.socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    try:
+        publisher.bind(endpoint)
+    except BaseException:
+        publisher.close(linger=0)
+        raise
+    return publisher
+
+
 class PeerRoutes:
     """This API server's side of the shared routes (see the module docstring).
 
@@ -68,35 +86,39 @@ class PeerRoutes:
     on the first choice made in vLLM's loop and stopped by the client's ``shutdown()``.
     Counters: ``sent``, ``dropped`` (the PUB's queue was full), ``received`` (applied),
     ``rejected`` (not a peer route, another block size, or an engine out of range: logged
-    at WARNING).
+    at WARNING). ``publisher``: this server's PUB from :func:`bind_publisher`, or None to
+    bind it here.
     """
 
     def __init__(
-        self, router: PrefixRouter, context: Any, endpoints: Sequence[str], index: int
+        self,
+        router: PrefixRouter,
+        context: Any,
+        endpoints: Sequence[str],
+        index: int,
+        publisher: Any = None,
     ) -> None:
-        import zmq
-
         self._router = router
         self._context = context
         self._index = index
         self._own = endpoints[index]
         self._others = [e for i, e in enumerate(endpoints) if i != index]
-        sync_context: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
-        self._publisher: Any = sync_context.socket(zmq.PUB)
-        self._publisher.setsockopt(zmq.LINGER, 0)
-        self._publisher.bind(self._own)  # a stale file of a dead server is replaced
+        if publisher is None:
+            publisher = bind_publisher(context, self._own)
+        self._publisher: Any = publisher
         self._task: asyncio.Task[None] | None = None
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._received = Tally()
         self._heard: set[int] = set()
-        self.sent = self.dropped = self.received = self.rejected = 0
+        self.sent = self.dropped = self.rejected = 0
+
+    @property
+    def received(self) -> int:
+        """Routes from the other servers applied so far."""
+        return self._received.value
 
     async def wait_received(self, count: int) -> None:
         """Return once ``count`` routes from the others were applied (for tests)."""
-        if self.received >= count:
-            return
-        future = asyncio.get_running_loop().create_future()
-        self._waiters.append((count, future))
-        await future
+        await self._received.reached(count)
 
     def publish(self, routed: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Tell the other servers: each (engine index, block keys), never blocking."""
@@ -155,7 +177,7 @@ class PeerRoutes:
                 router.feed,
             )
             return False
-        self.received += 1
+        self._received.add()
         if route.sender not in self._heard:  # the sockets work: say so once a sender
             self._heard.add(route.sender)
             logger.info(
@@ -163,22 +185,12 @@ class PeerRoutes:
                 route.sender,
                 self._index,
             )
-        if self._waiters:
-            ready = [future for count, future in self._waiters if count <= self.received]
-            self._waiters = [(c, f) for c, f in self._waiters if c > self.received]
-            for future in ready:
-                if not future.done():
-                    future.set_result(None)
         return True
 
     async def _follow(self) -> None:
         import zmq
-        import zmq.asyncio
 
-        context = self._context
-        if not isinstance(context, zmq.asyncio.Context):
-            context = zmq.asyncio.Context(context)
-        subscriber = context.socket(zmq.SUB)
+        subscriber = asyncio_context(self._context).socket(zmq.SUB)
         try:
             subscriber.setsockopt(zmq.SUBSCRIBE, b"")
             for endpoint in self._others:
@@ -202,16 +214,8 @@ class PeerRoutes:
         """Stop reading and close the PUB (from vLLM's loop or another thread)."""
         task, self._task = self._task, None
         publisher, self._publisher = self._publisher, None
-        if task is not None and not task.get_loop().is_closed():
-            loop = task.get_loop()
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
-                task.cancel()
-            else:
-                loop.call_soon_threadsafe(task.cancel)
+        if task is not None:
+            cancel_from_any_thread(task)
         if publisher is not None:
             with contextlib.suppress(Exception):
                 publisher.close(linger=0)

@@ -70,7 +70,8 @@ from typing import Any
 
 from ..protocol import KVEventError, decode_kv_event_frames
 from ..routing import PrefixRouter, PrefixRouting, RouteDecision, vllm_score
-from ._peers import PeerRoutes, peer_endpoints, peers_wanted
+from ._loop import Tally, asyncio_context, cancel_from_any_thread
+from ._peers import PeerRoutes, bind_publisher, peer_endpoints, peers_wanted
 
 __all__ = [
     "OPTIONS_VARIABLE",
@@ -267,7 +268,13 @@ class RoutingState:
         sources = _event_sources(client, self.ranks)
         share = sources is None and int(client.client_count) > 1 and peers_wanted()
         endpoints = _peer_endpoints(client) if share else None
-        if int(client.client_count) > 1 and endpoints is None:
+        publisher = None
+        if endpoints is not None:
+            try:
+                publisher = bind_publisher(client.ctx, endpoints[int(client.client_index)])
+            except Exception as exc:  # no ipc here: the rendezvous instead
+                logger.warning("shared routes unavailable (%s): rendezvous instead", exc)
+        if int(client.client_count) > 1 and publisher is None:
             options["rendezvous_slack"] = MULTI_SERVER_SLACK
         options.update(routing_options())
         self.router = PrefixRouter(
@@ -280,18 +287,11 @@ class RoutingState:
             start=start,
         )
         self.peers: PeerRoutes | None = None
-        if endpoints is not None:
-            try:
-                self.peers = PeerRoutes(
-                    self.router, client.ctx, endpoints, int(client.client_index)
-                )
-            except Exception as exc:  # no ipc here: the rendezvous instead
-                logger.warning("shared routes unavailable (%s): rendezvous instead", exc)
-                self.router.routing = dataclasses.replace(
-                    self.router.routing, rendezvous_slack=MULTI_SERVER_SLACK
-                )
-            else:
-                self.router.share_routes = True
+        if endpoints is not None and publisher is not None:
+            self.peers = PeerRoutes(
+                self.router, client.ctx, endpoints, int(client.client_index), publisher
+            )
+            self.router.share_routes = True
         self.mean_uncached_tokens = 0.0
         """The mean of the prompt tokens this server's requests had to compute where they
         went (not cached there): what a queued request stands for in tokens."""
@@ -468,21 +468,16 @@ class _KVEventFollower:
         self._context = client.ctx
         self._sources = sources
         self._tasks: list[asyncio.Task[None]] = []
-        self._applied = 0
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._applied = Tally()
 
     @property
     def applied(self) -> int:
         """Event batches received from the engines so far (applied or rejected)."""
-        return self._applied
+        return self._applied.value
 
     async def wait_applied(self, count: int) -> None:
         """Return once ``count`` batches have been received (for tests)."""
-        if self._applied >= count:
-            return
-        future = asyncio.get_running_loop().create_future()
-        self._waiters.append((count, future))
-        await future
+        await self._applied.reached(count)
 
     def ensure_started(self) -> None:
         if self._tasks:
@@ -500,27 +495,13 @@ class _KVEventFollower:
     def stop(self) -> None:
         """Cancel the tasks (from any thread: vLLM may shut down from another)."""
         for task in self._tasks:
-            loop = task.get_loop()
-            if loop.is_closed():
-                continue
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
-                task.cancel()
-            else:
-                loop.call_soon_threadsafe(task.cancel)
+            cancel_from_any_thread(task)
         self._tasks.clear()
 
     async def _follow(self, engine_index: int, address: str, topic: bytes) -> None:
         import zmq
-        import zmq.asyncio
 
-        context = self._context
-        if not isinstance(context, zmq.asyncio.Context):
-            context = zmq.asyncio.Context(context)
-        socket = context.socket(zmq.SUB)
+        socket = asyncio_context(self._context).socket(zmq.SUB)
         try:
             socket.setsockopt(zmq.SUBSCRIBE, topic)
             socket.connect(address)
@@ -536,7 +517,6 @@ class _KVEventFollower:
                 socket.close(linger=0)
 
     def _receive(self, engine_index: int, frames: list[bytes]) -> None:
-        self._applied += 1
         try:
             seq, payload = decode_kv_event_frames(frames)
         except KVEventError:
@@ -552,8 +532,4 @@ class _KVEventFollower:
             except Exception:  # a batch the router could not apply: not worth the task
                 self._state.router.counters.rejected_event_batches += 1
                 logger.exception("KV event batch of engine %d could not be applied", engine_index)
-        ready = [future for count, future in self._waiters if count <= self._applied]
-        self._waiters = [(c, f) for c, f in self._waiters if c > self._applied]
-        for future in ready:
-            if not future.done():
-                future.set_result(None)
+        self._applied.add()
