@@ -100,12 +100,12 @@ class PrefixRouter:
         self._pending: tuple[int, Sequence[int], int, float] | None = None
         """The routed prompt :meth:`settle` stores: (rank, keys, blocks held, now)."""
         self.defer_store = False
+        """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next);
+        the prompt's token list must not change until then (it is read then)."""
         self.share_routes = False
         """Keep each routed prompt (approximate feed) for :meth:`take_routed`, so that a
         front-end can tell the others (:meth:`receive_routed` on theirs)."""
         self._routed: list[tuple[int, Sequence[int]]] = []
-        """Leave each routed prompt's store to :meth:`settle` (or to whatever comes next);
-        the prompt's token list must not change until then (it is read then)."""
         self._exact: list[_ExactRank] = []
         self._keys = ChunkKeys(self.block_size, 0)
         self._closed = self.feed == "approximate"
