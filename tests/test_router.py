@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from collections.abc import Sequence
 from itertools import permutations, product
@@ -192,6 +193,24 @@ def test_bad_event_batches_are_rejected_and_counted(payload: bytes) -> None:
     assert not router.receive_kv_events(0, 0, payload, now=0.0)
     assert router.counters.rejected_event_batches == 1
     assert not router.receive_kv_events(5, 0, batch(), now=0.0)
+
+
+def test_a_flood_of_bad_event_batches_is_counted_whole_and_logged_by_the_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every refusal counts; the log gets a line per reason only every few seconds of
+    the router's clock (a minute later surely), which says how many it held back."""
+    router = PrefixRouter(2, PrefixRouting(feed="exact"))
+    with caplog.at_level(logging.WARNING, logger="trio_dpcoord.routing"):
+        for step in range(10):
+            assert not router.receive_kv_events(0, step, b"\xc1", now=step * 0.1)
+        assert not router.receive_kv_events(7, 0, batch(), now=1.0)
+        assert not router.receive_kv_events(0, 11, b"\xc1", now=60.0)
+    assert router.counters.rejected_event_batches == 12
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("rejected input [KV events]: batch from rank 0: ")
+    assert lines[1].endswith("(10 more since last report)"), lines
 
 
 class IndexMachine(RuleBasedStateMachine):

@@ -443,7 +443,7 @@ async def test_two_api_servers_share_their_routes(two_api_servers: VllmServer) -
     logs = server.logs()
     assert logs.count("sharing routes with 1 other API server(s)") == 2, logs[-4000:]
     assert all(line in logs for line in arriving), logs[-4000:]
-    assert "shared routes: frame refused" not in logs
+    assert "rejected input [shared routes" not in logs
 
 
 def test_the_coordinator_killed_fails_vllm(two_api_servers: VllmServer) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Final, TypeAlias, final
 import trio
 
 from .._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
+from .._reject_log import RejectLog
 from ..core._coordinator import (
     Broadcast,
     CoordinatorCore,
@@ -55,7 +56,7 @@ from .coordinator_sockets import Bound, curve_server, open_bound_sockets, reques
 from .endpoints import DEFAULT_LIVENESS, Liveness
 from .monitor import PeerMonitor
 from .supervision import RestartCounters, RestartLog, WaveFile, restart_pumps, supervise
-from .tasks import RejectLog, open_task_nursery
+from .tasks import open_task_nursery
 from .view import Route
 
 __all__ = ["Coordinator", "open_coordinator"]

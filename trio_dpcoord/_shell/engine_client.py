@@ -38,6 +38,7 @@ from .._errors import (
     RequestAbortedError,
     UtilityCallError,
 )
+from .._reject_log import RejectLog
 from ..core._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
 from ..protocol import (
     FINISH_REASONS,
@@ -69,7 +70,6 @@ from .request_stream import (
     EngineClientStatistics,
     RequestStream,
 )
-from .tasks import RejectLog
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -91,9 +91,9 @@ class _CountedRejectLog(RejectLog):
         super().__init__(logger)
         self.counts: Counter[str] = Counter()
 
-    def __call__(self, reason: str, detail: str) -> None:
+    def __call__(self, reason: str, detail: str, now: float | None = None) -> None:
         self.counts[reason] += 1
-        super().__call__(reason, detail)
+        super().__call__(reason, detail, now)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import zmq
 from .._errors import (
     EngineStartupError,
 )
+from .._reject_log import RejectLog
 from ..core._engine_client import HandshakeState
 from ..protocol import (
     EngineHandshakeError,
@@ -29,7 +30,6 @@ from ..protocol import (
 )
 from ..trio_zmq import AsyncSocket, open_monitor, open_socket
 from .coordinator import Coordinator
-from .tasks import RejectLog
 
 __all__ = [
     "ClientSockets",

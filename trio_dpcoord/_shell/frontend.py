@@ -36,6 +36,7 @@ import zmq
 
 from .. import protocol
 from .._errors import CoordinatorClosedError, CoordinatorError
+from .._reject_log import RejectLog
 from ..core._frontend import FrontendState, FrontendStatistics
 from ..core._wave import HEARTBEAT_INTERVAL, WaveSnapshot
 from ..protocol import EngineLoad
@@ -43,7 +44,7 @@ from ..routing._chooser import Routing
 from ..routing._settings import PrefixRouting
 from ..trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 from .monitor import HEARTBEAT_OPTIONS, ConnectionMonitor, open_connection_monitor
-from .tasks import RejectLog, open_task_nursery
+from .tasks import open_task_nursery
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

@@ -1,4 +1,4 @@
-"""What the service handles share: the nursery that runs their tasks, and rejection logs.
+"""What the service handles share: the nursery that runs their tasks.
 
 Both public entry points (``open_coordinator``, ``open_frontend``) yield a handle while
 a nursery runs background tasks. :func:`open_task_nursery` is that nursery, with the
@@ -10,21 +10,17 @@ internals), cancellation passes through.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
-import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Final
 
 import trio
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["RejectLog", "cancel_at_stdin_eof", "open_task_nursery"]
+__all__ = ["cancel_at_stdin_eof", "open_task_nursery"]
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -64,28 +60,6 @@ async def open_task_nursery(
     if body_error is not None:
         # The block's own exception, unwrapped from the nursery's group.
         raise body_error
-
-
-class RejectLog:
-    """Logs rejected inputs at WARNING, rate-limited per reason (the caller counts them:
-    the coordinator's core, the front-end's ``rejected()``)."""
-
-    INTERVAL: Final = 5.0
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self._logger = logger
-        self._last_logged: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
-
-    def __call__(self, reason: str, detail: str) -> None:
-        now = time.monotonic()
-        if now - self._last_logged.get(reason, -math.inf) >= self.INTERVAL:
-            suppressed = self._suppressed.pop(reason, 0)
-            more = f" ({suppressed} more since last report)" if suppressed else ""
-            self._logger.warning("rejected input [%s]: %s%s", reason, detail, more)
-            self._last_logged[reason] = now
-        else:
-            self._suppressed[reason] += 1
 
 
 async def cancel_at_stdin_eof(scope: trio.CancelScope, logger: logging.Logger) -> None:

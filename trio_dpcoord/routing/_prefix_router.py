@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from itertools import chain, islice, takewhile
 from typing import Any
 
+from .._reject_log import RejectLog
 from ..protocol import (
     BlockRemoved,
     BlockStored,
@@ -121,6 +122,7 @@ class PrefixRouter:
         self._next_sweep = -float("inf")
         self._next_belief_sweep = -float("inf")
         self.counters = RouterCounters()
+        self._reject = RejectLog(logger)
         self._children: dict[int, object] = {}
         """``rendezvous_home``: block key -> the key of the block seen after it, or
         :data:`_BRANCH` once two different ones were (bounded: cleared when full)."""
@@ -582,17 +584,17 @@ class PrefixRouter:
 
         A sequence gap or step back means lost or reordered batches: the rank's exact
         knowledge is forgotten, since what it would now claim could be stale. Rejected
-        batches are logged at WARNING and counted; nothing else changes.
+        batches are logged at WARNING (rate-limited) and counted; nothing else changes.
         """
         if not 0 <= rank < self.ranks:
             self.counters.rejected_event_batches += 1
-            logger.warning("KV events from unknown rank %d rejected", rank)
+            self._reject("KV events", f"from unknown rank {rank}", now)
             return False
         try:
             batch = decode_event_batch(payload)
         except KVEventError as exc:
             self.counters.rejected_event_batches += 1
-            logger.warning("KV event batch from rank %d rejected: %s", rank, exc)
+            self._reject("KV events", f"batch from rank {rank}: {exc}", now)
             return False
         self.settle()
         state = self._exact[rank]

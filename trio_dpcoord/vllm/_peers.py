@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .._reject_log import RejectLog
 from ..protocol import ProtocolError, decode_peer_route, encode_peer_route
 from ..routing import PrefixRouter
 from ._loop import Tally, asyncio_context, cancel_from_any_thread
@@ -86,8 +87,8 @@ class PeerRoutes:
     on the first choice made in vLLM's loop and stopped by the client's ``shutdown()``.
     Counters: ``sent``, ``dropped`` (the PUB's queue was full), ``received`` (applied),
     ``rejected`` (not a peer route, another block size, or an engine out of range: logged
-    at WARNING). ``publisher``: this server's PUB from :func:`bind_publisher`, or None to
-    bind it here.
+    at WARNING, rate-limited). ``publisher``: this server's PUB from
+    :func:`bind_publisher`, or None to bind it here.
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class PeerRoutes:
         self._received = Tally()
         self._heard: set[int] = set()
         self.sent = self.dropped = self.rejected = 0
+        self._reject = RejectLog(logger)
 
     @property
     def received(self) -> int:
@@ -159,22 +161,18 @@ class PeerRoutes:
             route = decode_peer_route(frame)
         except ProtocolError as exc:
             self.rejected += 1
-            logger.warning("shared routes: frame refused: %s", exc)
+            self._reject("shared routes: frame", f"refused: {exc}")
             return False
         router = self._router
         if route.block_size != router.block_size or not router.receive_routed(
             route.rank, route.keys, time.monotonic()
         ):
             self.rejected += 1
-            logger.warning(
-                "shared routes: API server %d's route to engine %d (block size %d) refused: "
-                "this server has %d engines, block size %d, %s feed",
-                route.sender,
-                route.rank,
-                route.block_size,
-                router.ranks,
-                router.block_size,
-                router.feed,
+            self._reject(
+                "shared routes: route",
+                f"API server {route.sender}'s route to engine {route.rank} (block size "
+                f"{route.block_size}) refused: this server has {router.ranks} engines, "
+                f"block size {router.block_size}, {router.feed} feed",
             )
             return False
         self._received.add()
@@ -199,7 +197,8 @@ class PeerRoutes:
                 frames = await subscriber.recv_multipart()
                 if len(frames) != 1:
                     self.rejected += 1
-                    logger.warning("shared routes: %d frames, expected 1; ignored", len(frames))
+                    detail = f"{len(frames)} parts, expected 1; ignored"
+                    self._reject("shared routes: frame", detail)
                     continue
                 self.receive(frames[0])
         except asyncio.CancelledError:
