@@ -44,7 +44,8 @@ prompt no single engine is known to hold more of than the others goes to the eng
 rendezvous hashing of its first block past their common prefix ranks first, among the
 engines within that many prompts of the least loaded; every server computes the same
 engine for a conversation's first turn and, not knowing it, for its later ones. With the
-exact feed every server reads every engine's events, and neither is needed.
+exact feed every server reads every engine's events, so routes are not shared; the
+rendezvous slack stays on there too (two servers, exact: 70-72 % on multi-turn).
 
 ``TRIO_DPCOORD_VLLM_ROUTING_OPTIONS`` (a JSON object of
 :class:`~trio_dpcoord.routing.PrefixRouting` fields, e.g. ``{"reuse_weight": 2}``)
@@ -91,8 +92,9 @@ OPTIONS_VARIABLE = "TRIO_DPCOORD_VLLM_ROUTING_OPTIONS"
 """A JSON object of :class:`PrefixRouting` fields overriding the plugin's settings."""
 MULTI_SERVER_SLACK = 1.0
 """``rendezvous_slack`` with more than one API server that do not share their routes
-(``TRIO_DPCOORD_VLLM_ROUTING_PEERS=0``, or no ipc): within one prompt's tokens of the
-best engine (in vLLM's score, about one request), the engine all servers agree on. On a
+(the exact feed, ``TRIO_DPCOORD_VLLM_ROUTING_PEERS=0``, or no ipc): within one prompt's
+tokens of the best engine (in vLLM's score, about one request), the engine all servers
+agree on. On a
 real ``vllm serve`` with two API servers (``benchmarks/README.md``) 1 kept shared
 documents and Mooncake conversations together 2-10 points of hit rate better than 0,
 and 3 did no better than 1. Sharing the routes did better than either (70.5 % on
