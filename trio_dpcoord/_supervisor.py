@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -209,9 +210,16 @@ def _status(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+_ERROR_LINE: Final = re.compile(r"error:|Error\b|Exception\b|Crash\b|Traceback")
+
+
 def _cause(lines: Sequence[str], count: int = 3) -> str:
-    """The last ``count`` telling stderr lines (a traceback's box drawing left out)."""
+    """What a worker's stderr says of its death: its last line that tells an error (an
+    exception, serve's ``error:`` line), else its last ``count`` lines."""
     telling = [line.strip() for line in lines if line.strip(" +-|=\t")]
+    errors = [line for line in telling if _ERROR_LINE.search(line)]
+    if errors:
+        return errors[-1]
     return " | ".join(telling[-count:]) if telling else "(no stderr output)"
 
 
@@ -427,12 +435,11 @@ def supervise_worker(
                     and beat.pid == worker.process.pid
                     and watched.heartbeat(beat.beats, beat.gate_open, now)
                 )
-                if began and died_at is not None:
+                if began:
                     logger.info(
-                        "coordinator worker (pid %d) serving again: its gate opened "
-                        "%.2f s after the last one died",
+                        "coordinator worker (pid %d) serving: its gate opened%s",
                         worker.process.pid,
-                        now - died_at,
+                        "" if died_at is None else f" {now - died_at:.2f} s after the last died",
                     )
             reason = watched.overdue(now)
             if reason is not None and worker.killed_because is None and not stopping:
@@ -463,7 +470,7 @@ def supervise_worker(
             if endpoints is None:
                 logger.error(
                     "coordinator worker (pid %d) %s before it bound its addresses: giving up; "
-                    "its last lines: %s",
+                    "its stderr said: %s",
                     dead.process.pid,
                     _status(returncode),
                     _cause(dead.tail),
@@ -475,7 +482,7 @@ def supervise_worker(
             if dead.killed_because is not None:
                 how += f" (the watchdog: {dead.killed_because})"
             elif returncode > 0:
-                how += f"; its last lines: {_cause(dead.tail)}"
+                how += f"; its stderr said: {_cause(dead.tail)};"
             if verdict.give_up:
                 logger.error(
                     "coordinator worker (pid %d) %s before it served, %d workers in a row: a "

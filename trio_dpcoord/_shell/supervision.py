@@ -357,9 +357,9 @@ async def keep_heartbeat(
             if plan is not None and opened:
                 if crash_at is None:
                     crash_at = now + plan[1]
-                    logger.warning("%s=%s: a crash will be injected", CRASH_VARIABLE, plan)
-                elif now >= crash_at:
+                if now >= crash_at:
                     where, plan = plan[0], None
+                    logger.warning("%s: injecting a crash in the %s now", CRASH_VARIABLE, where)
                     if where == "worker":
                         raise InjectedCrash(f"a broken invariant injected ({CRASH_VARIABLE})")
                     inject_in_pump()
