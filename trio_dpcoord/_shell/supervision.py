@@ -84,8 +84,10 @@ HEARTBEAT_INTERVAL: Final = 0.1
 CRASH_VARIABLE: Final = "TRIO_DPCOORD_INJECT_CRASH"
 """A testing hook, off when unset: ``worker:SECONDS`` makes the first worker process on
 a wave file raise :class:`InjectedCrash` in its event loop that many seconds after its gate
-opened (the process dies of it; its supervisor replaces it); ``pump:SECONDS`` raises it
-inside the coordinator's engine-output pump instead (restarted in place)."""
+opened (the process dies of it; its supervisor replaces it); ``worker:/PATH``, any worker
+once a file appears at PATH (it removes it: one crash per file); ``pump:...`` raises an
+``AssertionError`` inside the coordinator's engine-output pump instead (the service is
+restarted in place)."""
 
 RESTART_WINDOW: Final = 60.0
 """Seconds over which ``max_restarts`` is counted: more failures than that is a loop."""
@@ -319,18 +321,35 @@ class InjectedCrash(AssertionError):
     """A broken invariant raised on purpose (:data:`CRASH_VARIABLE`)."""
 
 
-def _crash_plan(value: str | None) -> tuple[str, float] | None:
-    """``CRASH_VARIABLE``'s value as (where, seconds after the gate opened); None unset."""
+def _crash_plan(value: str | None) -> tuple[str, float | str] | None:
+    """``CRASH_VARIABLE``'s value as (where, seconds after the gate opened, or the path
+    whose appearance triggers it); None when unset."""
     if not value:
         return None
-    where, _, seconds = value.partition(":")
+    where, _, when = value.partition(":")
+    if where not in ("worker", "pump"):
+        raise ValueError(f"{CRASH_VARIABLE}={value!r}: expected worker:WHEN or pump:WHEN")
+    if when.startswith("/"):
+        return where, when
     try:
-        delay = float(seconds or "0")
+        delay = float(when or "0")
     except ValueError:
         delay = -1.0
-    if where not in ("worker", "pump") or not delay >= 0:
-        raise ValueError(f"{CRASH_VARIABLE}={value!r}: expected worker:SECONDS or pump:SECONDS")
+    if not delay >= 0:
+        raise ValueError(f"{CRASH_VARIABLE}={value!r}: WHEN is seconds or an absolute path")
     return where, delay
+
+
+def _crash_due(plan: tuple[str, float | str], opened_at: float, now: float) -> bool:
+    """Whether the planned crash is due; a trigger file is consumed (one crash per file)."""
+    when = plan[1]
+    if isinstance(when, float):
+        return now >= opened_at + when
+    try:
+        os.unlink(when)
+    except OSError:
+        return False
+    return True
 
 
 async def keep_heartbeat(
@@ -346,18 +365,19 @@ async def keep_heartbeat(
     task that never yields, SIGSTOP) stops it, and the supervisor's watchdog replaces the
     worker. Also carries out :data:`CRASH_VARIABLE` in the first process on the file
     (``first_process``); ``inject_in_pump`` makes the engine-output pump fail."""
-    plan = _crash_plan(os.environ.get(CRASH_VARIABLE)) if first_process else None
+    plan = _crash_plan(os.environ.get(CRASH_VARIABLE))
+    if plan is not None and isinstance(plan[1], float) and not first_process:
+        plan = None  # after a delay: the first process only, or every one would crash
     writer = HeartbeatWriter(path, interval)
-    crash_at: float | None = None
+    opened_at: float | None = None
     try:
         while True:
             now = trio.current_time()
             opened = gate_open()
             writer.beat(now, opened)
             if plan is not None and opened:
-                if crash_at is None:
-                    crash_at = now + plan[1]
-                if now >= crash_at:
+                opened_at = now if opened_at is None else opened_at
+                if _crash_due(plan, opened_at, now):
                     where, plan = plan[0], None
                     logger.warning("%s: injecting a crash in the %s now", CRASH_VARIABLE, where)
                     if where == "worker":
