@@ -92,6 +92,10 @@ RULE: Final = (
     f"{SILENCE_DEADLINE:g} s (hung) is killed and replaced"
 )
 """The rule in one sentence, for ``--help`` and the docs."""
+SPARES: Final = 2
+"""Standby workers kept ready (imports done, about 35 MB each). Two, so that in a storm of
+deaths a second apart the one that goes has had two seconds for its imports (about one
+on a busy 2-core machine), not one."""
 _TICK: Final = 0.1
 """Seconds between two looks at the heartbeat."""
 _TAIL: Final = 20
@@ -356,7 +360,7 @@ def supervise_worker(
     first = start(_Worker(command(None), env))
     worker: _Worker | None = first
     watched = watch(time.monotonic())
-    spare: _Worker | None = None
+    spares: deque[_Worker] = deque()  # standbys, the oldest first
     died_at: float | None = None
     next_at: float | None = None  # when the next worker goes, after a death
     forwarded = False
@@ -391,14 +395,17 @@ def supervise_worker(
                 assert next_at is not None and endpoints is not None
                 if now < next_at:
                     continue
-                if spare is not None and spare.go():
-                    worker, spare = spare, None
-                else:
-                    if spare is not None:
+                worker = None
+                while spares and worker is None:
+                    spare = spares.popleft()
+                    if spare.go():
+                        worker = spare
+                    else:  # it died waiting
                         _end(selector, spare)
-                    worker, spare = start(_Worker(command(endpoints), env)), None
-                if standby is not None:  # the next one does its imports meanwhile
-                    spare = start(_Worker(standby(endpoints), env))
+                if worker is None:
+                    worker = start(_Worker(command(endpoints), env))
+                while standby is not None and len(spares) < SPARES:  # imports meanwhile
+                    spares.append(start(_Worker(standby(endpoints), env)))
                 selector.register(worker.stdout, selectors.EVENT_READ, ("stdout", worker))
                 watched, next_at = watch(now), None
                 continue
@@ -424,8 +431,8 @@ def supervise_worker(
                     )
                 else:
                     on_line(line)
-                if spare is None and standby is not None and not stopping:
-                    spare = start(_Worker(standby(endpoints), env))
+                while standby is not None and len(spares) < SPARES and not stopping:
+                    spares.append(start(_Worker(standby(endpoints), env)))
             if heartbeat_path is not None and watched.bound_at is not None:
                 if heartbeat_fd is None:
                     heartbeat_fd = _open_quietly(heartbeat_path)
@@ -515,7 +522,7 @@ def supervise_worker(
         os.close(wakeup_write)
         if heartbeat_fd is not None:
             os.close(heartbeat_fd)
-        if spare is not None:
+        for spare in spares:
             _end(None, spare)  # its stdin closes: a standby exits at once
         if worker is not None and worker.process.poll() is None:  # ours failed: no orphan
             worker.process.kill()
