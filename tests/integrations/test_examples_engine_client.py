@@ -47,7 +47,7 @@ from tests.vllm_reference.dp_cluster import open_engine_fleet, prepare_cluster_r
 from trio_dpcoord import EngineClient, RequestStream, SamplingParams
 from trio_dpcoord.sim import ClusterConfig, open_sim_engine_client
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "engine_client.py"
 PROMPTS = 2  # the example sends two prompts, one after the other
 MAX_TOKENS = 16  # ... each with SamplingParams(max_tokens=16, ignore_eos=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.decoder_contract import (
+from tests.protocol.decoder_contract import (
     Contract,
     Ext,
     RawStr,
@@ -23,7 +23,7 @@ from tests.decoder_contract import (
     without_msgspec,
     write,
 )
-from tests.test_protocol import U64
+from tests.protocol.test_protocol import U64
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import (
     CLIENT_OUTPUT_DECODER,

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 from hypothesis import example, given
 
-from tests.decoder_contract import (
+from tests.protocol.decoder_contract import (
     REAL_STATS_FRAME,
     SETTINGS,
     Contract,
@@ -29,7 +29,7 @@ from tests.decoder_contract import (
     without_msgspec,
     write,
 )
-from tests.test_protocol import U64, general_decode
+from tests.protocol.test_protocol import U64, general_decode
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import (
     COORDINATOR_OUTPUT_DECODER,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.test_vllm_switch import (
+from tests.vllm.test_switch import (
     OURS,
     TIMEOUT,
     Runner,
