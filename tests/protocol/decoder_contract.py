@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from fuzz.fuzz_codec import frames as fuzz_frames
 from tests.conftest import VECTORS_PATH
-from tests.protocol.test_protocol import U64, eco_strategy, msgpack_values, pack
+from tests.protocol.wire import U64, eco_strategy, msgpack_values, pack
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import ProtocolError
 

@@ -23,7 +23,7 @@ from tests.protocol.decoder_contract import (
     without_msgspec,
     write,
 )
-from tests.protocol.test_protocol import U64
+from tests.protocol.wire import U64
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import (
     CLIENT_OUTPUT_DECODER,

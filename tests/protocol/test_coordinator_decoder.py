@@ -29,7 +29,7 @@ from tests.protocol.decoder_contract import (
     without_msgspec,
     write,
 )
-from tests.protocol.test_protocol import U64, general_decode
+from tests.protocol.wire import U64, general_decode
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import (
     COORDINATOR_OUTPUT_DECODER,
