@@ -15,7 +15,7 @@ path): a caller that breaks out of its stream, one that raises in the block, one
 cancelled while it waits for an output and one cancelled while it does something else.
 Each time the engine itself logs that it dropped the request and its wave ends, the
 client's bookkeeping returns to zero, no task is left over and nothing still holds the
-stream or its channel. (tests/test_engine_client.py and tests/test_sim_engine_core.py
+stream or its channel. (tests/shell/test_engine_client.py and tests/sim/test_engine_core.py
 check that a stream left by ``break`` is aborted; cancellation, the bookkeeping, the
 tasks and the references are checked here.)
 """

@@ -1,7 +1,7 @@
 """The engine client's decoder of engine outputs: both paths (msgspec, msgpack-python) say
 exactly what the full decoder says (``decode_engine_core_outputs``: the request outputs'
 ids, token ids and finish reasons, and the utility answer), the same values or the same
-ProtocolError message, on every kind of frame of ``tests/decoder_contract.py`` (the
+ProtocolError message, on every kind of frame of ``tests/protocol/decoder_contract.py`` (the
 generated ones with odd values in every slot of the request outputs)."""
 
 from __future__ import annotations

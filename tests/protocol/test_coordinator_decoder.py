@@ -1,7 +1,7 @@
 """The coordinator's decoder of engine outputs: both paths (msgspec, msgpack-python) say
 exactly what the full decoder says (``decode_engine_core_outputs`` then
 ``classify_output``), the same value or the same ProtocolError message, on every kind of
-frame of ``tests/decoder_contract.py``; its ingest path (``decode_ingest_stats``) gives
+frame of ``tests/protocol/decoder_contract.py``; its ingest path (``decode_ingest_stats``) gives
 the same fields or leaves the frame to them, never anything else."""
 
 from __future__ import annotations
