@@ -1,5 +1,5 @@
 """A pytest plugin measuring how long trio's event loops went without looking at the
-clock, test by test: ``python -m pytest -p tests.scripts.loop_silence ...``.
+clock, test by test: ``python -m pytest -p tests.shell.scripts.loop_silence ...``.
 
 A task due to run at some time (the supervised worker's heartbeat, a timer) waits at
 least as long as the batch of task steps running when that time comes: trio checks its
