@@ -39,9 +39,18 @@ import trio
 import zmq
 
 from . import protocol
+from ._heartbeat import HeartbeatWriter, read_heartbeat
 from ._shell.coordinator import Coordinator, open_coordinator
 from ._shell.coordinator import _Pumps as CoordinatorPumps
-from ._shell.supervision import inject_failure
+from ._shell.supervision import CRASH_VARIABLE, WaveFile, inject_failure
+from ._supervisor import (
+    MAX_FAILED_STARTS,
+    MAX_PAUSE,
+    QUICK_DEATH,
+    RULE,
+    RestartRule,
+    WorkerWatch,
+)
 from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
 from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
@@ -53,11 +62,20 @@ from .vllm._routing import routing_state as vllm_routing_state
 from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
 
 __all__ = [
+    "CRASH_VARIABLE",
+    "MAX_FAILED_STARTS",
+    "MAX_PAUSE",
+    "QUICK_DEATH",
+    "RULE",
     "CoordinatorPumps",
     "CoreInternals",
     "EnginePeer",
+    "HeartbeatWriter",
+    "RestartRule",
     "ServeProcess",
     "VllmPeerRoutes",
+    "WaveFile",
+    "WorkerWatch",
     "connect_engines",
     "coordinator_ingest_paths",
     "coordinator_pumps",
@@ -71,6 +89,7 @@ __all__ = [
     "parse_endpoints",
     "prefix_walk_of_prompt",
     "prefix_walks",
+    "read_heartbeat",
     "read_lines",
     "replace_recovery_rules",
     "replace_wave_rule",

@@ -9,14 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_dpcoord._heartbeat import HeartbeatWriter, read_heartbeat
-from trio_dpcoord._supervisor import (
+from trio_dpcoord.testing import (
     MAX_FAILED_STARTS,
     MAX_PAUSE,
     QUICK_DEATH,
     RULE,
+    HeartbeatWriter,
     RestartRule,
+    WaveFile,
     WorkerWatch,
+    read_heartbeat,
 )
 
 
@@ -139,8 +141,6 @@ def test_without_a_heartbeat_binding_is_serving() -> None:
 def test_the_heartbeat_record_round_trips_beside_the_wave(tmp_path: object) -> None:
     import os
     from pathlib import Path
-
-    from trio_dpcoord._shell.supervision import WaveFile
 
     path = str(Path(str(tmp_path)) / "wave")
     wave = WaveFile(path)

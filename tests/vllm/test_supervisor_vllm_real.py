@@ -45,8 +45,8 @@ from tests.vllm_real import (
     completion_body,
     write_model,
 )
-from trio_dpcoord._shell.supervision import CRASH_VARIABLE
 from trio_dpcoord.sim.cluster_config import percentile
+from trio_dpcoord.testing import CRASH_VARIABLE
 
 pytestmark = pytest.mark.vllm_real
 
