@@ -15,8 +15,8 @@ so that a death costs a few tens of milliseconds, not an interpreter's start.
 that served and died. A worker *served* once it bound its addresses and opened its
 start-up gate (READY went out; it says so in its heartbeat). Deaths of workers that never
 served count: :data:`MAX_FAILED_STARTS` in a row end the supervisor with status 1 and an
-error naming the cause (the last worker's exit status and its last stderr lines). A
-worker that served and died is replaced every time; one that dies within
+error naming the cause (the last worker's exit status and its last stderr lines); the next
+starts at once. A worker that served and died is replaced every time; one that dies within
 :data:`QUICK_DEATH` seconds of serving doubles the pause before the next (from 0, then
 0.1 s, up to :data:`MAX_PAUSE`), one that served longer resets it.
 
@@ -136,10 +136,10 @@ class RestartRule:
 
     def died(self, now: float, served_at: float | None) -> Verdict:
         """A worker died at ``now``; ``served_at``: when it began to serve (None: never)."""
-        if served_at is None:
+        if served_at is None:  # no pause: five of them end it soon enough
             self.failed_starts += 1
             give_up = self.failed_starts >= self.max_failed_starts
-            return Verdict(give_up, self._next_pause(), False, self.failed_starts)
+            return Verdict(give_up, 0.0, False, self.failed_starts)
         self.failed_starts = 0
         if now - served_at < self.quick_death:
             return Verdict(False, self._next_pause(), True, 0)

@@ -27,7 +27,7 @@ def test_workers_that_never_served_give_up_at_the_fifth_in_a_row() -> None:
     verdicts = [rule.died(float(t), None) for t in range(MAX_FAILED_STARTS)]
     assert [v.give_up for v in verdicts] == [False] * (MAX_FAILED_STARTS - 1) + [True]
     assert [v.failed_starts for v in verdicts] == list(range(1, MAX_FAILED_STARTS + 1))
-    assert [v.pause for v in verdicts] == [0.0, 0.1, 0.2, 0.4, 0.8]
+    assert [v.pause for v in verdicts] == [0.0] * MAX_FAILED_STARTS  # no pause: it ends soon
     assert not any(v.served for v in verdicts)
 
 
@@ -63,6 +63,16 @@ def test_a_worker_that_served_long_enough_resets_the_pause() -> None:
     assert rule.died(10.0, served_at=10.0 - QUICK_DEATH).pause == 0.0
     assert rule.died(20.0, served_at=19.9).pause == 0.0  # doubling starts from 0 again
     assert rule.died(30.0, served_at=29.9).pause == 0.1
+
+
+def test_failed_starts_neither_pause_nor_reset_the_pause_of_quick_deaths() -> None:
+    """A storm that kills some workers before they serve: those start the next at once,
+    and the pause of quick deaths after serving goes on from where it was."""
+    rule = RestartRule()
+    assert rule.died(1.0, served_at=0.9).pause == 0.0
+    assert rule.died(2.0, served_at=1.9).pause == 0.1
+    assert [rule.died(3.0 + t, None).pause for t in range(4)] == [0.0] * 4
+    assert rule.died(8.0, served_at=7.9).pause == 0.2
 
 
 def test_kills_one_second_apart_are_never_paused() -> None:
