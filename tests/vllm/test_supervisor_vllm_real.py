@@ -220,9 +220,10 @@ async def test_twenty_kills_one_second_apart_fail_no_request(fleet: Fleet) -> No
     assert failures == [], (failures, server.log_tail(60))
     assert not DIED.search(logs) and server.wait(0.1) is None, server.log_tail(60)
     assert "crash loop" not in logs
-    assert len(re.findall(r"killed by SIGKILL after serving", logs)) >= KILLS - 2, server.log_tail(
-        80
-    )
+    # every kill was survived (a worker killed before its gate opened never served: one
+    # such between two that served is no crash loop)
+    survived = re.findall(r"killed by SIGKILL (?:after serving|before it served \(1 of)", logs)
+    assert len(survived) >= KILLS, server.log_tail(80)
     assert waves.backwards == [], waves
     assert len(measured) == KILLS, figures  # the successor published after every kill
 
