@@ -15,6 +15,7 @@ import os
 import re
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -288,3 +289,27 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 found.append(int(entry))
     return found
+
+
+async def test_successors_that_cannot_bind_end_the_supervisor_with_the_cause(
+    tmp_path: Path,
+) -> None:
+    """After a death the address is blocked (a non-empty directory where the front
+    socket's ipc file was): five successors in a row fail to bind, without pauses, and
+    the supervisor ends with status 1 and the bind error."""
+    front = tmp_path / "front"
+    with trio.fail_after(GUARD):
+        async with open_serve(
+            "--engines", "1", "--supervised", "--front", f"ipc://{front}"
+        ) as serve:
+            await serve.logged(STARTED)
+            front.unlink()
+            (front / "blocked").mkdir(parents=True)
+            os.kill(worker_pid(serve), signal.SIGKILL)
+            assert await serve.process.wait() == 1
+    assert re.search(
+        r"exited with status 2; its stderr said: trio-dpcoord: error: cannot bind the front "
+        rf"socket to 'ipc://{re.escape(str(front))}': Address already in use.* before it "
+        r"served, 5 workers in a row: a crash loop, giving up",
+        serve.stderr,
+    ), serve.stderr
