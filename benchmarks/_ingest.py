@@ -177,8 +177,8 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
     import trio
     import zmq
 
+    from trio_dpcoord import protocol
     from trio_dpcoord.core import CoordinatorCore
-    from trio_dpcoord.testing import coordinator_ingest_paths
     from trio_dpcoord.trio_zmq import open_context, open_socket
 
     frames = fleet_stream(8, messages)
@@ -212,7 +212,10 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
             unpackb(recv(noblock))
 
     def loop_ingest_decode(path: str) -> Callable[[], None]:
-        decode = coordinator_ingest_paths()[path]
+        decode = {
+            "msgpack": protocol.ingest_stats_with_msgpack,
+            "msgspec": protocol.ingest_stats_with_msgspec,
+        }[path]
 
         def loop() -> None:  # our decoder's hot path, recv with the multipart check
             recv = pull.recv

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -374,10 +375,29 @@ def _private_path(dotted: str) -> bool:
     return any(part.startswith("_") and not part.endswith("__") for part in dotted.split("."))
 
 
+WHITE_BOX: dict[str, str] = {
+    # module: why a test must see inside it
+    f"{ROOT}._shell.coordinator": "tests/test_service.py drives the shell's pumps by hand",
+    f"{ROOT}.vllm._routing": "the vLLM plugin's routing rules and per-client state",
+    f"{ROOT}.vllm._peers": "the vLLM plugin's routes shared between API servers",
+}
+"""The private modules tests may import (white-box tests of exactly that module, its
+private names included); nothing else outside the package names a private module."""
+
+
+def _white_box(dotted: str, path: Path) -> bool:
+    """Whether ``dotted`` (a module, or a name in one) is in a white-box module that
+    ``path`` (a file outside the package) may import."""
+    if path.relative_to(REPO).parts[0] != "tests":
+        return False
+    return any(dotted == module or dotted.startswith(module + ".") for module in WHITE_BOX)
+
+
 def private_uses(path: Path) -> Iterator[str]:
     """Where ``path`` names a private module or name of the package: imports, dotted
     attribute chains from ``trio_dpcoord``, and module paths in strings (scripts run in
-    subprocesses, logger names)."""
+    subprocesses, logger names); the white-box modules of :data:`WHITE_BOX` are allowed
+    in tests."""
     for node in ast.walk(parsed(path)):
         found: list[str] = []
         if isinstance(node, ast.ImportFrom) and not node.level and node.module:
@@ -394,15 +414,101 @@ def private_uses(path: Path) -> Iterator[str]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             found += [m for m in _DOTTED.findall(node.value) if _private_path(m)]
         for name in dict.fromkeys(found):
-            yield f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}: {name}"
+            if not _white_box(name, path):
+                yield f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}: {name}"
 
 
 def test_nothing_outside_the_package_imports_a_private_module() -> None:
     """Tests, benchmarks and examples use the public fronts (``trio_dpcoord``, its
-    ``protocol``, ``core``, ``routing``, ``trio_zmq``, ``testing``, ``sim``): what a test
-    needs that only a private module has is a public name or a test hook of
-    :mod:`trio_dpcoord.testing`."""
+    ``protocol``, ``core``, ``routing``, ``trio_zmq``, ``testing``, ``sim``); a white-box
+    test imports the private module it tests, from :data:`WHITE_BOX` only."""
     files = [path for top in OUTSIDE for path in sorted((REPO / top).rglob("*.py"))]
     assert len(files) > 20, "the scan found too few files"
     uses = [use for path in files for use in private_uses(path)]
     assert not uses, "private names of the package used outside it:\n" + "\n".join(uses)
+
+
+def test_the_white_box_list_is_short_and_used() -> None:
+    """Every white-box module is a module of the package some test imports (a stale entry
+    would let a new test in unseen)."""
+    assert len(WHITE_BOX) <= 6, "the white-box list is not short: make names public"
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    imported = {
+        node.module
+        for path in tests
+        for node in ast.walk(parsed(path))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    for module in WHITE_BOX:
+        assert module in package_modules(), f"{module}: no such module"
+        assert module in imported, f"{module}: no test imports it; drop it from WHITE_BOX"
+
+
+# --- public modules: public names only --------------------------------------------------
+
+
+def public_modules() -> list[str]:
+    """Every module of the package with no private part in its path (``__main__`` aside:
+    importing it runs the command line)."""
+    return [m for m in package_modules() if not _private_path(m) and not m.endswith("__main__")]
+
+
+def exported(module: object) -> list[str]:
+    """What a module offers: its ``__all__``, else its public globals that are not modules."""
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return list(names)
+    return [
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and not inspect.ismodule(value)
+    ]
+
+
+def front_of(module: str) -> str:
+    """The public module that fronts ``module``: itself when public, else its nearest
+    ancestor without a private part (the package itself for a module of ``_shell``)."""
+    parts = module.split(".")
+    while _private_path(".".join(parts)):
+        parts.pop()
+    return ".".join(parts)
+
+
+def private_passages(module_name: str) -> Iterator[str]:
+    """Where public module ``module_name`` hands out a private name: a private name in its
+    exports, an alias of a private name (``from ._x import _Y as Y``), or an object of a
+    private module that the module's own front does not export (a room's inside reached
+    through another room's public module)."""
+    path = package_modules()[module_name]
+    for node, _ in _import_nodes(parsed(path).body):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if _private_path(alias.name) and alias.asname and not _private_path(alias.asname):
+                    yield f"{module_name}: imports {alias.name} as the public {alias.asname}"
+    module = importlib.import_module(module_name)
+    for name in exported(module):
+        if _private_path(name):
+            yield f"{module_name}: exports the private name {name}"
+            continue
+        value = getattr(module, name)
+        if not (inspect.isclass(value) or inspect.isfunction(value)):
+            continue
+        home = value.__module__
+        if not home.startswith(ROOT):
+            continue
+        if _private_path(value.__name__):
+            yield f"{module_name}.{name} is the private {home}.{value.__name__}"
+            continue
+        front = front_of(home)
+        if front == module_name or not _private_path(home):
+            continue
+        offered = importlib.import_module(front)
+        if not any(getattr(offered, other, None) is value for other in exported(offered)):
+            yield f"{module_name}.{name} is {home}.{value.__name__}, which {front} does not export"
+
+
+def test_no_private_name_passes_through_a_public_module() -> None:
+    modules = public_modules()
+    assert {f"{ROOT}.testing", f"{ROOT}.routing", f"{ROOT}.sim"} <= set(modules)
+    passages = [passage for module in modules for passage in private_passages(module)]
+    assert not passages, "private names handed out by public modules:\n" + "\n".join(passages)

@@ -26,8 +26,7 @@ from trio_dpcoord.protocol import (
 from trio_dpcoord.routing import PrefixRouter, block_keys
 from trio_dpcoord.sim.routing import FrontEnds, make_policy, run_policy
 from trio_dpcoord.sim.traces import multi_turn_chat
-from trio_dpcoord.testing import VllmPeerRoutes as PeerRoutes
-from trio_dpcoord.testing import vllm_peer_endpoints as peer_endpoints
+from trio_dpcoord.vllm._peers import PeerRoutes, peer_endpoints
 
 KEY = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 

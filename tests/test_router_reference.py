@@ -12,6 +12,7 @@ optimisations change no routing decision.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -29,12 +30,47 @@ from trio_dpcoord.routing import (
     block_keys,
     vllm_score,
 )
-from trio_dpcoord.testing import (
-    prefix_walk_of_prompt,
-    prefix_walks,
-    store_as_the_router,
-    use_chain_mode,
-)
+
+# --- white-box: the prefix policy's inside (private attributes, on purpose) -----------
+
+
+def prefix_walks(
+    router: PrefixRouter, keys: Sequence[int]
+) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]]]:
+    """The two ways ``router`` finds which ranks hold how much of ``keys``: its bisecting
+    walk (None unless the indexes are prefix-closed, the approximate feed's case, when
+    it is the one used) and the block-by-block walk. They must agree; read-only."""
+    bisected = router._bisect(keys) if router._closed else None
+    return bisected, router._walk_blocks(keys)
+
+
+def prefix_walk_of_prompt(
+    router: PrefixRouter, token_ids: Sequence[int]
+) -> tuple[list[tuple[int, int]], int]:
+    """The walk :meth:`PrefixRouter.route` makes for ``token_ids`` (with prefix-closed
+    indexes, over the keys its chunk cache knows and the rest on demand), and how many
+    of the prompt's blocks it keyed; read-only (a copy of the router's chunk cache)."""
+    cache = copy.copy(router._keys)
+    cache._chunks = dict(router._keys._chunks)
+    keys = cache.lookup(token_ids) if router._closed else cache(token_ids)
+    groups = router._walk(keys if router._closed else list(keys))
+    return groups, keys.known
+
+
+def use_chain_mode(index: RankPrefixIndex) -> None:
+    """Switch ``index`` to the layout the approximate feed keeps it in (its LRU order in
+    pieces of a chain): for tests that drive an index alone. Before its first store."""
+    index._chain_mode()
+
+
+def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, now: float) -> bool:
+    """Store a prompt's ``keys`` as the router does after its walk found ``held`` of them
+    cached (chain mode only; False, storing nothing, in the plain layout)."""
+    if index._held is None:
+        return False
+    index._store_chain(keys, held, now)
+    return True
+
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 

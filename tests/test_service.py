@@ -24,12 +24,11 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
+from trio_dpcoord._shell.coordinator import _Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
-    CoordinatorPumps,
     connect_engines,
-    coordinator_pumps,
     expect_broadcast,
     open_coordinator_with_engines,
 )
@@ -432,7 +431,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
         async with open_coordinator_with_engines(1, restart=False) as (coordinator, _engines):
             # break an invariant of our own: an empty frame list for the broadcaster
-            coordinator_pumps(coordinator).outgoing.send_nowait([Broadcast([], None, 0.0)])
+            coordinator._pumps.outgoing.send_nowait([Broadcast([], None, 0.0)])
             await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
@@ -521,7 +520,7 @@ async def test_a_due_timed_publish_waits_for_the_publishes_decided_before_it(
     sender is not waiting, with the timed publish already due (the clock is frozen).
     """
     core = CoordinatorCore(2, publish_to_front_ends=True)
-    pumps = CoordinatorPumps(core)
+    pumps = _Pumps(core)
     now = trio.current_time()
     with pumps.lock:
         for _ in range(2):
