@@ -36,8 +36,8 @@ import trio
 
 import trio_dpcoord.sim.__main__ as sim_main
 from trio_dpcoord import protocol
-from trio_dpcoord.sim.engine_config import FINISH_LENGTH, RequestState
 from trio_dpcoord.sim.engine_core import SimEngineCore
+from trio_dpcoord.sim.engine_state import FINISH_LENGTH, RequestState
 
 logger = logging.getLogger(__name__)
 
