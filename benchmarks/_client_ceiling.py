@@ -444,7 +444,7 @@ STARTUP = "start-up, imports, other threads (left out)"
 SCHEDULER = "scheduler: run loop, epoll, waking tasks"
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (category, substrings of a frame): the first rule any frame of the task matches
-    ("embedded coordinator (its ingest of stats, waves)", ("_Pumps.", "coordinator.py")),
+    ("embedded coordinator (its ingest of stats, waves)", ("Pumps.", "coordinator.py")),
     ("vLLM client's link to its coordinator", ("run_engine_stats_update_task",)),
     (
         "decode engine outputs",

@@ -317,14 +317,14 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
 
 _OURS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (part, substrings of any frame of the stack): the first rule that matches
-    ("receive (pyzmq, the shim's batch)", ("trio_zmq.py",)),
+    ("receive (pyzmq, the shim's batch)", ("trio_zmq/",)),
     ("decode", ("_output_decoder", "_ingest_decoder", "protocol/_codec", "protocol/_outputs")),
     ("core: write the table (per batch)", ("apply_held_stats", "LoadTable", "_apply_held")),
     (
         "core: check, count, hold (per message)",
         ("receive_engine_output", "_hold_stats", "CoordinatorCore"),
     ),
-    ("listener: loop, lock, per-batch bookkeeping", ("_Pumps.", "IngestBacklog")),
+    ("listener: loop, lock, per-batch bookkeeping", ("Pumps.", "IngestBacklog")),
 )
 _VLLM_LINES: tuple[tuple[str, range], ...] = (
     # vLLM 0.33.0's DPCoordinatorProc.process_input_socket (vllm/v1/engine/coordinator.py)
@@ -359,7 +359,7 @@ def breakdown(raw: Path) -> dict[str, float]:
             continue  # trio waiting for work: idle
         if any(f.startswith(_VLLM_PREFIX) for f in frames):
             part = _vllm_part(frames)
-        elif any("_Pumps.engine_output_listener" in f for f in frames):
+        elif any("Pumps.engine_output_listener" in f for f in frames):
             part = next(
                 (name for name, keys in _OURS if any(k in f for f in frames for k in keys)),
                 "other",

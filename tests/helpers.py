@@ -72,8 +72,8 @@ def core_internals(core: CoordinatorCore) -> CoreInternals:
     return CoreInternals(
         wave.first_request_pending,
         wave.unconfirmed_wave,
-        tuple(core._deferred),
-        tuple(core._deferred_commands),
+        tuple(core._gate.deferred),
+        tuple(core._gate.deferred_commands),
         loads.pending_snapshot,
         loads.stats_changed,
         core._recovery is not None,

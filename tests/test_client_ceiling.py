@@ -137,7 +137,7 @@ def test_the_breakdown_sorts_stacks_into_the_request_path(tmp_path: Path) -> Non
             ),
             15,
         ),
-        (stack(*TRIO, LOOP, "_Pumps.engine_output_listener (coordinator.py:1)"), 5),
+        (stack(*TRIO, LOOP, "Pumps.engine_output_listener (coordinator.py:1)"), 5),
         ("a line cut short (no count", 0),
     ]
     raw.write_text("".join(f"{s} {n}\n" if n else f"{s}\n" for s, n in lines))

@@ -80,8 +80,9 @@ def test_every_name_a_front_lists_resolves(front: str) -> None:
 
 # --- the house, read from the source --------------------------------------------------
 
-MAX_LINES = 700
-"""No module of the package is longer: past it, a module holds more than one room."""
+MAX_LINES = 600
+"""No module of the package is longer: past it, a module holds more than one room (a
+module near it is split at a real seam, never trimmed to fit)."""
 
 INTEGRATIONS = 4
 FLOORS: dict[str, int] = {
@@ -377,7 +378,7 @@ def _private_path(dotted: str) -> bool:
 
 WHITE_BOX: dict[str, str] = {
     # module: why a test must see inside it
-    f"{ROOT}._shell.coordinator": "tests/test_service.py drives the shell's pumps by hand",
+    f"{ROOT}._shell.pumps": "tests/test_service.py drives the coordinator's pumps by hand",
     f"{ROOT}.vllm._routing": "the vLLM plugin's routing rules and per-client state",
     f"{ROOT}.vllm._peers": "the vLLM plugin's routes shared between API servers",
 }

@@ -24,7 +24,7 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
-from trio_dpcoord._shell.coordinator import _Pumps
+from trio_dpcoord._shell.pumps import Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
@@ -520,7 +520,7 @@ async def test_a_due_timed_publish_waits_for_the_publishes_decided_before_it(
     sender is not waiting, with the timed publish already due (the clock is frozen).
     """
     core = CoordinatorCore(2, publish_to_front_ends=True)
-    pumps = _Pumps(core)
+    pumps = Pumps(core)
     now = trio.current_time()
     with pumps.lock:
         for _ in range(2):

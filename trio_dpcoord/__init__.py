@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ._shell.endpoints import Liveness as Liveness
     from ._shell.endpoints import PrivateIpcDirectory as PrivateIpcDirectory
     from ._shell.engine_client import EngineClient as EngineClient
-    from ._shell.engine_client import open_engine_client as open_engine_client
+    from ._shell.engine_startup import open_engine_client as open_engine_client
     from ._shell.frontend import Frontend as Frontend
     from ._shell.frontend import open_frontend as open_frontend
     from ._shell.monitor import ConnectionMonitor as ConnectionMonitor
@@ -153,7 +153,7 @@ _EXPORTS: dict[str, str] = {
     "WaveStartCause": ".core._effects",
     "open_connection_monitor": "._shell.monitor",
     "open_coordinator": "._shell.coordinator",
-    "open_engine_client": "._shell.engine_client",
+    "open_engine_client": "._shell.engine_startup",
     "open_frontend": "._shell.frontend",
 }
 

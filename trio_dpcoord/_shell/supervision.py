@@ -41,7 +41,7 @@ from ..core import Broadcast, CoordinatorCore, Effect, Recovery
 
 
 class Restartable(Protocol):
-    """What a restart needs of the coordinator's pumps (``coordinator._Pumps``): a
+    """What a restart needs of the coordinator's pumps (``pumps.Pumps``): a
     protocol, so that this module and the coordinator's do not import each other."""
 
     core: CoordinatorCore

@@ -143,3 +143,24 @@ class Tally:
         self.unconfirmed_expiries = 0
         self.rejected: Counter[str] = Counter()
         self.wake_latency = LatencyHistogram()
+
+    def counters(
+        self, *, engine_output_backlog: float, connections_lost: dict[str, int]
+    ) -> CoordinatorCounters:
+        """A copy of the counts, with what the core keeps elsewhere."""
+        return CoordinatorCounters(
+            engine_messages=self.engine_messages,
+            stats_applied=self.stats_applied,
+            stats_coalesced=self.stats_coalesced,
+            engine_output_backlog=engine_output_backlog,
+            waves_completed=self.waves_completed,
+            wave_starts=sum(self.wave_starts.values()),
+            wave_starts_by_cause=dict(self.wave_starts),
+            ready_broadcasts=self.ready_broadcasts,
+            front_publishes=self.front_publishes,
+            commands=self.commands,
+            unconfirmed_expiries=self.unconfirmed_expiries,
+            rejected=dict(self.rejected),
+            wake_latency=self.wake_latency.snapshot(),
+            connections_lost=connections_lost,
+        )

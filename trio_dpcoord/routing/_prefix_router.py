@@ -1,40 +1,34 @@
-"""The prefix policy: settings, counters and the router that picks a rank from the index."""
+"""The prefix policy's router: it picks a rank from the ranks' prefix indexes.
+
+Its settings and what it returns and counts are in ``_settings.py``, the exact feed's
+KV events in ``_kv_feed.py``, the rendezvous of front-ends in ``_rendezvous.py``.
+"""
 
 from __future__ import annotations
 
 import logging
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from itertools import chain, islice, takewhile
-from typing import Any
 
 from .._reject_log import RejectLog
 from ..protocol import (
-    BlockRemoved,
-    BlockStored,
     KVEventError,
     decode_event_batch,
 )
+from ._kv_feed import ExactRank
 from ._prefix_index import (
     CHUNK_BLOCKS,
-    ROOT_KEY,
     ChunkedKeys,
     ChunkKeys,
     Feed,
     RankPrefixIndex,
     block_keys,
 )
+from ._rendezvous import BranchPoints, rendezvous_rank
 from ._settings import PrefixRouting, RouteDecision, RouterCounters
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ExactRank:
-    last_seq: int | None = None
-    vllm_to_ours: dict[Any, tuple[int, int]] = field(default_factory=dict)
-    """vLLM's block hash -> (our key, the block's depth in its chain)."""
 
 
 def first_from(values: Sequence[float], value: float, start: int) -> int:
@@ -44,9 +38,6 @@ def first_from(values: Sequence[float], value: float, start: int) -> int:
     except ValueError:
         return values.index(value)
 
-
-_BRANCH = object()
-"""A block seen followed by two different blocks."""
 
 _FEW_RANKS = 1
 """The walk counts the runs of this many ranks or fewer in their own indexes. With the
@@ -107,7 +98,7 @@ class PrefixRouter:
         """Keep each routed prompt (approximate feed) for :meth:`take_routed`, so that a
         front-end can tell the others (:meth:`receive_routed` on theirs)."""
         self._routed: list[tuple[int, Sequence[int]]] = []
-        self._exact: list[_ExactRank] = []
+        self._exact: list[ExactRank] = []
         self._keys = ChunkKeys(self.block_size, 0)
         self._closed = self.feed == "approximate"
         """Every rank's index is prefix-closed: a rank holding a prompt's block holds the
@@ -123,9 +114,8 @@ class PrefixRouter:
         self._next_belief_sweep = -float("inf")
         self.counters = RouterCounters()
         self._reject = RejectLog(logger)
-        self._children: dict[int, object] = {}
-        """``rendezvous_home``: block key -> the key of the block seen after it, or
-        :data:`_BRANCH` once two different ones were (bounded: cleared when full)."""
+        self._branches = BranchPoints()
+        """``rendezvous_home``: where the prompts routed part (``_rendezvous.py``)."""
 
     def resize(self, ranks: int) -> None:
         """Elastic EP: follow a new rank count (ranks beyond it are forgotten)."""
@@ -143,7 +133,7 @@ class PrefixRouter:
             if self._closed:
                 index._chain_mode()  # every store a prompt's chain: the order in pieces
             self._indexes.append(index)
-            self._exact.append(_ExactRank())
+            self._exact.append(ExactRank())
         self.ranks = ranks
         self._all = (1 << ranks) - 1
         # At most half the chunks the indexes can hold (about 15 bytes a block at most).
@@ -226,7 +216,7 @@ class PrefixRouter:
         else:
             decision = self._pick(groups, keys, len(token_ids), queued_work, unshared_choice)
         if self.routing.rendezvous_home and keys:
-            self._learn_branches(keys)
+            self._branches.learn(keys, self.ranks * self.routing.capacity_blocks)
         self.counters.prompt_tokens += len(token_ids)
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
@@ -288,26 +278,6 @@ class PrefixRouter:
             self._indexes[rank].store(keys, now)
         return True
 
-    def _learn_branches(self, keys: Sequence[int]) -> None:
-        children = self._children
-        if len(children) > self.ranks * self.routing.capacity_blocks:
-            children.clear()  # the bound: branch points are relearnt from the traffic
-        for parent, child in zip(keys, islice(keys, 1, None), strict=False):
-            known = children.get(parent)
-            if known is None:
-                children[parent] = child
-            elif known is not _BRANCH and known != child:
-                children[parent] = _BRANCH
-
-    def _branch_point(self, keys: Sequence[int]) -> int:
-        """The blocks of ``keys`` up to and including its last branch point."""
-        get = self._children.get
-        point = 0
-        for index, key in enumerate(keys):
-            if get(key) is _BRANCH:
-                point = index + 1
-        return point
-
     def _home(
         self,
         groups: list[tuple[int, int]],
@@ -332,16 +302,13 @@ class PrefixRouter:
         ]
         best = min(costs)
         within = best + self.routing.rendezvous_slack * prompt_len
-        point = self._branch_point(keys)
+        point = self._branches.point(keys)
         # the ranks holding the prompt up to its branch point (a shared document), if any
         eligible = [r for r in range(ranks) if depth_of[r] >= point] or range(ranks)
         key = keys[min(point, len(keys) - 1)]
-        winner, top = costs.index(best), -1
-        for rank in eligible:
-            if costs[rank] <= within:
-                mine = hash((key, rank)) & 0xFFFFFFFFFFFF
-                if mine > top:
-                    winner, top = rank, mine
+        winner = rendezvous_rank(key, (r for r in eligible if costs[r] <= within))
+        if winner is None:
+            winner = costs.index(best)
         return RouteDecision(winner, depth_of[winner] * block, False)
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
@@ -570,14 +537,10 @@ class PrefixRouter:
         within = best_cost + self.routing.rendezvous_slack * prompt_len
         uncached = prompt_len - deepest * self.block_size
         members = self._members(holders) if holders else range(self.ranks)
-        winner, weight = best[0], -1
-        found = False
-        for rank in members:
-            if queued[rank] + uncached <= within:
-                mine = hash((key, rank)) & 0xFFFFFFFFFFFF
-                if mine > weight:
-                    winner, weight, found = rank, mine, True
-        return (winner, deepest) if found else best
+        winner = rendezvous_rank(key, (r for r in members if queued[r] + uncached <= within))
+        if winner is None:
+            return best
+        return (winner, deepest)
 
     def receive_kv_events(self, rank: int, seq: int, payload: bytes, now: float) -> bool:
         """Apply one engine's KV-event batch (``seq`` from the PUB frame); False if rejected.
@@ -612,31 +575,7 @@ class PrefixRouter:
             self._closed = False
             for each in self._indexes:
                 each._materialize()
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                if event.block_size != self.block_size:
-                    continue  # keys of another block size never match our prompts'
-                parent, depth = ROOT_KEY, 0
-                if event.parent_block_hash is not None:
-                    known = state.vllm_to_ours.get(event.parent_block_hash)
-                    if known is None or not index.knows(known[0]):
-                        continue  # parent unknown: the chain cannot be matched anyway
-                    parent, depth = known[0], known[1] + 1
-                ours = block_keys(event.token_ids, event.block_size, parent, depth)
-                for offset, (theirs, key) in enumerate(zip(event.block_hashes, ours, strict=True)):
-                    state.vllm_to_ours[theirs] = (key, depth + offset)
-                index.confirm(ours)
-                index.store(ours, now)
-            elif isinstance(event, BlockRemoved):
-                gone = (state.vllm_to_ours.pop(h, None) for h in event.block_hashes)
-                index.remove(known[0] for known in gone if known is not None)
-            else:
-                index.clear()
-                state.vllm_to_ours.clear()
-        if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
-            state.vllm_to_ours = {
-                h: known for h, known in state.vllm_to_ours.items() if index.knows(known[0])
-            }
+        state.apply(batch.events, index, self.block_size, now)
         return True
 
     # --- read-only views (tests, diagnostics): copies, never the router's own state --------
