@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -36,11 +35,10 @@ from ..trio_zmq import AsyncSocket, open_context, open_monitor, open_socket
 from .coordinator import Coordinator, open_coordinator
 from .endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
 from .engine_client import EngineClient
-from .engine_io import Outbox, run_client_tasks
+from .engine_io import ClientSockets, Outbox, run_client_tasks
 
 __all__ = [
     "DEFAULT_STARTUP_TIMEOUT",
-    "ClientSockets",
     "bind_client_sockets",
     "handshake_metadata",
     "open_engine_client",
@@ -52,16 +50,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STARTUP_TIMEOUT = 600.0
 """vLLM's own default (``VLLM_ENGINE_READY_TIMEOUT_S``): loading weights takes a while."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClientSockets:
-    """The request input (ROUTER) and, per rank, its output (PULL), the PULL's
-    disconnection monitor and the address the rank connects to."""
-
-    input: AsyncSocket
-    input_address: str
-    outputs: list[tuple[AsyncSocket, AsyncSocket, str]]
 
 
 async def bind_client_sockets(
