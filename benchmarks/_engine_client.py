@@ -202,7 +202,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
             sent = time.monotonic()
             if whole:  # the caller wakes once, at the end (its "TTFT" is the whole time)
                 done = await client.complete(prompt, params)
-                by_rank[done.rank] += 1
+                by_rank[done.engine_index] += 1
                 return time.monotonic() - sent, len(done.token_ids)
             ttft: float | None = None
             count = 0
@@ -211,8 +211,8 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     if output.new_token_ids and ttft is None:
                         ttft = time.monotonic() - sent
                     count += len(output.new_token_ids)
-            if stream.rank is not None:
-                by_rank[stream.rank] += 1
+            if stream.engine_index is not None:
+                by_rank[stream.engine_index] += 1
             return (time.monotonic() - sent if ttft is None else ttft), count
 
         async def load(prompts: list[list[int]]) -> tuple[list[float], int]:

@@ -195,7 +195,7 @@ async def test_the_client_gets_every_token_from_the_stand_in_engines(tmp_path: P
 
                 async def gathered(tokens: int, rank: int | None) -> None:
                     done = await client.complete(
-                        [1, 2, 3], SamplingParams(max_tokens=tokens), rank=rank
+                        [1, 2, 3], SamplingParams(max_tokens=tokens), engine_index=rank
                     )
                     results.append((tokens, done.token_ids, done.finish_reason))
 

@@ -513,3 +513,151 @@ def test_no_private_name_passes_through_a_public_module() -> None:
     assert {f"{ROOT}.testing", f"{ROOT}.routing", f"{ROOT}.sim"} <= set(modules)
     passages = [passage for module in modules for passage in private_passages(module)]
     assert not passages, "private names handed out by public modules:\n" + "\n".join(passages)
+
+
+# --- one verb per act (docs/api.md) -----------------------------------------------------
+
+PUBLIC_FRONTS = (
+    ROOT,
+    f"{ROOT}.protocol",
+    f"{ROOT}.core",
+    f"{ROOT}.routing",
+    f"{ROOT}.trio_zmq",
+    f"{ROOT}.testing",
+    f"{ROOT}.sim",
+    f"{ROOT}.vllm",
+    f"{ROOT}.metrics",
+    f"{ROOT}.cli",
+)
+"""The public sub-packages (and modules) whose exported classes are the public handles."""
+
+NOUN_EXEMPT = (f"{ROOT}.protocol", f"{ROOT}.sim")
+"""Where an engine keeps vLLM's name, its DP rank: the wire's fields, a simulated engine
+process (docs/api.md)."""
+
+NOUN_NOT_YET = frozenset({"HandshakeState", "RequestTable", "SilenceWatch"})
+"""Handles still naming engines ``rank``: the engine client's sans-IO tables in
+:mod:`trio_dpcoord.core` (their ``rank`` parameters and ``rank_of``/``busy_ranks``)."""
+
+STEMS = {
+    "choose": {"choose", "route", "pick", "select"},
+    "observe": {"observe", "note", "pin", "pinned"},
+    "resize": {"resize", "scale"},
+}
+"""The words that say an act: a public name holding one is that act's verb, nothing else."""
+
+
+@dataclass(frozen=True)
+class Act:
+    description: str
+    verbs: tuple[str, ...]
+    handles: tuple[str, ...]
+    synonyms: tuple[str, ...]
+
+
+def _codes(cell: str) -> tuple[str, ...]:
+    return tuple(re.findall(r"`([^`]+)`", cell))
+
+
+@cache
+def verb_table() -> tuple[Act, ...]:
+    """The acts of docs/api.md's table (between its ``verb-table`` markers)."""
+    text = (REPO / "docs" / "api.md").read_text()
+    table = text.split("<!-- verb-table -->")[1].split("<!-- /verb-table -->")[0]
+    rows = [line for line in table.strip().splitlines() if line.startswith("|")][2:]
+    acts = []
+    for row in rows:
+        act, verbs, handles, synonyms = (cell.strip() for cell in row.strip("|").split("|"))
+        listed = ("every handle",) if handles == "every handle" else _codes(handles)
+        acts.append(Act(act, _codes(verbs), listed, _codes(synonyms)))
+    return tuple(acts)
+
+
+@cache
+def public_handles() -> dict[str, tuple[str, type]]:
+    """Every class exported from a public front, by name: (the front, the class)."""
+    handles: dict[str, tuple[str, type]] = {}
+    for front in PUBLIC_FRONTS:
+        module = importlib.import_module(front)
+        for name in exported(module):
+            value = getattr(module, name)
+            if inspect.isclass(value) and value.__module__.startswith(ROOT):
+                handles.setdefault(name, (front, value))
+    return handles
+
+
+def own_names(cls: type) -> Iterator[str]:
+    """The public attributes, fields and method parameters ``cls`` defines itself or
+    inherits from the package (not from builtins: ``Exception.add_note``)."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith(ROOT):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("_") and name != "__init__":
+                continue
+            if name != "__init__":
+                yield name
+            function = value.__func__ if isinstance(value, classmethod | staticmethod) else value
+            if inspect.isfunction(function):
+                parameters = inspect.signature(function).parameters
+                yield from (p for p in parameters if p not in ("self", "cls"))
+        yield from getattr(klass, "__dataclass_fields__", {})
+        yield from getattr(klass, "_fields", ())
+        yield from (n for n in getattr(klass, "__slots__", ()) if not n.startswith("_"))
+
+
+def test_the_verb_table_names_every_act_once() -> None:
+    acts = verb_table()
+    assert {act.verbs[0] for act in acts} >= {"choose", "observe", "resize", "engine_index"}
+    handles = public_handles()
+    for act in acts:
+        if act.handles == ("every handle",):
+            continue
+        assert act.handles, act.description
+        for handle in act.handles:
+            assert handle in handles, f"{handle} ({act.description}) is not a public handle"
+
+
+def test_every_handle_that_does_an_act_uses_its_verb() -> None:
+    handles = public_handles()
+    missing = [
+        f"{handle}.{act.verbs[0]} ({act.description})"
+        for act in verb_table()
+        for handle in act.handles
+        if handle in handles and not hasattr(handles[handle][1], act.verbs[0])
+    ]
+    assert not missing, "handles without their act's verb:\n" + "\n".join(missing)
+
+
+def test_no_public_handle_has_a_synonym() -> None:
+    """No synonym of the table, no other name made of an act's word, and no engine called
+    a rank outside :data:`NOUN_EXEMPT` (and the handles :data:`NOUN_NOT_YET` lists)."""
+    synonyms = {synonym for act in verb_table() for synonym in act.synonyms}
+    nouns = {"rank", "ranks"}
+    found = []
+    for name, (front, cls) in sorted(public_handles().items()):
+        for attribute in sorted(set(own_names(cls))):
+            words = set(attribute.split("_"))
+            if attribute in synonyms - nouns:
+                found.append(f"{front}.{name}.{attribute}: a synonym")
+            for verb, stems in STEMS.items():
+                if words & stems and attribute != verb:
+                    found.append(f"{front}.{name}.{attribute}: say {verb!r}")
+            if words & nouns and front not in NOUN_EXEMPT and name not in NOUN_NOT_YET:
+                found.append(f"{front}.{name}.{attribute}: an engine is engine_index")
+    assert not found, "names against docs/api.md:\n" + "\n".join(found)
+
+
+def test_the_walk_sees_a_handles_methods_fields_and_parameters() -> None:
+    """The checks above can fail: the walk finds what they look for."""
+    from trio_dpcoord.routing import PrefixRouter, RouteDecision
+
+    assert {"choose", "observe", "resize", "engine_index"} <= set(own_names(PrefixRouter))
+    assert "cached_tokens" in set(own_names(RouteDecision))
+    assert "add_note" not in set(own_names(trio_dpcoord.EngineDeadError))
+
+
+def test_statistics_types_are_named_statistics() -> None:
+    counters = sorted(name for name in public_handles() if name.endswith("Counters"))
+    assert not counters, f"name them ...Statistics: {counters}"
+    assert "RestartStatistics" in trio_dpcoord.__all__

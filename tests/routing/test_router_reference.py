@@ -348,7 +348,7 @@ def test_the_walk_is_every_ranks_prefix(
     routing = PrefixRouting(block_size=BLOCK, capacity_blocks=capacity, imbalance_abs=1e12)
     router = PrefixRouter(ranks, routing)
     for tokens, rank in learnt:
-        router.choose([t for t in tokens for _ in range(BLOCK)], [0.0] * ranks, 0.0, rank % ranks)
+        router.observe(rank % ranks, [t for t in tokens for _ in range(BLOCK)], 0.0)
     keys = block_keys([t for t in prompt for _ in range(BLOCK)], BLOCK)
     assert router.prefix_groups(keys) == reference_walk(router, keys)
 
@@ -392,7 +392,10 @@ def test_the_bisecting_walk_is_the_block_walk(
     for tokens, pin, step in steps:
         now += step
         queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
-        router.route(tokens, queued, now, None if pin is None else pin % ranks)
+        if pin is None:
+            router.choose(tokens, queued, now)
+        else:
+            router.observe(pin % ranks, tokens, now)
         for probe in probes:
             keys = block_keys(probe, block)
             bisected, walk = prefix_walks(router, keys)
@@ -411,7 +414,7 @@ def test_the_walk_keys_a_prompt_only_as_far_as_ranks_hold_it() -> None:
     prefix count and stops keying at the chunk where rank 1 stops holding."""
     router = PrefixRouter(3, PrefixRouting(block_size=1, capacity_blocks=1000))
     document = list(range(5 * CHUNK_BLOCKS + 3))
-    router.route(document, [0.0] * 3, 0.0, pinned_rank=1)
+    router.observe(1, document, 0.0)
     for cut in (0, 1, CHUNK_BLOCKS - 1, CHUNK_BLOCKS, 2 * CHUNK_BLOCKS + 5, len(document)):
         prompt = document[:cut] + [10**6] * 40
         groups, keyed = prefix_walk_of_prompt(router, prompt)
@@ -501,8 +504,14 @@ def test_a_deferred_store_changes_no_choice(
         now += step
         queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
         pinned = None if pin is None else pin % ranks
-        assert deferred.route(tokens, queued, now, pinned) == at_once.route(
-            tokens, queued, now, pinned
+        assert (
+            deferred.choose(tokens, queued, now)
+            if pinned is None
+            else deferred.observe(pinned, tokens, now)
+        ) == (
+            at_once.choose(tokens, queued, now)
+            if pinned is None
+            else at_once.observe(pinned, tokens, now)
         )
         if settle:
             deferred.settle()

@@ -2,7 +2,7 @@
 
 One nursery runs::
 
-    handle.route / notify_first_request (claim and apply, in the caller's task) ────┐
+    handle.choose / notify_first_request (claim and apply, in the caller's task) ───┐
     front XPUB ─► command receiver (front-ends' subscriptions, FIRST_REQ, SCALE) ────┤
     engine PUSH ─► PULL ─► engine-output listener (batch receive) ──────────────────┤
     back XPUB subscriptions ─► subscription watcher ────────────────────────────────┤
@@ -36,7 +36,7 @@ import trio
 from .._errors import CoordinatorClosedError, CoordinatorError, ReadyTimeoutError
 from ..core._coordinator import (
     CoordinatorCore,
-    CoordinatorCounters,
+    CoordinatorStatistics,
     SubscriptionView,
 )
 from ..core._recovery import Recovery
@@ -47,7 +47,7 @@ from ..routing._settings import PrefixRouting
 from .coordinator_sockets import Bound, curve_server, open_bound_sockets, requested_sockets
 from .endpoints import DEFAULT_LIVENESS, Liveness
 from .pumps import Pumps
-from .supervision import RestartCounters, WaveFile, restart_pumps, supervise
+from .supervision import RestartStatistics, WaveFile, restart_pumps, supervise
 from .tasks import open_task_nursery
 from .view import Route
 
@@ -63,7 +63,7 @@ class Coordinator:
     Built complete by :func:`open_coordinator` once every socket is bound. Every method is
     synchronous and cheap, safe from any trio task; :meth:`snapshot`,
     :meth:`engine_loads`, :meth:`subscriptions`, :meth:`statistics` and
-    :attr:`engine_count` may also be called from other threads (:meth:`route`,
+    :attr:`engine_count` may also be called from other threads (:meth:`choose`,
     :meth:`observe` and :meth:`finished` only from trio tasks). Properties are fixed
     settings; methods read what changes (the README's rule).
     """
@@ -131,7 +131,7 @@ class Coordinator:
 
     @property
     def chooser(self) -> EngineChooser:
-        """The engine chooser :meth:`route` asks (its policy, :meth:`~EngineChooser.statistics`
+        """The engine chooser :meth:`choose` asks (its policy, :meth:`~EngineChooser.statistics`
         and, with ``routing="prefix"``, ``receive_kv_events`` for the exact feed)."""
         return self._chooser
 
@@ -158,7 +158,7 @@ class Coordinator:
         """
         self._pumps.notify_first_request(engine_index)
 
-    def route(self, prompt_token_ids: Sequence[int] | None = None) -> Route:
+    def choose(self, prompt_token_ids: Sequence[int] | None = None) -> Route:
         """Route one new request: the rank :attr:`chooser` picks from the live loads
         (``prompt_token_ids`` serve ``routing="prefix"``), the wave to stamp on it, and
         the wake of paused engines (:meth:`notify_first_request`), in one call, in that
@@ -171,13 +171,13 @@ class Coordinator:
         return Route(rank, self._pumps.notify_first_request(rank))
 
     def observe(self, engine_index: int, prompt_token_ids: Sequence[int]) -> bool:
-        """A request went to ``engine_index`` without :meth:`route` (pinned; its wave and
+        """A request went to ``engine_index`` without :meth:`choose` (pinned; its wave and
         wake: :meth:`snapshot`, :meth:`notify_first_request`): the prefix policy learns it
         (no-op with vLLM's). True if it now counts in flight (then :meth:`finished`)."""
         return self._chooser.observe(engine_index, prompt_token_ids, now=trio.current_time())
 
     def finished(self, engine_index: int) -> None:
-        """A request :meth:`route` sent to ``engine_index`` (or :meth:`observe` counted
+        """A request :meth:`choose` sent to ``engine_index`` (or :meth:`observe` counted
         there) finished (vLLM's ``finished_requests``): its in-flight count is released."""
         self._chooser.finished(engine_index)
 
@@ -202,7 +202,7 @@ class Coordinator:
             for monitor in self._pumps.monitors:
                 monitor.shutdown_expected = True
 
-    def statistics(self) -> CoordinatorCounters:
+    def statistics(self) -> CoordinatorStatistics:
         """What was received, decided, sent and rejected since the start: a frozen copy."""
         with self._lock:
             return self._pumps.core.counters()
@@ -232,7 +232,7 @@ class Coordinator:
         while not predicate(self):
             await self._pumps.observers.park()
 
-    def restarts(self) -> RestartCounters:
+    def restarts(self) -> RestartStatistics:
         """Restarts in place after failures of our own, and what they cost (§16)."""
         with self._lock:
             return self._pumps.restart_log.counters()
@@ -335,7 +335,7 @@ async def open_coordinator(
     heartbeats and TCP keepalive, so a silent peer (a partition, a dead node) is dropped
     within about ``liveness.notice_within`` seconds, counted in ``connections_lost``,
     logged, and given READY again when it comes back and subscribes. ``routing`` and
-    ``prefix_routing``: the policy of :meth:`Coordinator.route` (see :class:`EngineChooser`).
+    ``prefix_routing``: the policy of :meth:`Coordinator.choose` (see :class:`EngineChooser`).
 
     ``restart``: a failure inside (a broken invariant of ours) restarts the service in
     place, a new core on the same sockets (§16; :meth:`Coordinator.restarts`); more than

@@ -137,9 +137,9 @@ class EngineClient:
         self._shutdown_expected = True
         self._coordinator.expect_shutdown()
 
-    def in_flight(self, rank: int | None = None) -> list[str]:
-        """Request ids in flight (on ``rank`` only, if given)."""
-        return self._table.in_flight(rank)
+    def in_flight(self, engine_index: int | None = None) -> list[str]:
+        """Request ids in flight (on ``engine_index`` only, if given)."""
+        return self._table.in_flight(engine_index)
 
     def statistics(self) -> EngineClientStatistics:
         """The client's bookkeeping now, a frozen copy (as trio's ``statistics()``
@@ -149,7 +149,7 @@ class EngineClient:
             requests_in_flight=len(self._table.in_flight()),
             streams_open=len(self._streams),
             calls_pending=len(self._calls),
-            dead_ranks=frozenset(self._table.dead),
+            dead_engines=frozenset(self._table.dead),
             requests_sent=self._requests_sent,
             requests_aborted=self._requests_aborted,
             rejected=dict(self._reject.counts),
@@ -161,18 +161,20 @@ class EngineClient:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        rank: int | None = None,
+        engine_index: int | None = None,
         priority: int = 0,
         buffer: int = 1024,
     ) -> RequestStream:
         """A request for ``prompt_token_ids``; enter the returned stream to send it.
 
-        ``rank`` pins the request to that DP rank (vLLM's ``data_parallel_rank``);
+        ``engine_index`` pins the request to that engine (vLLM's ``data_parallel_rank``);
         otherwise the chooser picks the engine from the coordinator's live loads.
         ``buffer``: how many outputs may wait unread before the request is aborted.
         """
-        if rank is not None and not 0 <= rank < self._engine_count:
-            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
+        if engine_index is not None and not 0 <= engine_index < self._engine_count:
+            raise ValueError(
+                f"engine_index must be in [0, {self._engine_count}), got {engine_index}"
+            )
         if buffer < 1:
             raise ValueError("buffer must be at least 1")
         if request_id is None:
@@ -183,7 +185,7 @@ class EngineClient:
             request_id,
             prompt_token_ids,
             params or SamplingParams(),
-            rank,
+            engine_index,
             priority,
             buffer,
         )
@@ -193,17 +195,19 @@ class EngineClient:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         *,
-        rank: int | None = None,
+        engine_index: int | None = None,
     ) -> Completion:
         """Send one request and wait for all of it (its token ids are gathered as they
         come, without waking the caller before the end)."""
-        stream = self.generate(prompt_token_ids, params, rank=rank)
+        stream = self.generate(prompt_token_ids, params, engine_index=engine_index)
         tokens: list[int] = []
         stream._collected = tokens
         async with stream:
             await stream._until_ended()
-        assert stream.finish_reason is not None and stream.rank is not None
-        return Completion(stream.request_id, tuple(tokens), stream.finish_reason, stream.rank)
+        assert stream.finish_reason is not None and stream.engine_index is not None
+        return Completion(
+            stream.request_id, tuple(tokens), stream.finish_reason, stream.engine_index
+        )
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in flight: its stream ends at once with a last output of
@@ -220,15 +224,16 @@ class EngineClient:
         if stream is not None and not stream._push((), "abort"):
             stream._fail(RequestAbortedError(f"request {request_id} aborted"))
 
-    async def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
-        """Call ``EngineCore.<method>(*args)`` on ``rank`` and return its result.
+    async def call_utility(self, method: str, *args: Any, engine_index: int = 0) -> Any:
+        """Call ``EngineCore.<method>(*args)`` on ``engine_index`` and return its result.
 
         :class:`UtilityCallError` with vLLM's message if the call failed there;
         :class:`EngineDeadError` if the engine goes first. Results are decoded msgpack
         (vLLM sends typed results only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
         self._check_usable()
+        rank = engine_index
         if not 0 <= rank < self._engine_count:
-            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
+            raise ValueError(f"engine_index must be in [0, {self._engine_count}), got {rank}")
         if rank in self._table.dead:
             raise EngineDeadError(rank, "taken as dead earlier")
         self._work_for(rank)
@@ -248,7 +253,7 @@ class EngineClient:
         results: dict[int, Any] = {}
 
         async def one(rank: int) -> None:
-            results[rank] = await self.call_utility(method, *args, rank=rank)
+            results[rank] = await self.call_utility(method, *args, engine_index=rank)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -347,7 +352,7 @@ class EngineClient:
             rank = self._choose(stream._prompt)
         self._work_for(rank)
         self._table.add(stream.request_id, rank)
-        stream.rank = rank
+        stream.engine_index = rank
         self._streams[stream.request_id] = stream
         snapshot = self._coordinator.snapshot()
         self._queue(

@@ -29,7 +29,7 @@ from ..protocol import EngineLoad
 from ..protocol._output_decoder import decode_coordinator_output
 from ._backlog import IngestBacklog
 from ._counters import (
-    CoordinatorCounters,
+    CoordinatorStatistics,
     HistogramSnapshot,
     SubscriptionView,
     Tally,
@@ -68,7 +68,7 @@ __all__ = [
     "Broadcast",
     "Command",
     "CoordinatorCore",
-    "CoordinatorCounters",
+    "CoordinatorStatistics",
     "Effect",
     "HistogramSnapshot",
     "Publish",
@@ -203,7 +203,7 @@ class CoordinatorCore:
     def subscriptions(self) -> SubscriptionView:
         return self._subscriptions.view(gate_open=self._gate.is_open)
 
-    def counters(self) -> CoordinatorCounters:
+    def counters(self) -> CoordinatorStatistics:
         return self._tally.counters(
             engine_output_backlog=self._backlog.behind_at_last_read,
             connections_lost=self._subscriptions.connections_lost(),

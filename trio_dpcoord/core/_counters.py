@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final, final
 
-__all__ = ["WAKE_LATENCY_BOUNDS", "CoordinatorCounters", "HistogramSnapshot", "SubscriptionView"]
+__all__ = ["WAKE_LATENCY_BOUNDS", "CoordinatorStatistics", "HistogramSnapshot", "SubscriptionView"]
 
 WAKE_LATENCY_BOUNDS: Final = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
@@ -31,7 +31,7 @@ class HistogramSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class CoordinatorCounters:
+class CoordinatorStatistics:
     """What the coordinator received, decided, sent and rejected, since it started."""
 
     engine_messages: int
@@ -146,9 +146,9 @@ class Tally:
 
     def counters(
         self, *, engine_output_backlog: float, connections_lost: dict[str, int]
-    ) -> CoordinatorCounters:
+    ) -> CoordinatorStatistics:
         """A copy of the counts, with what the core keeps elsewhere."""
-        return CoordinatorCounters(
+        return CoordinatorStatistics(
             engine_messages=self.engine_messages,
             stats_applied=self.stats_applied,
             stats_coalesced=self.stats_coalesced,

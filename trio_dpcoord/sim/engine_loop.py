@@ -22,7 +22,7 @@ from ..trio_zmq import AsyncSocket
 from . import messages
 from .collective import CollectiveClient
 from .engine_config import EngineConfig
-from .engine_state import FINISH_ABORT, FINISH_LENGTH, AbortInput, EngineCounters, RequestState
+from .engine_state import FINISH_ABORT, FINISH_LENGTH, AbortInput, EngineStatistics, RequestState
 from .kv_events import EventBatchEncoder
 from .prefix import RankCache, RankModel
 from .traces import Request as TraceRequest
@@ -58,7 +58,7 @@ class EngineLoop:
         self.scheduler_paused = False
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
-        self.counters = EngineCounters()
+        self.counters = EngineStatistics()
         self._newest_broadcast_wave = -1
         self._last_counts: tuple[int, int] | None = None
         self._pause_calls: list[int] = []

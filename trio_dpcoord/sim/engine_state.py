@@ -1,5 +1,5 @@
 """What one simulated DP rank keeps of each request (:class:`RequestState`, the ABORT
-queued for it) and what it counts (:class:`EngineCounters`), with vLLM's finish reasons.
+queued for it) and what it counts (:class:`EngineStatistics`), with vLLM's finish reasons.
 
 Plain values, no I/O: :mod:`.engine_loop` steps with them, :mod:`.engine_core` extends
 the rank with them.
@@ -12,7 +12,7 @@ from typing import Final
 
 from .. import protocol
 
-__all__ = ["FINISH_ABORT", "FINISH_LENGTH", "AbortInput", "EngineCounters", "RequestState"]
+__all__ = ["FINISH_ABORT", "FINISH_LENGTH", "AbortInput", "EngineStatistics", "RequestState"]
 
 FINISH_LENGTH: Final = protocol.FINISH_REASONS.index("length")
 """vLLM's finish reason of a request that generated all its tokens (1 on the wire)."""
@@ -34,7 +34,7 @@ class RequestState:
 
 
 @dataclass(slots=True)
-class EngineCounters:
+class EngineStatistics:
     """What one rank did, for tests and reports."""
 
     steps: int = 0
