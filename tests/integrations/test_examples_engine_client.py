@@ -133,9 +133,9 @@ def check_example_run(
 
 
 def test_the_readme_shows_the_example() -> None:
-    """The README's engine-client program is examples/engine_client.py, line for line
-    (after the example's docstring; the README's block opens with comment lines)."""
-    readme = (REPO_ROOT / "README.md").read_text()
+    """The embedding guide's engine-client program is examples/engine_client.py, line for
+    line (after the example's docstring; the guide's block opens with comment lines)."""
+    readme = (REPO_ROOT / "docs" / "embedding.md").read_text()
     start = readme.index("## Driving real vLLM engines from trio")
     block = readme[readme.index("```python\n", start) + len("```python\n") :]
     block = block[: block.index("```\n")]

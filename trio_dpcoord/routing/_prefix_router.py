@@ -202,7 +202,7 @@ class PrefixRouter:
         token_ids: Sequence[int],
         queued_work: Sequence[float],
         now: float,
-        pinned_rank: int | None,
+        pinned: int | None,
         unshared_choice: int | Callable[[], int] | None,
     ) -> RouteDecision:
         self.counters.decisions += 1
@@ -224,9 +224,9 @@ class PrefixRouter:
                 index.expire_provisional(now)
             self._next_belief_sweep = now + self.routing.provisional_age / 8
         groups = self._walk(keys)
-        if pinned_rank is not None:
-            depth = self._depth_of(groups, pinned_rank)
-            decision = RouteDecision(pinned_rank, depth * self.block_size, False)
+        if pinned is not None:
+            depth = self._depth_of(groups, pinned)
+            decision = RouteDecision(pinned, depth * self.block_size, False)
         else:
             decision = self._pick(groups, keys, len(token_ids), queued_work, unshared_choice)
         if self.routing.rendezvous_home and keys:
