@@ -1,4 +1,4 @@
-"""A fleet of simulated engines for the saturation sweep: ``python -m benchmarks._fleet``.
+"""A fleet of simulated engines for the saturation sweep: ``python -m benchmarks.programs.fleet``.
 
 N engines, each an XSUB (its rank as identity, subscribed) and a PUSH, as vLLM's engines
 connect to a coordinator, all in this one process with blocking pyzmq. Every
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import zmq
 
-from benchmarks._util import (
+from benchmarks.shared.util import (
     now_ns,
     set_parent_death_signal,
     start_wave_frame,
@@ -318,9 +318,29 @@ def _freshness(payload: bytes, sent_ns: dict[int, int], arrived: int) -> int | N
     return -1 if sent is None else arrived - sent
 
 
+def fleet_stream(engines: int, count: int) -> list[bytes]:
+    """``count`` stats frames of a lock-stepped fleet of ``engines`` (rounded down to
+    whole steps): step ``s`` has one report from every engine, starting with engine
+    ``s mod engines`` (the order within a step rotates), waiting count ``(s + e) mod 17``."""
+    templates = [template(e) for e in range(engines)]
+    frames: list[bytes] = []
+    pack_into = _UINT32.pack_into
+    for step in range(1, count // engines + 1):
+        for k in range(engines):
+            engine = (step + k) % engines
+            frame, step_at, waiting_at = templates[engine]
+            pack_into(frame, step_at, step)
+            pack_into(frame, waiting_at, (step + engine) % 17)
+            frames.append(bytes(frame))
+    return frames
+
+
+# --- the subject's processes --------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     set_parent_death_signal()
-    parser = argparse.ArgumentParser(prog="python -m benchmarks._fleet")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.programs.fleet")
     parser.add_argument("--back-pub", required=True)
     parser.add_argument("--back-out", required=True)
     parser.add_argument("--front", required=True)

@@ -1,4 +1,4 @@
-"""Helper processes of the benchmarks: ``python -m benchmarks._procs ROLE ...``.
+"""Helper processes of the benchmarks: ``python -m benchmarks.programs.procs ROLE ...``.
 
 * ``coordinator``: the embedded coordinator, i.e. :func:`open_coordinator` in a trio
   program (front socket on, so figures read the same as the standalone process). Prints
@@ -17,7 +17,7 @@
 * ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
   as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
   or paced (``--rate``) until SIGTERM. ``--fleet N``: the ``--count`` frames are a
-  lock-stepped fleet of N engines' (``benchmarks._ingest.fleet_stream``), no send limit.
+  lock-stepped fleet of N engines' (``benchmarks.programs.fleet.fleet_stream``), no send limit.
 * ``exec``: set the parent-death signal, then exec the given command line.
 * ``serve-msgpack``: ``trio-dpcoord serve`` with msgspec made unimportable, as on a
   machine without the ``fast`` extra (the decoder's msgpack path, msgpack-python's
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, cast
 import msgpack
 import zmq
 
-from benchmarks._util import now_ns, set_parent_death_signal, start_wave_frame, stats_frame
+from benchmarks.shared.util import now_ns, set_parent_death_signal, start_wave_frame, stats_frame
 
 if TYPE_CHECKING:
     from trio_dpcoord import Coordinator
@@ -240,7 +240,7 @@ def _request_stop(signum: int, frame: FrameType | None) -> None:
 
 def _pusher_main(args: argparse.Namespace) -> None:
     if args.fleet:
-        from benchmarks._ingest import fleet_stream
+        from benchmarks.programs.fleet import fleet_stream
 
         frames = fleet_stream(args.fleet, args.count)
     elif args.count:
@@ -296,7 +296,7 @@ def _exec_main(argv: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     set_parent_death_signal()
-    parser = argparse.ArgumentParser(prog="python -m benchmarks._procs")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.programs.procs")
     roles = parser.add_subparsers(dest="role", required=True)
     coordinator = roles.add_parser("coordinator")
     coordinator.add_argument("--engines", type=int, required=True)

@@ -1,7 +1,7 @@
-"""``python -m benchmarks._stand_in_engine ARGS``: the simulated engine core of ``python -m
+"""``python -m benchmarks.programs.stand_in_engine ARGS``: the simulated engine core of ``python -m
 trio_dpcoord.sim engine ARGS``, costing far less per request than the client it feeds.
 
-The client-ceiling benchmark (:mod:`benchmarks._client_ceiling`) needs engines that cost
+The client-ceiling benchmark (:mod:`benchmarks.sections.client_ceiling`) needs engines that cost
 far less per request than the client, on the same two cores, so that the client's process
 is what limits. The simulated engine core (:class:`trio_dpcoord.sim.engine_core.SimEngineCore`:
 vLLM's handshake, requests, lock-step waves through the client's coordinator, steps that

@@ -2,7 +2,7 @@
 ``tests.vllm_reference.dp_cluster.prepare_cluster_root``): the cost of vLLM's own engine
 choice, ``DPLBAsyncMPClient.get_core_engine_for_request``.
 
-``python _vllm_choice.py CALLS REPEATS`` reads the engines' loads from stdin (a JSON list
+``python vllm_choice.py CALLS REPEATS`` reads the engines' loads from stdin (a JSON list
 of ``[waiting, running, kv_cache_usage]``, one per engine) and prints one JSON line:
 ``{"us": [[...], ...]}``, the microseconds of each call, a list per loop of CALLS calls
 on a fresh client, REPEATS loops. The client is made without

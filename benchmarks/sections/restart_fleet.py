@@ -24,7 +24,7 @@ Figures: requests sent, completed and **lost** (sent and never completed: must b
 before, logged by the simulated engines) and as the front-end saw them (its coordinator's
 wave, each engine's reported wave, and a lower wave after a reconnection: all must be 0);
 per kill the **recovery time** (kill to the first publish a front-end subscriber receives
-from the new worker, :mod:`benchmarks._front_tap`), the time until the new worker's READY
+from the new worker, :mod:`benchmarks.shared.front_tap`), the time until the new worker's READY
 went to every engine, the supervisor's own figure (the new worker bound), and the
 requests in flight at the kill.
 """
@@ -49,7 +49,7 @@ from typing import TextIO
 
 import trio
 
-from benchmarks._front_tap import RecoveryTap, open_recovery_tap
+from benchmarks.shared.front_tap import RecoveryTap, open_recovery_tap
 from trio_dpcoord.sim import ClusterConfig, ClusterReport, LoadPlan, SimFrontend, run_cluster
 from trio_dpcoord.sim.cluster_config import percentile
 from trio_dpcoord.sim.netns import NetworkLab, inside, network_lab, unavailable_reason

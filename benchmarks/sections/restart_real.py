@@ -26,7 +26,7 @@ completed request came within ``RECOVERY_TIMEOUT``.
 
 Per kill: the **recovery time**, from the kill to the first publish (a wave start or a
 load publish) that a subscriber of the front socket receives from the new coordinator
-(:mod:`benchmarks._front_tap`: a publish of the dead process still in flight does not
+(:mod:`benchmarks.shared.front_tap`: a publish of the dead process still in flight does not
 count); the subscriber's own reconnection; the requests **in flight** at the kill; the
 requests that **failed** from it to the next kill (an HTTP error, a status other than
 200, a wrong token count, or no answer within ``REQUEST_TIMEOUT``); whether vLLM's
@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from benchmarks._front_tap import RecoveryTap, open_recovery_tap
+from benchmarks.shared.front_tap import RecoveryTap, open_recovery_tap
 from tests.vllm_real._client import complete
 from tests.vllm_real._greedy import GREEDY_PROMPTS
 from tests.vllm_real._model import MOE_CONFIG, write_model
@@ -211,7 +211,7 @@ async def _recover(
     server: VllmServer, tap: RecoveryTap, load: _Load, kill: Kill, at: float
 ) -> None:
     """Fill ``kill``'s recovery figures: the first publish from the new coordinator (see
-    :mod:`benchmarks._front_tap`), the first completion of a request sent after ``at``."""
+    :mod:`benchmarks.shared.front_tap`), the first completion of a request sent after ``at``."""
 
     def recovered() -> bool:
         return server.process.poll() is not None or (

@@ -9,21 +9,17 @@ own engine choice, which runs in a process of the vLLM world (:func:`vllm_choice
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import random
 import statistics
-import subprocess
 import time
-import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from trio_dpcoord import EngineChooser, PrefixRouting
-from trio_dpcoord.protocol import EngineLoad
+from benchmarks.sections import routing_decision
+from benchmarks.shared.suite import SPEED_FIGURES, Row, Suite
+from trio_dpcoord import PrefixRouting
 from trio_dpcoord.sim.cluster_config import percentile
 from trio_dpcoord.sim.prefix import STEP_PER_TOKEN_S
 from trio_dpcoord.sim.routing import POLICIES, make_policy, run_policy
@@ -44,8 +40,6 @@ POLICY_LABELS = {
     "approximate": "ours approximate",
     "exact": "ours exact",
 }
-BYTES_PER_BLOCK_BOUND = 250
-"""PrefixRouting's documented index cost per remembered block ("about 250 bytes")."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +55,6 @@ class RoutingSizes:
     the makespan, hence throughput, measures the fleet's capacity, not the arrivals."""
     capacity_blocks: int
     """Each rank's prefix cache (and the router's per-rank bound), in 16-token blocks."""
-    decision_ranks: tuple[int, ...]
-    decision_calls: int
-    decision_capacity_blocks: int
 
 
 ROUTING_QUICK = RoutingSizes(
@@ -72,9 +63,6 @@ ROUTING_QUICK = RoutingSizes(
     sessions_per_rank=8,
     rate_per_rank=600.0,
     capacity_blocks=512,
-    decision_ranks=(8, 64, 256),
-    decision_calls=2_000,
-    decision_capacity_blocks=1024,
 )
 ROUTING_FULL = RoutingSizes(
     ranks=(8, 64),
@@ -82,9 +70,6 @@ ROUTING_FULL = RoutingSizes(
     sessions_per_rank=16,
     rate_per_rank=600.0,
     capacity_blocks=1024,
-    decision_ranks=(8, 64, 256),
-    decision_calls=10_000,
-    decision_capacity_blocks=1024,
 )
 
 
@@ -274,178 +259,177 @@ def mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
-def _tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.getrandbits(15) for _ in range(count)]
+# --- the section's rows ----------------------------------------------------------------
 
 
-DECISION_TARGETS_US: dict[int, tuple[float | None, float | None]] = {
-    8: (None, 50.0),
-    256: (40.0, 100.0),
-}
-"""The decision's (p50, p99) targets in us by rank count (issue 37)."""
-DECISION_PASSES = 5
-"""Timed passes over the same prompts on the warm index; each percentile is the lowest
-of the passes' (the machine is shared: the fastest pass is the least disturbed)."""
-
-
-def best_percentile(passes: list[list[float]], q: float) -> float:
-    """The lowest of the passes' ``q``-th percentiles (see :data:`DECISION_PASSES`)."""
-    return min(percentile(timings, q) for timings in passes)
-
-
-@dataclass
-class WarmDecision:
-    """A chooser whose prefix index is at its bound (:func:`warm_decision`)."""
-
-    chooser: EngineChooser
-    docs: list[list[int]]
-    loads: list[EngineLoad]
-    rng: random.Random
-    now: float
-    memory_bytes: int
-
-
-def warm_decision(ranks: int, capacity_blocks: int, seed: int = 0) -> WarmDecision:
-    """An ``EngineChooser`` (prefix, approximate) whose every rank's index is at its
-    bound: documents of 4,096 tokens, one per rank, and fresh filler prompts are routed
-    until the indexes are full, then the documents once more (on the ranks the router
-    gives them); the index's memory is measured over the filling (tracemalloc)."""
-    rng = random.Random(seed)
-    docs = [_tokens(rng, 4096) for _ in range(ranks)]
-    loads = [
-        EngineLoad(waiting=rng.randrange(4), running=rng.randrange(8), kv_cache_usage=0.3)
-        for _ in range(ranks)
-    ]
-    routing = PrefixRouting(capacity_blocks=capacity_blocks)
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    ours = EngineChooser(ranks, routing="prefix", prefix_routing=routing)
-    now = 0.0
-    fill = 0
-    router = ours.router
-    assert router is not None
-    while router.stored_blocks < ranks * capacity_blocks and fill < 4 * ranks * capacity_blocks:
-        # fresh filler prompts fill the indexes; a document now and then keeps them warm
-        prompt = docs[fill % ranks] if fill % 4 == 0 else _tokens(rng, 4096)
-        ours.choose(loads, prompt, now=now)
-        now += 1e-4
-        fill += 1
-    memory = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    for doc in docs:  # the documents themselves, on the ranks the router gives them
-        ours.choose(loads, doc, now=now)
-    return WarmDecision(ours, docs, loads, rng, now, memory)
-
-
-def follow_up_prompts(warm: WarmDecision, calls: int) -> list[list[int]]:
-    """``calls`` follow-up turns: a document's first 3,840 tokens plus 256 new ones (240
-    blocks to match, 16 new), built ahead (their new tokens cold, as a request's are)."""
-    docs, rng = warm.docs, warm.rng
-    return [docs[rng.randrange(len(docs))][:3840] + _tokens(rng, 256) for _ in range(calls)]
-
-
-def measure_decision(
-    ranks: int,
-    calls: int,
-    capacity_blocks: int,
-    seed: int = 0,
-    passes: int = DECISION_PASSES,
-) -> dict[str, Any]:
-    """p50/p99 of ``EngineChooser.choose`` with 4,096-token prompts on a warm index, ours
-    (prefix, approximate) and vLLM's score (``routing="vllm"``, same loads), the timings
-    of ``passes`` passes each (``ours_us``, ``vllm_us``: a list per pass, see
-    :func:`best_percentile`), and the index's memory; ``loads`` is the load table, for
-    vLLM's own choice on the same loads (:func:`vllm_choice_us`). Every other decision
-    of ours is made with the router's store deferred (``PrefixRouter.defer_store``): its
-    ``choose()`` in ``deferred_us``, the ``settle()`` that follows in ``settle_us``
-    (the others store before ``choose()`` returns: ``ours_us``).
-
-    Warm: see :func:`warm_decision`; each timed prompt is a follow-up turn
-    (:func:`follow_up_prompts`), so the walk is deep. Each pass has prompts of its own
-    (new tails), on the router as the previous passes left it.
-    """
-    warm = warm_decision(ranks, capacity_blocks, seed)
-    ours, loads, now = warm.chooser, warm.loads, warm.now
-    router = ours.router
-    assert router is not None
-    names = ("ours", "deferred", "settle", "vllm")
-    timed: dict[str, list[list[float]]] = {name: [] for name in names}
-    clock = time.perf_counter_ns
-    counters = router.counters
-    prompt_tokens, cached_tokens = counters.prompt_tokens, counters.cached_tokens
-    can_defer = hasattr(router, "settle")  # (an older trio_dpcoord, for comparisons)
-    settle = getattr(router, "settle", lambda: None)
-    for _ in range(passes):
-        prompts = follow_up_prompts(warm, calls)
-        base = EngineChooser(ranks)
-        timings: dict[str, list[float]] = {name: [] for name in names}
-        for number, prompt in enumerate(prompts):
-            # every other decision with the store deferred, settle() timed apart
-            deferring = can_defer and bool(number % 2)
-            router.defer_store = deferring
-            t0 = clock()
-            ours.choose(loads, prompt, now=now)
-            t1 = clock()
-            settle()
-            t2 = clock()
-            base.choose(loads, prompt, now=now)
-            t3 = clock()
-            if deferring:
-                timings["deferred"].append((t1 - t0) / 1000)
-                timings["settle"].append((t2 - t1) / 1000)
-            else:
-                timings["ours"].append((t1 - t0) / 1000)
-            timings["vllm"].append((t3 - t2) / 1000)
-            now += 1e-4
-        for name, values in timings.items():
-            if values:
-                timed[name].append(values)
-    router.defer_store = False
-    return {
-        "ranks": ranks,
-        "ours_us": timed["ours"],
-        "deferred_us": timed["deferred"],
-        "settle_us": timed["settle"],
-        "vllm_us": timed["vllm"],
-        "stored_blocks": router.stored_blocks,
-        "bound_blocks": ranks * capacity_blocks,
-        "memory_bytes": warm.memory_bytes,
-        "cached_fraction": (counters.cached_tokens - cached_tokens)
-        / max(1, counters.prompt_tokens - prompt_tokens),
-        "loads": [[load.waiting, load.running, load.kv_cache_usage] for load in loads],
+def run_section(suite: Suite) -> None:
+    """Engine-choice policies on the lock-step prefix model, as ratios to vLLM 0.33.0's
+    score in the same run, then the prefix decision's cost and memory
+    (:mod:`benchmarks.sections.routing_decision`)."""
+    sizes = ROUTING_QUICK if suite.env.quick else ROUTING_FULL
+    figures = measure_policies(sizes)
+    suite.details["routing"] = {
+        ranks: {
+            trace: {
+                key: [asdict(f) if not isinstance(f, float) else f for f in values]
+                for key, values in cell.items()
+            }
+            for trace, cell in by_trace.items()
+        }
+        for ranks, by_trace in figures.items()
     }
-
-
-VLLM_CHOICE_RUNNER = Path(__file__).resolve().parent / "_vllm_choice.py"
-
-
-def vllm_choice_us(loads: list[list[float]], calls: int, passes: int) -> list[list[float]]:
-    """Microseconds of each call of vLLM 0.33.0's own ``get_core_engine_for_request`` on
-    ``loads`` (``[waiting, running, kv_cache_usage]`` per engine), a list per pass of
-    ``calls`` calls on a fresh client, run in the vLLM world
-    (:mod:`benchmarks._vllm_choice`, in the cluster import root of
-    ``tests/vllm_reference``, whose wheel is fetched into the ignored cache on first
-    use). Raises ``RuntimeError`` when vLLM's code cannot be run here."""
-    try:
-        from tests.vllm_reference import VllmUnavailable, runner_command, vllm_env
-        from tests.vllm_reference.dp_cluster import prepare_cluster_root
-    except ImportError as exc:
-        raise RuntimeError(f"tests/vllm_reference cannot be imported: {exc}") from exc
-    try:
-        root = prepare_cluster_root()
-    except (VllmUnavailable, OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"vLLM 0.33.0 unavailable: {exc}") from exc
-    result = subprocess.run(
-        runner_command(VLLM_CHOICE_RUNNER, str(calls), str(passes)),
-        input=json.dumps(loads),
-        env=vllm_env(root),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    base_label = POLICY_LABELS["vllm"]
+    targets: dict[tuple[str, str], tuple[str, Callable[[float], bool] | None]] = {
+        ("multi-turn", "hit rate"): (">= 2x", lambda r: r >= 2.0),
+        ("multi-turn", "throughput"): (">= 1.5x", lambda r: r >= 1.5),
+        ("multi-turn", "TTFT p99"): ("<= 0.5x", lambda r: r <= 0.5),
+        ("no reuse", "throughput"): (">= 0.98x", lambda r: r >= 0.98),
+        ("no reuse", "busiest/mean work per step"): ("<= 1.0x", lambda r: r <= 1.0 + 1e-9),
+    }
+    fields = (
+        ("hit rate", "hit_rate", "%", 100.0),
+        *SPEED_FIGURES,
+        ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+        ("busiest-rank work, whole run", "busiest_tokens", "tokens", 1.0),
     )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM choice runner failed: {result.stderr[-500:]}")
-    timings: list[list[float]] = json.loads(lines[-1])["us"]
-    return timings
+    for ranks, by_trace in figures.items():
+        seeds = sizes.seeds[int(ranks)]
+        for trace, cell in by_trace.items():
+            section = f"10 routing N={ranks}"
+            bound = mean(cell["bound"]) * 100
+            for policy in ("round-robin", "approximate", "exact"):
+                label = POLICY_LABELS[policy]
+                for figure, attr, unit, scale in fields:
+                    if policy == "round-robin" and figure not in ("hit rate", "throughput"):
+                        continue
+                    ours = [getattr(f, attr) * scale for f in cell[policy]]
+                    base = [getattr(f, attr) * scale for f in cell["vllm"]]
+                    ratios = [o / b for o, b in zip(ours, base, strict=True) if b]
+                    target, check = targets.get((trace, figure), ("", None))
+                    value, baseline = mean(ours), mean(base)
+                    met = None
+                    if check is not None and policy != "round-robin" and baseline:
+                        met = check(value / baseline)
+                    note = f"{seeds} seeds"
+                    if len(ratios) > 1:
+                        note += f", ratio {min(ratios):.2f}..{max(ratios):.2f}"
+                    if figure == "hit rate" and policy != "round-robin":
+                        fallbacks = sum(f.guard_fallbacks for f in cell[policy])
+                        note += f", guard fallbacks {fallbacks / seeds:.0f}/run"
+                    suite.rows.append(
+                        Row(
+                            section,
+                            f"{trace}: {label}, {figure}",
+                            value,
+                            unit,
+                            baseline,
+                            base_label,
+                            "" if policy == "round-robin" else target,
+                            met,
+                            note=note,
+                        )
+                    )
+                if policy != "round-robin" and bound > 0:
+                    hit = mean([f.hit_rate for f in cell[policy]]) * 100
+                    wants = trace == "multi-turn"
+                    suite.rows.append(
+                        Row(
+                            section,
+                            f"{trace}: {label}, hit rate vs reuse bound",
+                            hit,
+                            "%",
+                            bound,
+                            "reuse bound",
+                            ">= 0.9x" if wants else "",
+                            hit / bound >= 0.9 if wants else None,
+                        )
+                    )
+    _routing_sweep(suite, sizes, base_label)
+    _routing_guard_sweep(suite, sizes, base_label)
+    routing_decision.run_section(suite)
+
+
+def _routing_sweep(suite: Suite, sizes: RoutingSizes, base_label: str) -> None:
+    """The prefill-share sweep: the same policies as the per-token cost ``b`` grows
+    (benchmarks/sections/routing.py ``measure_prefill_sweep``), as ratios to vLLM's score."""
+    sweep = measure_prefill_sweep(sizes)
+    suite.details["routing_sweep"] = [
+        {k: v if not isinstance(v, list) else [asdict(f) for f in v] for k, v in e.items()}
+        for e in sweep
+    ]
+    for entry in sweep:
+        per_token_us = entry["step_per_token_s"] * 1e6
+        section = f"10 routing sweep N={SWEEP_RANKS} b={per_token_us:g}us/token"
+        share = mean([f.prefill_share for f in entry["vllm"]]) * 100
+        for policy in ("approximate", "exact"):
+            _figure_rows(
+                suite,
+                section,
+                f"{entry['trace']}: {POLICY_LABELS[policy]}",
+                entry[policy],
+                entry["vllm"],
+                base_label,
+                _SWEEP_FIGURES,
+                f"prompt tokens {share:.0f}% of step time under vLLM's score",
+            )
+
+
+def _figure_rows(
+    suite: Suite,
+    section: str,
+    label: str,
+    ours: list[Any],
+    base: list[Any],
+    base_label: str,
+    figures: tuple[tuple[str, str, str, float], ...],
+    note: str,
+) -> None:
+    """One row per figure: ours and the baseline's means over the seeds
+    (``figures``: name, ``PolicyFigures`` attribute, unit, scale)."""
+    for figure, attr, unit, scale in figures:
+        suite.rows.append(
+            Row(
+                section,
+                f"{label}, {figure}",
+                mean([getattr(f, attr) * scale for f in ours]),
+                unit,
+                mean([getattr(f, attr) * scale for f in base]),
+                base_label,
+                "",
+                None,
+                note=note,
+            )
+        )
+
+
+def _routing_guard_sweep(suite: Suite, sizes: RoutingSizes, base_label: str) -> None:
+    """Ours (approximate) under each guard setting (benchmarks/sections/routing.py
+    ``measure_guard_sweep``), as ratios to vLLM's score: the default's evidence."""
+    sweep = measure_guard_sweep(sizes)
+    suite.details["routing_guard_sweep"] = [
+        {k: v if not isinstance(v, list) else [asdict(f) for f in v] for k, v in e.items()}
+        for e in sweep
+    ]
+    for entry in sweep:
+        section = f"10 routing guard N={entry['ranks']}"
+        setting = f"abs {entry['imbalance_abs']:g} rel {entry['imbalance_rel']:g}"
+        fallbacks = mean([float(f.guard_fallbacks) for f in entry["ours"]])
+        _figure_rows(
+            suite,
+            section,
+            f"{entry['trace']}: ours approximate, {setting}",
+            entry["ours"],
+            entry["vllm"],
+            base_label,
+            _SWEEP_FIGURES[1:],
+            f"guard fallbacks {fallbacks:.0f}/run",
+        )
+
+
+_SWEEP_FIGURES = (
+    ("hit rate", "hit_rate", "%", 100.0),
+    ("throughput", "throughput", "tok/s", 1.0),
+    ("TTFT p99", "ttft_p99_s", "ms", 1000.0),
+    ("busiest/mean work per step", "busiest_over_mean", "", 1.0),
+)
+"""The sweeps' figures (name, ``PolicyFigures`` attribute, unit, scale)."""

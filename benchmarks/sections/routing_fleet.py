@@ -20,12 +20,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import trio
 
-from benchmarks import _routing as rt
+from benchmarks.sections import routing as rt
+from benchmarks.shared.suite import SPEED_FIGURES, Row, Suite
 from trio_dpcoord.sim import ClusterConfig, LoadPlan, run_cluster
 from trio_dpcoord.sim.cluster_config import percentile
 from trio_dpcoord.sim.frontend import SimFrontend
@@ -268,3 +269,92 @@ def measure_fleet(
                     )
             out.append(entry)
     return out
+
+
+# --- the section's rows ----------------------------------------------------------------
+
+
+def run_section(suite: Suite) -> None:
+    """Engine-choice policies on the process fleet (8 simulated engines with prefix
+    caches, real sockets), the hit rate as the engines report it, as ratios to vLLM
+    0.33.0's score in the same run, beside the lock-step model on the same trace
+    (this module)."""
+    sizes = FLEET_QUICK if suite.env.quick else FLEET_FULL
+    entries = measure_fleet(sizes)
+    suite.details["routing_fleet"] = [
+        {
+            **{k: v for k, v in e.items() if k not in ("fleet", "model")},
+            "fleet": {p: [asdict(f) for f in runs] for p, runs in e["fleet"].items()},
+            "model": {p: [asdict(f) for f in runs] for p, runs in e["model"].items()},
+        }
+        for e in entries
+    ]
+    base_label = rt.POLICY_LABELS["vllm"]
+    fields = (
+        ("engines' hit rate", "hit_rate", "%", 100.0),
+        *SPEED_FIGURES,
+        ("busiest/mean work (run)", "busiest_over_mean", "", 1.0),
+    )
+    for name, rate in sizes.traces:
+        trace = trace_label(name, rate)
+        cells = [e for e in entries if e["trace"] == trace]
+        section = f"10 routing fleet N={FLEET_RANKS}"
+        bound = rt.mean([e["bound"] for e in cells]) * 100
+        fleet_mean = functools.partial(mean_over, cells)
+
+        for policy in ("round-robin", "approximate", "exact"):
+            label = rt.POLICY_LABELS[policy]
+            done = sum(f.completed for e in cells for f in e["fleet"][policy])
+            sent = sum(f.requests for e in cells for f in e["fleet"][policy])
+            for figure, attr, unit, scale in fields:
+                low, high = ratio_range(cells, policy, attr)
+                note = f"{len(cells) * sizes.repeats} runs, ratio {low:.2f}..{high:.2f}"
+                if attr == "hit_rate":
+                    note += f", reuse bound {bound:.1f} %, {done}/{sent} requests"
+                elif attr == "busiest_over_mean":
+                    worst = max(f.busiest_over_mean for e in cells for f in e["fleet"][policy])
+                    note += f", worst run {worst:.2f}"
+                suite.rows.append(
+                    Row(
+                        section,
+                        f"{trace}: {label}, {figure}",
+                        fleet_mean(policy, attr, scale),
+                        unit,
+                        fleet_mean("vllm", attr, scale),
+                        base_label,
+                        note=note,
+                    )
+                )
+            for figure, attr, unit, scale in (fields[0], fields[1], fields[3]):
+                model_figure = "hit rate" if attr == "hit_rate" else figure
+                suite.rows.append(
+                    Row(
+                        section,
+                        f"{trace}: {label}, model's {model_figure}",
+                        fleet_mean(policy, attr, scale, "model"),
+                        unit,
+                        fleet_mean("vllm", attr, scale, "model"),
+                        f"{base_label} (model)",
+                    )
+                )
+        for figure, attr, sign in (
+            ("hit rate", "hit_rate", 1),
+            ("throughput", "throughput", 1),
+            ("TTFT p99 (lower first)", "ttft_p99_s", -1),
+        ):
+            orders = {
+                key: ranking({p: fleet_mean(p, attr, 1.0, key) ** sign for p in FLEET_POLICIES})
+                for key in ("fleet", "model")
+            }
+            same = orders["fleet"] == orders["model"]
+            suite.rows.append(
+                Row(
+                    section,
+                    f"{trace}: ranking by {figure}, fleet vs model",
+                    None,
+                    "",
+                    note=f"fleet {orders['fleet']}; model {orders['model']}: "
+                    f"{'same' if same else 'DIFFERENT'} (ties within "
+                    f"{RANKING_TOLERANCE:.0%})",
+                )
+            )

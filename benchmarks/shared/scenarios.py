@@ -13,10 +13,8 @@ import importlib.util
 import itertools
 import json
 import math
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ import msgpack
 import trio
 import zmq
 
-from benchmarks._util import (
+from benchmarks.shared.util import (
     REPO_ROOT,
     Child,
     cpu_ns,
@@ -39,10 +37,10 @@ from benchmarks._util import (
     stats_frame,
     summarize_us,
 )
-from benchmarks._util import (
+from benchmarks.shared.util import (
     with_death_signal as _with_death_signal,
 )
-from benchmarks._wake import WakeProbe
+from benchmarks.shared.wake_probe import WakeProbe
 from trio_dpcoord import PrivateIpcDirectory, open_coordinator, protocol
 from trio_dpcoord.core import CoordinatorCore, Publish
 from trio_dpcoord.testing import connect_engines, serve_command
@@ -514,7 +512,7 @@ def front_publish_cost(engines: int, calls: int) -> dict[str, float]:
     }
 
 
-VLLM_PUBLISH_RUNNER = Path(__file__).resolve().parent / "_vllm_publish.py"
+VLLM_PUBLISH_RUNNER = REPO_ROOT / "benchmarks" / "programs" / "vllm_publish.py"
 
 
 def vllm_front_publish_cost(env: Env, engines: int, calls: int) -> dict[str, float]:
@@ -543,13 +541,13 @@ def vllm_front_publish_cost(env: Env, engines: int, calls: int) -> dict[str, flo
 def saturation_point(
     env: Env, kind: str, engines: int, interval_ms: float, seconds: float, warmup: float = 1.0
 ) -> dict[str, Any]:
-    """One point of the sweep: ``engines`` engines (:mod:`benchmarks._fleet`) each
+    """One point of the sweep: ``engines`` engines (:mod:`benchmarks.programs.fleet`) each
     reporting every ``interval_ms``, a rotating engine's ``start_wave`` every 250 ms,
     for ``warmup`` + ``seconds`` s against ``kind``; the fleet's JSON report, plus the
     WARNING lines the coordinator wrote (vLLM's out-of-order stats warnings among them)."""
     with serving(env, kind, engines) as (child, info):
         argv = python_module(
-            "benchmarks._fleet",
+            "benchmarks.programs.fleet",
             "--back-pub",
             info["back_pub"],
             "--back-out",
@@ -658,66 +656,3 @@ def flood_shutdown(env: Env, kind: str, engines: int) -> dict[str, Any]:
         "warnings": warnings,
         "counters_printed": counters,
     }
-
-
-# --- 6. end to end -------------------------------------------------------------------------
-
-
-LAUNCHER = REPO_ROOT / "examples" / "launch_cluster.py"
-
-
-def end_to_end(env: Env, timeout_s: float) -> dict[str, Any]:
-    """``examples/launch_cluster.py --json`` at its defaults; its last stdout line."""
-    argv = _with_death_signal([sys.executable, str(LAUNCHER), "--json"])
-    log_path = env.log_dir / "launch_cluster.log"
-    with spawn("launch_cluster", argv, env.log_dir) as child:
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        last: dict[str, Any] | None = None
-        with contextlib.suppress(RuntimeError):  # EOF: it exited
-            while time.monotonic() < deadline:
-                last = child.read_json(max(deadline - time.monotonic(), 0.1))
-        wall = time.monotonic() - t0
-        status = child.popen.wait(timeout=30)
-    if status != 0 or last is None:
-        raise RuntimeError(f"launch_cluster.py exited {status}; see {log_path}")
-    last["wall_seconds"] = wall
-    return last
-
-
-def e2e_unavailable() -> str | None:
-    if not LAUNCHER.exists():
-        return "examples/launch_cluster.py does not exist yet"
-    return None
-
-
-def machine() -> dict[str, str]:
-    uname = os.uname()
-    return {
-        "uname": " ".join(
-            (uname.sysname, uname.nodename, uname.release, uname.version, uname.machine)
-        ),
-        "nproc": str(os.cpu_count()),
-        "python": sys.version.split()[0],
-        "trio": trio.__version__,
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "msgpack": ".".join(map(str, msgpack.version)),
-    }
-
-
-def _finite(value: object) -> object:
-    """NaN/inf become null: strict JSON has no such numbers."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def dump(path: Path, value: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_finite(value), indent=2, allow_nan=False)
-    path.write_text(text + "\n")

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def now_ns() -> int:
@@ -251,8 +251,8 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def procs(role: str, *args: str) -> list[str]:
-    """argv of one of this package's helper processes (see :mod:`benchmarks._procs`)."""
-    return python_module("benchmarks._procs", role, *args)
+    """argv of one of this package's helper processes (see :mod:`benchmarks.programs.procs`)."""
+    return python_module("benchmarks.programs.procs", role, *args)
 
 
 def with_death_signal(argv: Sequence[str]) -> list[str]:

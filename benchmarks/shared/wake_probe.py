@@ -14,7 +14,7 @@ from collections.abc import Callable
 import msgpack
 import zmq
 
-from benchmarks._util import now_ns, start_wave_frame, stats_frame, wave_complete_frame
+from benchmarks.shared.util import now_ns, start_wave_frame, stats_frame, wave_complete_frame
 from trio_dpcoord.protocol import engine_identity
 
 _START = b"\x02"

@@ -1,9 +1,9 @@
-"""Where a prefix decision's time goes: ``python -m benchmarks._decision_profile``.
+"""Where a prefix decision's time goes: ``python -m benchmarks.tools.decision_profile``.
 
 The decision of ``python -m benchmarks routing_decision`` (a follow-up turn of 4,096
-tokens on a warm index, :func:`benchmarks._routing.warm_decision`), split into its parts:
-the prompt's keys, the walk, the pick and the store (with the deferred store, when the
-router has one: what the call does after the choice, timed apart). Two readings:
+tokens on a warm index, :func:`benchmarks.sections.routing_decision.warm_decision`), split
+into its parts: the prompt's keys, the walk, the pick and the store (with the deferred
+store, when the router has one: what the call does after the choice, timed apart). Two readings:
 
 - ``timed``: each part's own clock (``time.perf_counter_ns`` around the router's method,
   wrapped on the instance; a part the router does not have is left out), p50 per
@@ -17,7 +17,7 @@ done there are marked ``(settle)``); ``--no-reuse`` feeds fresh random prompts i
 of follow-ups; ``--floor`` times the least parts instead (:func:`floor`).
 
 Works on the router before and after issue 37's cuts (it wraps whichever methods
-exist), so that ``cd OLD && PYTHONPATH=OLD:REPO python -m benchmarks._decision_profile``
+exist), so that ``cd OLD && PYTHONPATH=OLD:REPO python -m benchmarks.tools.decision_profile``
 profiles an older ``trio_dpcoord`` (unpacked in OLD) with the same prompts (``-m`` puts
 the working directory first on ``sys.path``).
 """
@@ -33,7 +33,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks._routing import WarmDecision, _tokens, follow_up_prompts, warm_decision
+from benchmarks.sections.routing_decision import (
+    WarmDecision,
+    follow_up_prompts,
+    random_tokens,
+    warm_decision,
+)
 from trio_dpcoord.routing import ChunkedKeys, ChunkKeys, PrefixRouter, RankPrefixIndex
 
 PARTS: tuple[tuple[str, type, str], ...] = (
@@ -113,7 +118,7 @@ def profile(
     if no_reuse:
 
         def make_prompts(warm: WarmDecision, calls: int) -> list[list[int]]:
-            return [_tokens(warm.rng, 4096) for _ in range(calls)]
+            return [random_tokens(warm.rng, 4096) for _ in range(calls)]
 
     chooser, loads = warm.chooser, warm.loads
     router = chooser.router
@@ -257,7 +262,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks._decision_profile")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tools.decision_profile")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 256])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--passes", type=int, default=3)

@@ -1,9 +1,9 @@
 """Checkouts against each other on the process fleet, one trace, alternating passes.
 
-``python -m benchmarks._fleet_ab --trace "no reuse" --rates 100 600 --seeds 2 --passes 6
+``python -m benchmarks.tools.fleet_ab --trace "no reuse" --rates 100 600 --seeds 2 --passes 6
 --jsonl OUT vllm=.:vllm before=/path/to/old/checkout:approximate after=.:approximate``
 
-Each ``LABEL=PATH:POLICY`` runs :func:`benchmarks._routing_fleet.run_fleet_policy` (one
+Each ``LABEL=PATH:POLICY`` runs :func:`benchmarks.sections.routing_fleet.run_fleet_policy` (one
 fresh cluster of 8 engine processes) in a subprocess whose ``PYTHONPATH`` is ``PATH`` (a
 checkout of this repository, so an old one runs its own policy on the same trace); the
 first variant is the baseline. Pass ``k`` runs the variants in order, pass ``k + 1`` in
@@ -29,8 +29,8 @@ from typing import Any
 
 
 def _one(trace_name: str, rate: float, policy: str, seed: int) -> None:
-    from benchmarks import _routing as rt
-    from benchmarks import _routing_fleet as rf
+    from benchmarks.sections import routing as rt
+    from benchmarks.sections import routing_fleet as rf
 
     sizes = rf.FLEET_FULL
     trace = rt.make_trace(
@@ -70,7 +70,9 @@ def table(records: list[dict[str, Any]], base: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks._fleet_ab", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.tools.fleet_ab", description=__doc__
+    )
     parser.add_argument("variants", nargs="*", help="LABEL=PATH:POLICY, the baseline first")
     parser.add_argument("--trace", default="no reuse")
     parser.add_argument("--rates", type=float, nargs="+", default=[100.0, 600.0])

@@ -1,6 +1,6 @@
 """Several front-ends (API servers) on the lock-step model: the hit rate each policy keeps.
 
-``python -m benchmarks._front_ends --ranks 2 8 --rate 20 --trace multi-turn
+``python -m benchmarks.tools.front_ends --ranks 2 8 --rate 20 --trace multi-turn
 approx1=approximate:1 approx2=approximate:2:rendezvous_slack=1
 home=approximate:2:rendezvous_slack=3,rendezvous_home=1 exact2=exact:2:rendezvous_slack=1
 shared2=approximate:2:share_routes=1``
@@ -22,13 +22,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from benchmarks import _routing as rt
+from benchmarks.sections import routing as rt
 from trio_dpcoord import PrefixRouting
 from trio_dpcoord.sim.routing import make_policy, run_policy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks._front_ends", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.tools.front_ends", description=__doc__
+    )
     parser.add_argument("variants", nargs="+", help="LABEL=POLICY:FRONT_ENDS[:FIELD=VALUE,...]")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--rate", type=float, default=20.0)
