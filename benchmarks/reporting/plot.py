@@ -35,6 +35,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _split(figure: str) -> tuple[str, str, str]:
     """``"TRACE: POLICY, FIGURE"`` into its three parts."""
     trace, _, rest = figure.partition(": ")
@@ -82,10 +88,7 @@ def routing_real(record: Record, out: Path) -> Path:
     fig.legend(handles, labels, loc="lower center", ncol=max(1, len(policies)), fontsize=9)
     fig.suptitle(f"Engine choice on a real vllm serve (DP = 2), {record.date[:10]}")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = out / "routing_real.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "routing_real.png")
 
 
 _RANKS = re.compile(r"N=(\d+)")
@@ -122,10 +125,7 @@ def routing_decision(record: Record, out: Path) -> Path:
     )
     panel.legend(fontsize=7)
     fig.tight_layout()
-    path = out / "routing_decision.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "routing_decision.png")
 
 
 def restarts(real: Record | None, fleet: Record | None, out: Path) -> Path:
@@ -158,10 +158,7 @@ def restarts(real: Record | None, fleet: Record | None, out: Path) -> Path:
     panel.set_title("Recovery of each kill -9 of the DP coordinator")
     panel.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "restarts.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "restarts.png")
 
 
 def draw(results_dir: Path = RESULTS_DIR, out: Path = PLOTS_DIR) -> list[Path]:
