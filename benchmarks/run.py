@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = sc.Env(quick=args.quick, log_dir=log_dir, profile_dir=args.profile)
     suite = Suite(env, QUICK if args.quick else FULL)
     started = datetime.datetime.now(datetime.timezone.utc)
+    checkout = results.commit()
     try:
         details = run_sections(suite, sections)
     finally:
@@ -137,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
     mode = "quick" if args.quick else "full"
     command = shlex.join(["python", "-m", "benchmarks", *arguments])
-    meta = results.run_meta(started, mode, elapsed, command)
+    meta = results.run_meta(started, mode, elapsed, command, checkout)
     meta["standalone"] = suite.standalone_reason or "available"
     host = meta["machine"]
     print(f"\ntrio_dpcoord benchmarks ({mode}), {meta['date']}, {elapsed:.0f} s")

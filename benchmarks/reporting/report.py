@@ -254,11 +254,10 @@ def render(results_dir: Path = RESULTS_DIR, history_dir: Path | None = None) -> 
         "the records or benchmarks/reporting/report.py, not this page. -->",
         "",
         "How fast the coordinator is, each figure next to a **baseline measured in the same",
-        "run on the same machine**, and their ratio: absolute times drift on a shared machine,",
-        "the ratio to a simple program doing the bare minimum of the same job drifts much less.",
-        "Speed is never asserted in tests; CI only checks that `--quick` runs and writes JSON.",
-        "How each figure is measured: [METHODS.md](METHODS.md). Every earlier round, with its",
-        "prose: [results/history/](results/history/).",
+        "run on the same machine**, and their ratio (absolute times drift on a shared machine;",
+        "the ratio to a program doing the bare minimum of the same job drifts much less). Tests",
+        "never assert speed. How each figure is measured: [METHODS.md](METHODS.md); earlier",
+        "rounds, with their prose: [results/history/](results/history/).",
         "",
         "## Running them",
         "",
@@ -270,34 +269,32 @@ def render(results_dir: Path = RESULTS_DIR, history_dir: Path | None = None) -> 
         "python -m benchmarks plot                      # its pictures (the plot extra)",
         "```",
         "",
-        "Run them from the repository root with the project's virtual environment. `--json`",
-        "writes `meta` (UTC date, commit, machine, Python, `build`), `figures` (one object per",
-        "row) and `details` (raw measurements); `--save` splits a run into one record a section,",
-        "`benchmarks/results/<date>_<section>[_quick].json`, which this page is written from.",
-        "Helper processes log to `benchmarks/results/logs/` (ignored by git).",
+        "From the repository root, in the project's venv. `--json` writes `meta` (UTC date,",
+        "commit, machine, Python, `build`), `figures` and `details`; `--save` writes one record",
+        "a section, `results/<date>_<section>[_quick].json`. Logs: `results/logs/` (ignored).",
         "",
-        "| section | command | what | needs |",
-        "|---|---|---|---|",
+        "## Latest figures",
+        "",
+        "Each section: its command, what it measures and what it needs, then the figures of",
+        "its latest record.",
+        "",
+        " ".join(f"![{title}](results/plots/{name})" for name, title in PLOTS),
     ]
     for guide in GUIDE:
-        out.append(f"| {guide.heading} | `{guide.command}` | {guide.what} | {guide.needs} |")
-    out += ["", "## Pictures", ""]
-    for name, title in PLOTS:
-        out.append(f"![{title}](results/plots/{name})")
-    out += ["", "## Latest figures"]
-    for guide in GUIDE:
-        out += ["", f"### {guide.heading} (`{guide.command}`)", ""]
+        out += ["", f"### {guide.heading} (`{guide.command}`)"]
+        needs = "" if guide.needs == "-" else f" (needs: {guide.needs})"
+        about = f"{guide.what[0].upper()}{guide.what[1:]}{needs}."
         record = newest.get(guide.key)
         if record is not None:
-            out += [provenance(record), "", *figure_table(record)]
+            out += [f"{about} {provenance(record)}", "", *figure_table(record)]
             continue
         table = history.get(guide.key)
         if table is None:
-            out.append("No record yet.")
+            out.append(f"{about} No record yet.")
             continue
         out += [
-            f"No record yet. Its latest round, {table.date} ({table.title}), imported from "
-            f"the stop-42 README: [{table.path.name}](results/history/{table.path.name}).",
+            f"{about} No record yet. Its latest round, {table.date} ({table.title}), imported "
+            f"from the stop-42 README: [{table.path.name}](results/history/{table.path.name}).",
             "",
             "| " + " | ".join(cell(c) for c in table.header) + " |",
             "|" + "---|" * len(table.header),

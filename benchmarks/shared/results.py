@@ -80,9 +80,12 @@ def _git(*args: str) -> str:
 
 
 def commit() -> tuple[str, bool]:
-    """The checkout's commit, and whether its tracked files differ from it (then the
-    figures are of that commit plus the differences)."""
-    return _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain", "--untracked-files=no"))
+    """The checkout's commit, and whether its tracked files other than the results
+    differ from it (then the figures are of that commit plus the differences)."""
+    changed = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"
+    )
+    return _git("rev-parse", "HEAD"), bool(changed)
 
 
 def build() -> str:
@@ -94,10 +97,15 @@ def build() -> str:
 
 
 def run_meta(
-    started: datetime.datetime, mode: str, elapsed_s: float, command: str
+    started: datetime.datetime,
+    mode: str,
+    elapsed_s: float,
+    command: str,
+    checkout: tuple[str, bool],
 ) -> dict[str, Any]:
-    """The ``meta`` object of a run: when, where, on which commit and build, how."""
-    sha, dirty = commit()
+    """The ``meta`` object of a run: when, where, on which commit (``checkout``, read when
+    the run started: :func:`commit`) and build, how."""
+    sha, dirty = checkout
     host = machine()
     return {
         "date": started.astimezone(datetime.timezone.utc).isoformat(timespec="seconds"),
