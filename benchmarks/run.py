@@ -12,6 +12,7 @@ import argparse
 import datetime
 import importlib
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -105,6 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(what `report` and `plot` read)",
     )
     parser.add_argument(
+        "--note",
+        default="",
+        help="a sentence saved with the figures (e.g. what else the machine was running)",
+    )
+    parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
         help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})",
@@ -131,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     suite = Suite(env, QUICK if args.quick else FULL)
     started = datetime.datetime.now(datetime.timezone.utc)
     checkout = results.commit()
+    load_at_start = os.getloadavg()[0]
     try:
         details = run_sections(suite, sections)
     finally:
@@ -140,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "benchmarks", *arguments])
     meta = results.run_meta(started, mode, elapsed, command, checkout)
     meta["standalone"] = suite.standalone_reason or "available"
+    meta["load_average"] = {"start": load_at_start, "end": os.getloadavg()[0]}
+    if args.note:
+        meta["note"] = args.note
     host = meta["machine"]
     print(f"\ntrio_dpcoord benchmarks ({mode}), {meta['date']}, {elapsed:.0f} s")
     print(

@@ -110,12 +110,17 @@ def routing_decision(record: Record, out: Path) -> Path:
         else:
             label = "ours, store deferred" if "store deferred" in name else "ours (prefix)"
             series.setdefault(f"{label} {q}", {})[ranks] = figure["value"]
-    fig, panel = plt.subplots(figsize=(8, 5))
+    fig, panel = plt.subplots(figsize=(10, 5))
+    colours: dict[str, str] = {}
     for label, points in series.items():
         xs = sorted(points)
-        style = "-" if label.endswith("p50") else "--"
-        panel.plot(xs, [points[x] for x in xs], style, marker="o", label=label)
+        family, _, q = label.rpartition(" ")
+        colour = colours.setdefault(family, f"C{len(colours)}")
+        style = "-" if q == "p50" else "--"
+        panel.plot(xs, [points[x] for x in xs], style, color=colour, marker="o", label=label)
+    ticks = sorted({x for points in series.values() for x in points})
     panel.set_xscale("log", base=2)
+    panel.set_xticks(ticks, [str(x) for x in ticks])
     panel.set_yscale("log")
     panel.set_xlabel("ranks (engines)")
     panel.set_ylabel("us per decision")
@@ -123,7 +128,7 @@ def routing_decision(record: Record, out: Path) -> Path:
         f"One routing decision, 4,096-token prompt, warm index ({record.date[:10]}, "
         f"{record.commit[:7] or 'commit unknown'})"
     )
-    panel.legend(fontsize=7)
+    panel.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return _save(plt, fig, out / "routing_decision.png")
 

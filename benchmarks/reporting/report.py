@@ -194,6 +194,9 @@ def provenance(record: Record) -> str:
         f"{machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores, "
         f"Python {meta.get('python', '?')}",
     ]
+    load = meta.get("load_average")
+    if load:
+        parts.append(f"load average {load['start']:.1f} at the start, {load['end']:.1f} at the end")
     line = "; ".join(parts) + f"; `{meta.get('command', '')}`."
     if meta.get("note"):
         line += f" {meta['note']}."
@@ -227,14 +230,15 @@ def figure_table(record: Record) -> list[str]:
 
 
 def history_tables(directory: Path) -> dict[str, HistoryTable]:
-    """For each section, the first table of its latest dated round in ``directory``."""
+    """For each section, the first table of its latest dated round in ``directory`` (the
+    latest moment the round mentions; on a tie, the last file name)."""
     found: dict[str, HistoryTable] = {}
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
         if not data.get("tables") or not data.get("date"):
             continue
         held = found.get(data["section"])
-        if held is not None and held.date > data["date"]:
+        if held is not None and (held.date, held.path.name) > (data["date"], path.name):
             continue
         table = data["tables"][0]
         found[data["section"]] = HistoryTable(
