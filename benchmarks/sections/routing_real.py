@@ -68,10 +68,15 @@ from benchmarks.sections.routing_real_traces import (
     vocab_tokens,
     write_mooncake_sample,
 )
-from tests.vllm_real._client import complete, metric_values, stream_completion
-from tests.vllm_real._model import dense_config, write_model
-from tests.vllm_real._process import free_port
-from tests.vllm_real._server import VllmServer
+from tests.vllm_real import (
+    VllmServer,
+    complete,
+    dense_config,
+    free_port,
+    metric_values,
+    stream_completion,
+    write_model,
+)
 from trio_dpcoord.routing import block_keys
 from trio_dpcoord.sim.cluster_config import percentile
 

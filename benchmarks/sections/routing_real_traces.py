@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_real._model import VOCAB_SIZE
+from tests.vllm_real import VOCAB_SIZE
 
 MOONCAKE_BLOCK = 512
 """Tokens per hash id in the Mooncake trace format."""
