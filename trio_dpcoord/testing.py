@@ -13,19 +13,12 @@ yields its endpoints; blocking callers build the same command with :func:`serve_
 and read its first line with :func:`parse_endpoints`. :func:`open_child` does the same
 for any program (the examples).
 
-Test hooks, for what only a test needs inside the package's rooms (none is for real
-code): :func:`core_internals` reads a :class:`~trio_dpcoord.core.CoordinatorCore`'s
-private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` let a
-model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
-:func:`coordinator_pumps` are the coordinator's shell driven by hand, and
-``vllm_routing_setting``, ``vllm_routing_options``, ``vllm_subscribe_endpoint`` and
-``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing,
-``VllmPeerRoutes`` and ``vllm_peer_endpoints`` its API servers' shared routes.
+Only public helpers for testing an application live here; the package's own white-box
+tests import the private modules they test directly.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import signal
@@ -33,7 +26,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import trio
 import zmq
@@ -41,7 +34,6 @@ import zmq
 from . import protocol
 from ._heartbeat import HeartbeatWriter, read_heartbeat
 from ._shell.coordinator import Coordinator, open_coordinator
-from ._shell.coordinator import _Pumps as CoordinatorPumps
 from ._shell.supervision import CRASH_VARIABLE, WaveFile, inject_failure
 from ._supervisor import (
     MAX_FAILED_STARTS,
@@ -51,15 +43,7 @@ from ._supervisor import (
     RestartRule,
     WorkerWatch,
 )
-from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
-from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
-from .vllm._peers import PeerRoutes as VllmPeerRoutes
-from .vllm._peers import peer_endpoints as vllm_peer_endpoints
-from .vllm._routing import routing_options as vllm_routing_options
-from .vllm._routing import routing_setting as vllm_routing_setting
-from .vllm._routing import routing_state as vllm_routing_state
-from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
 
 __all__ = [
     "CRASH_VARIABLE",
@@ -67,40 +51,22 @@ __all__ = [
     "MAX_PAUSE",
     "QUICK_DEATH",
     "RULE",
-    "CoordinatorPumps",
-    "CoreInternals",
     "EnginePeer",
     "HeartbeatWriter",
     "RestartRule",
     "ServeProcess",
-    "VllmPeerRoutes",
     "WaveFile",
     "WorkerWatch",
     "connect_engines",
-    "coordinator_ingest_paths",
-    "coordinator_pumps",
-    "core_internals",
     "expect_broadcast",
-    "force_wave_state",
     "inject_coordinator_failure",
     "open_child",
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
-    "prefix_walk_of_prompt",
-    "prefix_walks",
     "read_heartbeat",
     "read_lines",
-    "replace_recovery_rules",
-    "replace_wave_rule",
     "serve_command",
-    "store_as_the_router",
-    "use_chain_mode",
-    "vllm_peer_endpoints",
-    "vllm_routing_options",
-    "vllm_routing_setting",
-    "vllm_routing_state",
-    "vllm_subscribe_endpoint",
 ]
 
 _ENDPOINT_KEYS = ("front", "back_pub", "back_out")
@@ -446,138 +412,3 @@ async def open_serve(
         with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
             serve.endpoints = parse_endpoints(await serve.line(0))
         yield serve
-
-
-# --------------------------------------------------------------------------- test hooks
-# What only a test needs to see or change inside the package's rooms. They reach past
-# the rooms' public reads on purpose, here and nowhere else, so that tests need no private
-# module or attribute; real code has no use for them.
-
-
-class CoreInternals(NamedTuple):
-    """What a :class:`~trio_dpcoord.core.CoordinatorCore` decides with beyond its public
-    reads (see :func:`core_internals`): what a model checker memoises states by, and what
-    two cores fed the same inputs two ways must agree on."""
-
-    first_request_pending: bool
-    """A wake-up was claimed and its :class:`~trio_dpcoord.core.FirstRequest` not applied."""
-    unconfirmed_wave: int | None
-    """The wave a first request started that no engine has reported on yet."""
-    deferred: tuple[Effect, ...]
-    """Effects decided before the start-up gate opened: they come out behind READY."""
-    deferred_commands: tuple[Command, ...]
-    """Commands received before the gate opened: applied behind READY."""
-    pending_snapshot: tuple[protocol.EngineLoad, ...] | None
-    """The load table's lock-step snapshot, waiting for the next timed publish."""
-    stats_changed: bool
-    """Whether the load table has news for the next timed publish."""
-    recovering: bool
-    """The core took over from a dead coordinator and the engines have not settled it."""
-    recovery_wake_owed: bool | None
-    """While recovering: whether the recovery wake is still to go out (None otherwise)."""
-
-
-def core_internals(core: CoordinatorCore) -> CoreInternals:
-    """A copy of ``core``'s private decision state (:class:`CoreInternals`); read-only."""
-    wave, loads = core._wave, core._loads
-    return CoreInternals(
-        wave.first_request_pending,
-        wave.unconfirmed_wave,
-        tuple(core._deferred),
-        tuple(core._deferred_commands),
-        loads.pending_snapshot,
-        loads.stats_changed,
-        core._recovery is not None,
-        None if core._recovery is None else core._recovery.wake_owed,
-    )
-
-
-def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
-    """Make ``rule`` ``core``'s wave rule, in place of the :class:`~trio_dpcoord.core.
-    WaveState` it made itself: for a model checker's mutants (a subclass with a known bug
-    the checker must catch). Call it before the core's first input."""
-    core._wave = rule
-
-
-def replace_recovery_rules(core: CoordinatorCore, rules: type[RecoveryRules]) -> None:
-    """Make a recovering ``core`` follow ``rules`` (a subclass of
-    :class:`~trio_dpcoord.core.RecoveryRules` with the same slots, a model checker's mutant
-    with a known bug) from now on; nothing when the core is not recovering."""
-    if core._recovery is not None:
-        core._recovery.__class__ = rules
-
-
-def force_wave_state(
-    rule: WaveState,
-    *,
-    snapshot: WaveSnapshot | None = None,
-    first_request_pending: bool | None = None,
-) -> None:
-    """Overwrite ``rule``'s snapshot and/or pending claim (what is not None), as a broken
-    rule would: the bug of a model checker's mutant. Nothing checks the rule's invariants
-    (the wave may go back)."""
-    if snapshot is not None:
-        rule._snapshot = snapshot
-    if first_request_pending is not None:
-        rule._first_request_pending = first_request_pending
-
-
-def coordinator_pumps(coordinator: Coordinator) -> CoordinatorPumps:
-    """The :class:`CoordinatorPumps` behind a running coordinator's handle: the core, its
-    lock, and the channel to the broadcaster (``outgoing``), for a test that breaks an
-    invariant of the shell on purpose. A test that wants the pumps without sockets makes
-    its own, ``CoordinatorPumps(core)``, and starts the tasks it needs."""
-    return coordinator._pumps
-
-
-# --- the prefix policy's inside, for the tests that compare it with its references --------
-
-
-def prefix_walks(
-    router: PrefixRouter, keys: Sequence[int]
-) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]]]:
-    """The two ways ``router`` finds which ranks hold how much of ``keys``: its bisecting
-    walk (None unless the indexes are prefix-closed, the approximate feed's case, when
-    it is the one used) and the block-by-block walk. They must agree; read-only."""
-    bisected = router._bisect(keys) if router._closed else None
-    return bisected, router._walk_blocks(keys)
-
-
-def prefix_walk_of_prompt(
-    router: PrefixRouter, token_ids: Sequence[int]
-) -> tuple[list[tuple[int, int]], int]:
-    """The walk :meth:`PrefixRouter.route` makes for ``token_ids`` (with prefix-closed
-    indexes, over the keys its chunk cache knows and the rest on demand), and how many
-    of the prompt's blocks it keyed; read-only (a copy of the router's chunk cache)."""
-    cache = copy.copy(router._keys)
-    cache._chunks = dict(router._keys._chunks)
-    keys = cache.lookup(token_ids) if router._closed else cache(token_ids)
-    groups = router._walk(keys if router._closed else list(keys))
-    return groups, keys.known
-
-
-def use_chain_mode(index: RankPrefixIndex) -> None:
-    """Switch ``index`` to the layout the approximate feed keeps it in (its LRU order in
-    pieces of a chain): for tests that drive an index alone. Before its first store."""
-    index._chain_mode()
-
-
-def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, now: float) -> bool:
-    """Store a prompt's ``keys`` as the router does after its walk found ``held`` of them
-    cached (chain mode only; False, storing nothing, in the plain layout)."""
-    if index._held is None:
-        return False
-    index._store_chain(keys, held, now)
-    return True
-
-
-def coordinator_ingest_paths() -> dict[str, Callable[[bytes], tuple[Any, ...] | None]]:
-    """The two paths of the coordinator's ingest decoder (``msgpack``, ``msgspec``): a
-    stats report's ``(engine_index, waiting, running, kv_cache_usage, wave, step)``, or
-    None for a frame left to :func:`~trio_dpcoord.protocol.decode_coordinator_output`."""
-    from .protocol import _output_decoder
-
-    return {
-        "msgpack": _output_decoder.ingest_with_msgpack,
-        "msgspec": _output_decoder.ingest_with_msgspec,
-    }

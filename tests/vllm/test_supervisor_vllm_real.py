@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-
 from benchmarks._front_tap import open_recovery_tap
+
 from tests.vllm_real import (
     GREEDY_PROMPTS,
     MOE_CONFIG,
