@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from benchmarks._front_tap import open_recovery_tap
+from benchmarks.shared.front_tap import open_recovery_tap
 
 from tests.vllm_real import (
     GREEDY_PROMPTS,
