@@ -32,31 +32,13 @@ import trio
 import zmq
 
 from . import protocol
-from ._heartbeat import HeartbeatWriter, read_heartbeat
 from ._shell.coordinator import Coordinator, open_coordinator
-from ._shell.supervision import CRASH_VARIABLE, WaveFile, inject_failure
-from ._supervisor import (
-    MAX_FAILED_STARTS,
-    MAX_PAUSE,
-    QUICK_DEATH,
-    RULE,
-    RestartRule,
-    WorkerWatch,
-)
+from ._shell.supervision import inject_failure
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
 
 __all__ = [
-    "CRASH_VARIABLE",
-    "MAX_FAILED_STARTS",
-    "MAX_PAUSE",
-    "QUICK_DEATH",
-    "RULE",
     "EnginePeer",
-    "HeartbeatWriter",
-    "RestartRule",
     "ServeProcess",
-    "WaveFile",
-    "WorkerWatch",
     "connect_engines",
     "expect_broadcast",
     "inject_coordinator_failure",
@@ -64,7 +46,6 @@ __all__ = [
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
-    "read_heartbeat",
     "read_lines",
     "serve_command",
 ]

@@ -21,8 +21,8 @@ import pytest
 import trio
 
 from trio_dpcoord import Frontend, open_frontend, protocol
+from trio_dpcoord._shell.supervision import CRASH_VARIABLE
 from trio_dpcoord.testing import (
-    CRASH_VARIABLE,
     EnginePeer,
     ServeProcess,
     connect_engines,

@@ -9,16 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_dpcoord.testing import (
+from trio_dpcoord._heartbeat import HeartbeatWriter, read_heartbeat
+from trio_dpcoord._shell.supervision import WaveFile
+from trio_dpcoord._supervisor import (
     MAX_FAILED_STARTS,
     MAX_PAUSE,
     QUICK_DEATH,
     RULE,
-    HeartbeatWriter,
     RestartRule,
-    WaveFile,
     WorkerWatch,
-    read_heartbeat,
 )
 
 

@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from benchmarks.shared.front_tap import open_recovery_tap
 
+from benchmarks.shared.front_tap import open_recovery_tap
 from tests.vllm_real import (
     GREEDY_PROMPTS,
     MOE_CONFIG,
@@ -45,8 +45,8 @@ from tests.vllm_real import (
     completion_body,
     write_model,
 )
+from trio_dpcoord._shell.supervision import CRASH_VARIABLE
 from trio_dpcoord.sim.cluster_config import percentile
-from trio_dpcoord.testing import CRASH_VARIABLE
 
 pytestmark = pytest.mark.vllm_real
 
