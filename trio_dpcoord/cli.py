@@ -475,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         for handler in logging.getLogger().handlers:
             handler.setFormatter(_VllmLogFormatter())
+    from ._compiled import log_build
+
+    log_build()  # which build of the hot path runs: compiled, or the pure-Python twin
     # ipc:// socket files (and anything else created) are for this user only
     os.umask(0o077)
     if args.supervised:

@@ -1,0 +1,292 @@
+"""The compiled twin of the prefix policy's hashing against its pure-Python spec.
+
+:mod:`trio_dpcoord.routing._keys` takes ``block_keys`` and ``chunk_hashes`` from its
+compiled twin (``_keys_kernel.pyx``) where it was built. Here the pure modules run beside
+the package's own (loaded from source by :func:`tests._pure_twin.load_pure_twin`): the
+same keys, the same errors, the same chunk cache, and routers built on each give the
+same decisions, index contents, owners and counters over random prompts, loads,
+evictions (small capacities, ages) and KV-event batches (some of them fuzzed bytes).
+With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no compiler at install) both sides are pure and
+this checks the loader and the switch; CI runs it both ways.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tests._pure_twin import load_pure_twin
+from trio_dpcoord import EngineLoad, _compiled
+from trio_dpcoord.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    encode_event_batch,
+)
+from trio_dpcoord.routing import PrefixRouting, _chooser, _keys, _prefix_router
+from trio_dpcoord.routing._keys import Feed
+
+TWIN = load_pure_twin(
+    ["routing._keys", "routing._prefix_index", "routing._prefix_router", "routing._chooser"]
+)
+PURE_KEYS = TWIN["routing._keys"]
+PURE_ROUTER = TWIN["routing._prefix_router"]
+PURE_CHOOSER = TWIN["routing._chooser"]
+KERNEL = "trio_dpcoord.routing._keys_kernel"
+
+REQUIRE_COMPILED_ENV = "TRIO_DPCOORD_REQUIRE_COMPILED"
+"""CI sets it on the default install: a build that silently fell back fails here."""
+
+
+def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
+    """What a call gives: ``("ok", value)`` or ``("raised", type, message)``."""
+    try:
+        value = call(*args)
+        if not isinstance(value, list):
+            value = list(value)
+        return ("ok", value)
+    except Exception as exc:
+        return ("raised", type(exc), str(exc))
+
+
+def test_the_build_asked_for_runs() -> None:
+    """Forced pure: the pure names; else the compiled ones wherever the twin was built
+    (and CI's default install must have built it)."""
+    built = importlib.util.find_spec(KERNEL) is not None
+    if os.environ.get(REQUIRE_COMPILED_ENV) and not _compiled.pure_forced():
+        assert built, "the compiled twin was not built"
+    in_use = _compiled.kernels_in_use()[KERNEL]
+    assert in_use == (built and not _compiled.pure_forced())
+    assert (_keys.block_keys is PURE_KEYS.block_keys) is False  # a copy, never the same
+    compiled_names = {_keys.block_keys.__module__, _keys.chunk_hashes.__module__}
+    assert compiled_names == ({KERNEL} if in_use else {"trio_dpcoord.routing._keys"})
+    assert PURE_KEYS.block_keys.__module__ == "trio_dpcoord._pure_twin.routing._keys"
+    description = _compiled.build_description()
+    assert description.startswith("compiled" if in_use else "pure-Python")
+
+
+ints = st.one_of(
+    st.integers(0, 200),  # a small vocabulary: repeated blocks
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**80), 2**80),  # past 64 bits: hashed modulo, as Python does
+    st.sampled_from([-1, -2, 2**61 - 1, 2**61, -(2**61) + 1]),  # hash(-1) == hash(-2)
+)
+tokens_lists = st.lists(ints, max_size=160)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens_lists,
+    st.integers(-1, 20),
+    st.one_of(st.just(0), st.integers(-(2**63), 2**63 - 1), st.integers(2**63, 2**70)),
+    st.integers(-1, 70),
+)
+def test_block_keys_are_the_same(
+    tokens: list[int], block_size: int, parent: int, depth: int
+) -> None:
+    assert outcome(_keys.block_keys, tokens, block_size, parent, depth) == outcome(
+        PURE_KEYS.block_keys, tokens, block_size, parent, depth
+    )
+    as_tuple = tuple(tokens)  # any sequence, not only lists
+    assert outcome(_keys.block_keys, as_tuple, block_size, parent, depth) == outcome(
+        PURE_KEYS.block_keys, as_tuple, block_size, parent, depth
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens_lists, st.integers(-1, 40))
+def test_chunk_hashes_are_the_same(tokens: list[int], span: int) -> None:
+    assert outcome(_keys.chunk_hashes, tokens, span) == outcome(
+        PURE_KEYS.chunk_hashes, tokens, span
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.one_of(ints, st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=1)),
+        max_size=40,
+    ),
+    st.integers(1, 6),
+)
+def test_other_items_hash_or_fail_alike(items: list[Any], size: int) -> None:
+    """Strings and None hash as in a tuple; an unhashable item fails the same way."""
+    assert outcome(_keys.block_keys, items, size) == outcome(PURE_KEYS.block_keys, items, size)
+    assert outcome(_keys.chunk_hashes, items, size) == outcome(PURE_KEYS.chunk_hashes, items, size)
+
+
+def test_a_list_shrinking_under_the_chunk_iterator_stops_it() -> None:
+    """The iterator reads the list in place: a shorter list ends it (never a stale read)."""
+    tokens = list(range(100))
+    fast, pure = _keys.chunk_hashes(tokens, 10), PURE_KEYS.chunk_hashes(tokens[:], 10)
+    assert next(fast) == next(pure)
+    del tokens[15:]
+    assert list(fast) == []
+
+
+# --- the chunk cache: lookups, probes, extensions, what it learns ------------------------
+
+DOCS = [[(doc * 7919 + i * 31) % 997 for i in range(400)] for doc in range(4)]
+
+
+def prompts(block_size: int) -> st.SearchStrategy[list[int]]:
+    """Prompts sharing documents' prefixes (so the cache finds chunks), with new tails."""
+    return st.builds(
+        lambda doc, blocks, tail: DOCS[doc][: blocks * block_size] + tail,
+        st.integers(0, len(DOCS) - 1),
+        st.integers(0, 400 // block_size),
+        st.lists(st.integers(0, 5000), max_size=3 * block_size),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.integers(1, 6), st.data())
+def test_the_chunk_cache_gives_and_learns_the_same(
+    block_size: int, max_chunks: int, data: st.DataObject
+) -> None:
+    fast, pure = (
+        _keys.ChunkKeys(block_size, max_chunks),
+        PURE_KEYS.ChunkKeys(block_size, max_chunks),
+    )
+    for _ in range(data.draw(st.integers(1, 12))):
+        prompt = data.draw(prompts(block_size))
+        mine, theirs = fast.lookup(prompt), pure.lookup(prompt)
+        assert mine.known == theirs.known and len(mine) == len(theirs)
+        for step in data.draw(st.lists(st.sampled_from(["probe", "extend"]), max_size=4)):
+            if step == "probe" and mine.known < len(mine):
+                assert mine.probe() == theirs.probe()
+            elif step == "extend":
+                mine.extend()
+                theirs.extend()
+            assert mine.known == theirs.known
+        assert list(mine.complete()) == list(theirs.complete())
+        assert list(mine) == PURE_KEYS.block_keys(prompt, block_size)
+        assert fast._chunks == pure._chunks
+
+
+# --- routers on each build: decisions, indexes, owners, counters --------------------------
+
+
+class TwinRouters(RuleBasedStateMachine):
+    """The package's router and the pure twin's, fed the same inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast: Any = None
+        self.pure: Any = None
+        self.now = 0.0
+        self.block_size = 4
+        self.seq: list[int] = []
+        self.engine_hashes: list[list[int]] = []
+
+    @initialize(
+        ranks=st.integers(1, 6),
+        capacity=st.integers(4, 80),
+        feed=st.sampled_from(["approximate", "exact"]),
+        defer=st.booleans(),
+        block_size=st.sampled_from([2, 4]),
+    )
+    def start(self, ranks: int, capacity: int, feed: Feed, defer: bool, block_size: int) -> None:
+        routing = PrefixRouting(
+            block_size=block_size, capacity_blocks=capacity, max_age=5.0, feed=feed
+        )
+        self.block_size = block_size
+        self.fast = _prefix_router.PrefixRouter(ranks, routing)
+        self.pure = PURE_ROUTER.PrefixRouter(ranks, routing)
+        self.fast.defer_store = self.pure.defer_store = defer
+        self.seq = [0] * ranks
+        self.engine_hashes = [[] for _ in range(ranks)]
+
+    @rule(data=st.data())
+    def route(self, data: st.DataObject) -> None:
+        prompt = data.draw(prompts(self.block_size))
+        ranks = self.fast.ranks
+        queued = data.draw(st.lists(st.integers(0, 600), min_size=ranks, max_size=ranks))
+        pinned = data.draw(st.none() | st.integers(0, ranks - 1))
+        assert self.fast.route(prompt, queued, self.now, pinned) == self.pure.route(
+            prompt, queued, self.now, pinned
+        )
+
+    @rule(seconds=st.floats(0.0, 3.0))
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    @precondition(lambda self: self.fast is not None and self.fast.feed == "exact")
+    @rule(data=st.data())
+    def kv_events(self, data: st.DataObject) -> None:
+        rank = data.draw(st.integers(0, self.fast.ranks - 1))
+        kind = data.draw(st.sampled_from(["stored", "removed", "cleared", "fuzz"]))
+        if kind == "fuzz":
+            payload = data.draw(st.binary(max_size=40))
+        else:
+            events: list[Any]
+            if kind == "stored":
+                prompt = data.draw(prompts(self.block_size))
+                blocks = len(prompt) // self.block_size
+                first = len(self.engine_hashes[rank]) + 1000 * rank
+                hashes = list(range(first, first + blocks))
+                self.engine_hashes[rank].extend(hashes)
+                stored = prompt[: blocks * self.block_size]
+                events = [BlockStored(hashes, None, stored, self.block_size)]
+            elif kind == "removed":
+                held = self.engine_hashes[rank]
+                events = [BlockRemoved(data.draw(st.lists(st.sampled_from(held or [0]))))]
+            else:
+                events = [AllBlocksCleared()]
+            payload = encode_event_batch(EventBatch(self.now, events, rank))
+        self.seq[rank] += data.draw(st.sampled_from([1, 1, 1, 2]))  # now and then a gap
+        seq = self.seq[rank]
+        assert self.fast.receive_kv_events(rank, seq, payload, self.now) == (
+            self.pure.receive_kv_events(rank, seq, payload, self.now)
+        )
+
+    @invariant()
+    def same_state(self) -> None:
+        if self.fast is None:
+            return
+        fast_indexes, pure_indexes = self.fast.indexes, self.pure.indexes
+        assert [index.blocks() for index in fast_indexes] == [
+            index.blocks() for index in pure_indexes
+        ]
+        assert [index.provisional_blocks() for index in fast_indexes] == [
+            index.provisional_blocks() for index in pure_indexes
+        ]
+        assert self.fast.block_owners() == self.pure.block_owners()
+        assert self.fast.counters == self.pure.counters
+
+
+TestTwinRouters = TwinRouters.TestCase
+TestTwinRouters.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.lists(prompts(16), min_size=1, max_size=8), st.data())
+def test_choosers_choose_the_same(
+    ranks: int, prompt_list: Sequence[list[int]], data: st.DataObject
+) -> None:
+    """``EngineChooser(routing="prefix")`` on each build: the same engines."""
+    fast = _chooser.EngineChooser(ranks, routing="prefix")
+    pure = PURE_CHOOSER.EngineChooser(ranks, routing="prefix")
+    for number, prompt in enumerate(prompt_list):
+        loads = [
+            EngineLoad(
+                waiting=data.draw(st.integers(0, 4)),
+                running=data.draw(st.integers(0, 8)),
+                kv_cache_usage=0.5,
+            )
+            for _ in range(ranks)
+        ]
+        now = float(number)
+        assert fast.choose(loads, prompt, now=now) == pure.choose(loads, prompt, now=now)
