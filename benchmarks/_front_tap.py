@@ -25,7 +25,7 @@ import msgpack
 import trio
 import zmq
 
-from tests.vllm_real._tap import FrontPublish
+from tests.vllm_real import FrontPublish
 from trio_dpcoord.trio_zmq import (
     AsyncSocket,
     open_context,

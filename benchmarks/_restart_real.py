@@ -56,11 +56,7 @@ import httpx
 import trio
 
 from benchmarks._front_tap import RecoveryTap, open_recovery_tap
-from tests.vllm_real._client import complete
-from tests.vllm_real._greedy import GREEDY_PROMPTS
-from tests.vllm_real._model import MOE_CONFIG, write_model
-from tests.vllm_real._server import VllmServer
-from tests.vllm_real._tap import WaveCount
+from tests.vllm_real import GREEDY_PROMPTS, MOE_CONFIG, VllmServer, WaveCount, complete, write_model
 from trio_dpcoord.sim.cluster_config import percentile
 
 logger = logging.getLogger("benchmarks.restart_real")

@@ -57,10 +57,16 @@ from typing import Any
 import httpx
 import trio
 
-from tests.vllm_real._client import complete, metric_values, stream_completion
-from tests.vllm_real._model import VOCAB_SIZE, dense_config, write_model
-from tests.vllm_real._process import free_port
-from tests.vllm_real._server import VllmServer
+from tests.vllm_real import (
+    VOCAB_SIZE,
+    VllmServer,
+    complete,
+    dense_config,
+    free_port,
+    metric_values,
+    stream_completion,
+    write_model,
+)
 from trio_dpcoord.routing import block_keys
 from trio_dpcoord.sim.cluster_config import percentile
 

@@ -25,7 +25,7 @@ VECTORS_PATH = REPO_ROOT / "tests" / "data" / "vectors.json"
 
 def load_vectors() -> list[dict[str, Any]]:
     """vLLM 0.33.0's own frames, made by its code (``tests/vllm_reference/make_vectors.py``)
-    and committed; ``tests/test_vllm_vectors.py`` checks they still match vLLM."""
+    and committed; ``tests/vllm/test_vectors.py`` checks they still match vLLM."""
     vectors: list[dict[str, Any]] = json.loads(VECTORS_PATH.read_text())
     return vectors
 

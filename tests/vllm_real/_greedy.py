@@ -1,9 +1,9 @@
 """Greedy completions of the same prompts through different front-ends, kept for comparison.
 
 The real-vLLM tests drive the same engines (the tiny MoE, dummy weights, ``--seed 0``)
-through ``vllm serve``'s HTTP API (``tests/test_vllm_real.py``, with either coordinator)
+through ``vllm serve``'s HTTP API (``tests/vllm/test_real.py``, with either coordinator)
 and through trio_dpcoord's engine client on headless engines
-(``tests/test_engine_client_real.py``). Under greedy sampling the prompt alone decides
+(``tests/vllm/test_engine_client_real.py``). Under greedy sampling the prompt alone decides
 the tokens, so every front-end must give the same ones. Each test records what it got
 in the session's :class:`GreedyCompletions`, so that the comparison
 (``tests/vllm_real/test_engine_client_vs_serve.py``) costs no server start of its own

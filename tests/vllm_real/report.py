@@ -1,6 +1,6 @@
 """Print the side-by-side table of the real-vLLM scenarios: ``python -m tests.vllm_real.report``.
 
-Reads the rows ``tests/test_vllm_real.py`` appended to ``.cache/vllm-real-report.jsonl``
+Reads the rows ``tests/vllm/test_real.py`` appended to ``.cache/vllm-real-report.jsonl``
 (or the file given as the first argument); the last row of each scenario and coordinator
 wins, so a rerun replaces an earlier run's figures.
 """

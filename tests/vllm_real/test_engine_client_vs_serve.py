@@ -9,7 +9,7 @@ request differently (a sampling field, the prompt, the stop rules) would show he
 other tokens, or other lengths.
 
 A real start costs 35-50 s, so the completions are those the suite already made
-(``tests/test_vllm_real.py``'s bursts, ``tests/test_engine_client_real.py``'s bursts,
+(``tests/vllm/test_real.py``'s bursts, ``tests/vllm/test_engine_client_real.py``'s bursts,
 recorded in the session's ``greedy_completions``; this file is collected after both).
 Run alone (or with them deselected), it starts what it misses itself.
 """
@@ -57,7 +57,7 @@ async def _serve_completions(server: VllmServer) -> dict[TokenIds, TokenIds]:
 
 
 def _run_serve(model: Path, work_dir: Path) -> dict[TokenIds, TokenIds]:
-    """``vllm serve`` DP = 2, vLLM's coordinator: what test_vllm_real's bursts run."""
+    """``vllm serve`` DP = 2, vLLM's coordinator: what tests/vllm/test_real.py's bursts run."""
     server = VllmServer(model, work_dir=work_dir, coordinator="vllm")
     with server:
         server.wait_ready()

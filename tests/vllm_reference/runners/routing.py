@@ -1,4 +1,4 @@
-"""Runner for tests/test_vllm_routing.py: vLLM 0.33.0's ``DPLBAsyncMPClient`` choosing engines.
+"""Runner for tests/vllm/test_routing.py: vLLM 0.33.0's ``DPLBAsyncMPClient`` choosing engines.
 
 Run as ``python routing.py CONFIG_JSON`` with the cluster import root
 (``tests.vllm_reference.dp_cluster.prepare_cluster_root``) first on ``PYTHONPATH`` and the

@@ -1,4 +1,4 @@
-"""Runner for tests/test_vllm_switch.py: vLLM 0.33.0's own launch code, run torch-free.
+"""Runner for tests/vllm/test_switch.py: vLLM 0.33.0's own launch code, run torch-free.
 
 Run as a script with a vLLM import root first on ``PYTHONPATH`` and the project installed
 (so ``vllm.general_plugins`` finds our entry point). It reports what happens as JSON lines

@@ -1,4 +1,4 @@
-"""Child process for ``tests/test_trio_zmq.py``: a monitored PULL socket whose monitor is not
+"""Child process for ``tests/shell/test_trio_zmq.py``: a monitored PULL socket whose monitor is not
 read while hundreds of peers connect and disconnect at once (several events each, more than
 libzmq's default 1,000-message pipe holds). Then, on the same context, another socket pair
 must still deliver (libzmq's I/O thread is not stuck in a blocking monitor send), and leaving

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import VECTORS_PATH
-from tests.test_protocol import CHECKS
+from tests.protocol.test_vllm_frames import CHECKS
 from tests.vllm_reference import make_vectors
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,7 @@ import trio
 
 from trio_dpcoord.sim import ClusterConfig, LoadPlan, plot_timeline, run_cluster
 
-LAUNCHER = Path(__file__).resolve().parent.parent / "examples" / "launch_cluster.py"
+LAUNCHER = Path(__file__).resolve().parents[2] / "examples" / "launch_cluster.py"
 GUARD = 120.0  # engine processes on a shared 2-core machine
 
 

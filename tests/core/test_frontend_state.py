@@ -1,6 +1,6 @@
 """The front-end's sans-IO state (:class:`FrontendState`): publishes in, frames out.
 
-What :class:`~trio_dpcoord.Frontend` does over a real socket (tests/test_frontend.py),
+What :class:`~trio_dpcoord.Frontend` does over a real socket (tests/shell/test_frontend.py),
 here as plain calls with clock readings: the latest publish wins, a bad one is counted
 and the rest of its batch kept, the legacy first-request claim sends one FIRST_REQ per
 paused wave, and the engine choice counts this front-end's requests in flight.

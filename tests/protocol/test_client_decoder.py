@@ -1,7 +1,7 @@
 """The engine client's decoder of engine outputs: both paths (msgspec, msgpack-python) say
 exactly what the full decoder says (``decode_engine_core_outputs``: the request outputs'
 ids, token ids and finish reasons, and the utility answer), the same values or the same
-ProtocolError message, on every kind of frame of ``tests/decoder_contract.py`` (the
+ProtocolError message, on every kind of frame of ``tests/protocol/decoder_contract.py`` (the
 generated ones with odd values in every slot of the request outputs)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.decoder_contract import (
+from tests.protocol.decoder_contract import (
     Contract,
     Ext,
     RawStr,
@@ -23,7 +23,7 @@ from tests.decoder_contract import (
     without_msgspec,
     write,
 )
-from tests.test_protocol import U64
+from tests.protocol.wire import U64
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import (
     CLIENT_OUTPUT_DECODER,

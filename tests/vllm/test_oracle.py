@@ -23,7 +23,7 @@ whichever is later: ``now`` (well under the stats interval), ``interval`` (about
 stats interval) and ``heartbeat`` (about 5 s). Real clock, generous guards; order and
 content are asserted, never milliseconds.
 
-Engine messages are encoded by our codec; ``tests/test_vllm_vectors.py`` shows its bytes
+Engine messages are encoded by our codec; ``tests/vllm/test_vectors.py`` shows its bytes
 are vLLM's. Front-ends subscribe before engines, and a script goes on only once their
 connection is up, so that the XPUB has them when the start-up gate opens and the first
 publish goes out.

@@ -15,7 +15,7 @@ path): a caller that breaks out of its stream, one that raises in the block, one
 cancelled while it waits for an output and one cancelled while it does something else.
 Each time the engine itself logs that it dropped the request and its wave ends, the
 client's bookkeeping returns to zero, no task is left over and nothing still holds the
-stream or its channel. (tests/test_engine_client.py and tests/test_sim_engine_core.py
+stream or its channel. (tests/shell/test_engine_client.py and tests/sim/test_engine_core.py
 check that a stream left by ``break`` is aborted; cancellation, the bookkeeping, the
 tasks and the references are checked here.)
 """
@@ -47,7 +47,7 @@ from tests.vllm_reference.dp_cluster import open_engine_fleet, prepare_cluster_r
 from trio_dpcoord import EngineClient, RequestStream, SamplingParams
 from trio_dpcoord.sim import ClusterConfig, open_sim_engine_client
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO_ROOT / "examples" / "engine_client.py"
 PROMPTS = 2  # the example sends two prompts, one after the other
 MAX_TOKENS = 16  # ... each with SamplingParams(max_tokens=16, ignore_eos=True)
@@ -133,9 +133,9 @@ def check_example_run(
 
 
 def test_the_readme_shows_the_example() -> None:
-    """The README's engine-client program is examples/engine_client.py, line for line
-    (after the example's docstring; the README's block opens with comment lines)."""
-    readme = (REPO_ROOT / "README.md").read_text()
+    """The embedding guide's engine-client program is examples/engine_client.py, line for
+    line (after the example's docstring; the guide's block opens with comment lines)."""
+    readme = (REPO_ROOT / "docs" / "embedding.md").read_text()
     start = readme.index("## Driving real vLLM engines from trio")
     block = readme[readme.index("```python\n", start) + len("```python\n") :]
     block = block[: block.index("```\n")]

@@ -2,7 +2,7 @@
 
 The plugin's routing module is private; its rules are tested here directly, through the
 test hooks of :mod:`trio_dpcoord.testing` (the behaviour inside vLLM's client is
-``tests/test_vllm_routing.py``'s).
+``tests/vllm/test_routing.py``'s).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-LAUNCHER = Path(__file__).resolve().parent.parent / "examples" / "launch_cluster.py"
+LAUNCHER = Path(__file__).resolve().parents[2] / "examples" / "launch_cluster.py"
 SUMMARY_KEYS = {"requests", "completed", "waves", "errors", "wake_latency_ms"}
 
 

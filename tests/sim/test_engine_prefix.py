@@ -12,7 +12,7 @@ import msgpack
 import trio
 import zmq
 
-from tests.test_sim import engine_config
+from tests.sim.test_cluster import engine_config
 from trio_dpcoord import EngineChooser, PrefixRouting, Routing, open_coordinator, protocol
 from trio_dpcoord.protocol import (
     IDLE_LOAD,

@@ -15,7 +15,7 @@ import logging
 import pytest
 import trio
 
-from tests.test_engine_client import _fleet
+from tests.shell.test_engine_client import _fleet
 from trio_dpcoord import (
     Coordinator,
     CoordinatorError,
@@ -166,7 +166,7 @@ async def test_metrics_count_the_restarts() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from tests.test_metrics import parse, value
+    from tests.integrations.test_metrics import parse, value
     from trio_dpcoord.metrics import CoordinatorCollector
 
     with trio.fail_after(GUARD):

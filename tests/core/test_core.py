@@ -1,8 +1,8 @@
 """The sans-IO CoordinatorCore: unit tests with explicit clock readings, and a hypothesis
 state machine that drives the whole core with the bytes peers send.
 
-The wave rules themselves are checked against a reference model in ``test_state.py`` and
-exhaustively in ``test_model_check.py``; here the oracle for them is a plain
+The wave rules themselves are checked against a reference model in ``test_wave_state.py``
+and exhaustively in ``tests/test_model_check.py``; here the oracle for them is a plain
 :class:`WaveState` fed the inputs the core should pass on, and what is checked is what the
 core adds: the start-up gate, deferral behind READY, bounds checks, the wake-confirmation
 watchdog, publish timing, and the counters.

@@ -467,7 +467,7 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     and SIGTERM follows at once: the
     process exits cleanly with its counters while thousands of connection events are
     being absorbed. (This machine's monitor reader keeps up here even with the bounded
-    monitor pipe; the stall itself is proven in tests/test_trio_zmq.py, where the reader
+    monitor pipe; the stall itself is proven in tests/shell/test_trio_zmq.py, where the reader
     stops.)"""
     count = 500
     with trio.fail_after(6 * GUARD):
@@ -486,7 +486,7 @@ async def test_many_engines_a_paced_gate_log_and_sigterm_right_after_they_all_le
     # The mass disconnect: a few lines each, then summaries (the one held back when the
     # signal came is written on stopping). The signal may come before every disconnect
     # was read, so the lines account for at most every engine, never one twice; that
-    # every held-back one is counted is proven sans-IO (tests/test_pacing.py).
+    # every held-back one is counted is proven sans-IO (tests/core/test_pacing.py).
     stderr = coordinator.stderr
     told = stderr.count("an engine unsubscribed")
     summed = sum(int(n) for n in re.findall(r"(\d+) more engines unsubscribed", stderr))

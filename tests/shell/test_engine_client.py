@@ -277,7 +277,7 @@ async def test_http_frontend_serves_engines_through_the_client() -> None:
 
     from trio_dpcoord.testing import open_child
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "http_frontend.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "http_frontend.py"
     address = f"tcp://127.0.0.1:{free_port()}"
     engines = [_Engine(rank, address) for rank in range(2)]
     with trio.fail_after(120):

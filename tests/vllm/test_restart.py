@@ -1,7 +1,7 @@
 """``TRIO_DPCOORD_VLLM_SUPERVISED=1``: vLLM 0.33.0's own launch code, torch-free, with the
 coordinator process it starts supervising a worker that coordinates (docs/protocol.md §16).
 
-Through the runner of tests/test_vllm_switch.py (vLLM's real ``launch_core_engines``,
+Through the runner of tests/vllm/test_switch.py (vLLM's real ``launch_core_engines``,
 handshake and ``wait_for_completion_or_failure``; the test plays the DP engines and a
 front-end): the worker is killed with SIGKILL under vLLM's own failure monitor, twice,
 and vLLM notices nothing while the engines get READY again, the recovery wake and waves
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.test_vllm_switch import (
+from tests.vllm.test_switch import (
     OURS,
     TIMEOUT,
     Runner,
@@ -35,8 +35,8 @@ from trio_dpcoord.vllm import ENABLE_VARIABLE, SUPERVISE_VARIABLE
 
 # Quarantined from the default run (``-m "not slow"``): it passes alone (6 runs of 6 here)
 # but hung in the full-suite run of 2026-12-06 before its first kill, cause not found yet.
-# Run it with ``pytest -m slow tests/test_restart_vllm.py``; the real-vLLM test of the same
-# supervision (tests/test_restart_vllm_real.py) stays in the default run.
+# Run it with ``pytest -m slow tests/vllm/test_restart.py``; the real-vLLM test of the same
+# supervision (tests/vllm/test_restart_real.py) stays in the default run.
 pytestmark = [pytest.mark.vllm, pytest.mark.trio, pytest.mark.slow]
 
 SERVING = re.compile(r"coordinator worker (?:\(pid |restarted as pid )(\d+)")
@@ -50,7 +50,7 @@ def worker_pid(runner: Runner) -> int:
 
 async def expect_everywhere(engines: list[EnginePeer], *broadcasts: list[bytes]) -> None:
     """Every engine receives ``broadcasts`` next, all read at once (a reconnected XSUB
-    subscribes again only when its socket is used: see tests/test_restart_serve.py)."""
+    subscribes again only when its socket is used: see tests/shell/test_restart_serve.py)."""
 
     async def one(engine: EnginePeer) -> None:
         for frames in broadcasts:

@@ -1,7 +1,7 @@
 """The coordinator's decoder of engine outputs: both paths (msgspec, msgpack-python) say
 exactly what the full decoder says (``decode_engine_core_outputs`` then
 ``classify_output``), the same value or the same ProtocolError message, on every kind of
-frame of ``tests/decoder_contract.py``; its ingest path (``decode_ingest_stats``) gives
+frame of ``tests/protocol/decoder_contract.py``; its ingest path (``decode_ingest_stats``) gives
 the same fields or leaves the frame to them, never anything else."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import msgpack
 import pytest
 from hypothesis import example, given
 
-from tests.decoder_contract import (
+from tests.protocol.decoder_contract import (
     REAL_STATS_FRAME,
     SETTINGS,
     Contract,
@@ -29,7 +29,7 @@ from tests.decoder_contract import (
     without_msgspec,
     write,
 )
-from tests.test_protocol import U64, general_decode
+from tests.protocol.wire import U64, general_decode
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import (
     COORDINATOR_OUTPUT_DECODER,

@@ -1,6 +1,6 @@
 """What the tests of the two fast decoders of engine outputs share (the coordinator's,
-``tests/test_coordinator_decoder.py``, and the engine client's,
-``tests/test_client_decoder.py``): the contract both keep (each path, msgspec and
+``tests/protocol/test_coordinator_decoder.py``, and the engine client's,
+``tests/protocol/test_client_decoder.py``): the contract both keep (each path, msgspec and
 msgpack-python, says exactly what the full decoder says, the same value or the same
 ProtocolError message), the frames they are held to it on (the fuzz corpus, the vLLM
 vectors, every encodable message, arbitrary msgpack, and frames generated to find where a
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from fuzz.fuzz_codec import frames as fuzz_frames
 from tests.conftest import VECTORS_PATH
-from tests.test_protocol import U64, eco_strategy, msgpack_values, pack
+from tests.protocol.wire import U64, eco_strategy, msgpack_values, pack
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import ProtocolError
 

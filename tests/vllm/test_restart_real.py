@@ -136,7 +136,7 @@ async def test_requests_go_on_while_the_coordinator_is_killed(server: VllmServer
         assert waves.ended >= 5, waves
     else:
         # vLLM 0.32 with one API server does not watch its coordinator (with two it shuts
-        # down: tests/test_vllm_real.py): a lone request waits for peers nobody wakes
+        # down: tests/vllm/test_real.py): a lone request waits for peers nobody wakes
         assert [_tokens(r) for r in lone] == [None], context
 
 

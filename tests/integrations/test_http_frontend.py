@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trio_dpcoord.testing import ServeProcess, open_child
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "http_frontend.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "http_frontend.py"
 GUARD = 120.0  # a web server and engine processes on a shared 2-core machine
 
 

@@ -31,6 +31,7 @@ from tests.vllm_real import (
     GREEDY_MAX_TOKENS,
     GREEDY_PROMPTS,
     MOE_CONFIG,
+    REPO_ROOT,
     SERVING_LINE,
     SWITCH_LINE,
     Completion,
@@ -45,7 +46,6 @@ from tests.vllm_real import (
     stream_then_drop,
     write_model,
 )
-from tests.vllm_real._venv import REPO_ROOT
 
 pytestmark = pytest.mark.vllm_real
 
