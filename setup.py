@@ -15,8 +15,12 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-logging.basicConfig(level=logging.INFO, format="trio-dpcoord build: %(message)s")
 logger = logging.getLogger("trio_dpcoord.build")
+logger.setLevel(logging.INFO)
+logger.propagate = False  # our one line, not setuptools' own log
+_handler = logging.StreamHandler()
+_handler.setFormatter(logging.Formatter("trio-dpcoord build: %(levelname)s %(message)s"))
+logger.addHandler(_handler)
 
 KERNEL_SOURCES = {  # as trio_dpcoord/_compiled.py names them (setup.py imports no package)
     "trio_dpcoord.routing._keys_kernel": "trio_dpcoord/routing/_keys_kernel.pyx",
@@ -30,16 +34,20 @@ class OptionalBuildExt(build_ext):
     """build_ext whose failure (no compiler, no headers, a compile error) leaves the
     pure-Python package, with one line saying so."""
 
+    failed: bool = False
+
     def run(self) -> None:
         try:
             super().run()
         except Exception as exc:  # the compiler's errors are of several kinds
-            self._fall_back(exc)
+            if not self.failed:  # (else told already; the copy of what failed fails too)
+                self._fall_back(exc)
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
+            self.failed = True
             self._fall_back(exc, ext.name)
 
     @staticmethod
