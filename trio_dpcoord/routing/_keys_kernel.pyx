@@ -32,20 +32,40 @@ cdef extern from *:
     #define TDC_ROTATE(x) ((x << 13) | (x >> 19))
     #endif
 
+    /* hash(o); an int of one digit (the usual token id) read in place: its hash is its
+       value (below the modulus 2**61 - 1), -1 being -2 as everywhere in Python. */
+    static inline Py_hash_t tdc_hash(PyObject *o) {
+        if (PyLong_CheckExact(o)) {
+    #if PY_VERSION_HEX >= 0x030C0000
+            if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+                Py_ssize_t value = PyUnstable_Long_CompactValue((PyLongObject *)o);
+                return value == -1 ? -2 : value;
+            }
+    #else
+            Py_ssize_t size = Py_SIZE(o);
+            if (size >= -1 && size <= 1) {
+                Py_ssize_t value = size * (Py_ssize_t)((PyLongObject *)o)->ob_digit[0];
+                return value == -1 ? -2 : value;
+            }
+    #endif
+        }
+        return PyObject_Hash(o);
+    }
+
     /* CPython's tuplehash over items[0:count] and then ``extra`` (if not NULL): the
        hash of the tuple (*items[0:count], extra). -1 with an exception set on error. */
     static Py_hash_t tdc_tuple_hash(PyObject **items, Py_ssize_t count, PyObject *extra) {
         Py_uhash_t acc = TDC_PRIME_5;
         Py_ssize_t length = count;
         for (Py_ssize_t i = 0; i < count; i++) {
-            Py_hash_t lane = PyObject_Hash(items[i]);
+            Py_hash_t lane = tdc_hash(items[i]);
             if (lane == -1) return -1;
             acc += (Py_uhash_t)lane * TDC_PRIME_2;
             acc = TDC_ROTATE(acc);
             acc *= TDC_PRIME_1;
         }
         if (extra != NULL) {
-            Py_hash_t lane = PyObject_Hash(extra);
+            Py_hash_t lane = tdc_hash(extra);
             if (lane == -1) return -1;
             acc += (Py_uhash_t)lane * TDC_PRIME_2;
             acc = TDC_ROTATE(acc);
