@@ -103,7 +103,7 @@ FLOORS: dict[str, int] = {
 imports its own room, the rooms of lower floors and the foundations; integrations also
 import each other."""
 
-FOUNDATIONS = frozenset({"_errors", "_lazy", "_reject_log"})
+FOUNDATIONS = frozenset({"_errors", "_lazy", "_reject_log", "_compiled"})
 """Modules anyone may import; they import nothing of the package."""
 
 

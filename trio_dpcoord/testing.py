@@ -53,17 +53,21 @@ from .vllm._routing import routing_state as vllm_routing_state
 from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
 
 __all__ = [
+    "PURE_TWIN_PACKAGE",
     "CoordinatorPumps",
     "CoreInternals",
     "EnginePeer",
+    "HotPath",
     "ServeProcess",
     "VllmPeerRoutes",
+    "compiled_twins",
     "connect_engines",
     "coordinator_ingest_paths",
     "coordinator_pumps",
     "core_internals",
     "expect_broadcast",
     "force_wave_state",
+    "hot_path",
     "inject_coordinator_failure",
     "open_child",
     "open_coordinator_with_engines",
@@ -562,3 +566,81 @@ def coordinator_ingest_paths() -> dict[str, Callable[[bytes], tuple[Any, ...] | 
         "msgpack": _output_decoder.ingest_with_msgpack,
         "msgspec": _output_decoder.ingest_with_msgspec,
     }
+
+
+# --- the compiled twins and their pure-Python spec, side by side ---------------------------
+
+PURE_TWIN_PACKAGE = "trio_dpcoord._pure_twin"
+"""Where :func:`hot_path` loads the pure twin's modules (fresh copies of the sources)."""
+
+_TWIN_MODULES = (
+    "routing._keys",
+    "routing._prefix_index",
+    "routing._prefix_router",
+    "routing._chooser",
+)
+"""The accelerated modules and those that use them, each after those it imports."""
+
+
+class HotPath(NamedTuple):
+    """The prefix policy's hashing and what is built on it, from one build."""
+
+    block_keys: Callable[..., list[int]]
+    chunk_hashes: Callable[..., Any]
+    ChunkKeys: Any
+    PrefixRouter: Any
+    EngineChooser: Any
+
+
+def compiled_twins() -> dict[str, tuple[bool, bool]]:
+    """Each compiled twin's module -> (built here, in use in this process)."""
+    import importlib.util
+
+    from ._compiled import kernels_in_use
+
+    return {
+        name: (importlib.util.find_spec(name) is not None, in_use)
+        for name, in_use in kernels_in_use().items()
+    }
+
+
+def hot_path(pure: bool) -> HotPath:
+    """The package's own names (``pure=False``: the compiled twins' where in use), or the
+    pure-Python twin's (``pure=True``): the modules loaded again from their ``.py`` source
+    under :data:`PURE_TWIN_PACKAGE`, never accelerated, so that a differential test runs
+    both builds in one process. The twin's modules import each other; anything else
+    they import is the package's own (both builds share the value classes)."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    from ._compiled import PURE_TWIN_FLAG
+
+    modules = {name: importlib.import_module(f"trio_dpcoord.{name}") for name in _TWIN_MODULES}
+    if pure:
+        for real in list(sys.modules):  # the package's other modules, under the twin's names
+            inside = real.removeprefix("trio_dpcoord")
+            ours = real.split(".")[0] == "trio_dpcoord" and not real.startswith(PURE_TWIN_PACKAGE)
+            if ours and inside.lstrip(".") not in _TWIN_MODULES:
+                sys.modules.setdefault(PURE_TWIN_PACKAGE + inside, sys.modules[real])
+        root = Path(__file__).parent
+        for name in _TWIN_MODULES:
+            full = f"{PURE_TWIN_PACKAGE}.{name}"
+            twin = sys.modules.get(full)
+            if twin is None or not getattr(twin, PURE_TWIN_FLAG, False):
+                path = root / (name.replace(".", "/") + ".py")
+                spec = importlib.util.spec_from_file_location(full, path)
+                assert spec is not None and spec.loader is not None
+                twin = importlib.util.module_from_spec(spec)
+                setattr(twin, PURE_TWIN_FLAG, True)
+                sys.modules[full] = twin
+                spec.loader.exec_module(twin)
+            modules[name] = twin
+    keys = modules["routing._keys"]
+    return HotPath(
+        keys.block_keys,
+        keys.chunk_hashes,
+        keys.ChunkKeys,
+        modules["routing._prefix_router"].PrefixRouter,
+        modules["routing._chooser"].EngineChooser,
+    )

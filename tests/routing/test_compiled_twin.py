@@ -1,18 +1,18 @@
 """The compiled twin of the prefix policy's hashing against its pure-Python spec.
 
-:mod:`trio_dpcoord.routing._keys` takes ``block_keys`` and ``chunk_hashes`` from its
-compiled twin (``_keys_kernel.pyx``) where it was built. Here the pure modules run beside
-the package's own (loaded from source by :func:`tests._pure_twin.load_pure_twin`): the
-same keys, the same errors, the same chunk cache, and routers built on each give the
-same decisions, index contents, owners and counters over random prompts, loads,
-evictions (small capacities, ages) and KV-event batches (some of them fuzzed bytes).
-With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no compiler at install) both sides are pure and
-this checks the loader and the switch; CI runs it both ways.
+The prefix policy's keys (``routing/_keys.py``) take ``block_keys`` and ``chunk_hashes``
+from their compiled twin (``routing/_keys_kernel.pyx``) where it was built. Here the
+pure modules run beside the package's own (loaded from source by
+:func:`trio_dpcoord.testing.hot_path`): the same keys, the same errors, the same chunk
+cache, and routers built on each give the same decisions, index contents, owners and
+counters over random prompts, loads, evictions (small capacities, ages) and KV-event
+batches (some of them fuzzed bytes). With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
+compiler at install) both sides are pure and this checks the loader and the switch; CI
+runs it both ways.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,8 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests._pure_twin import load_pure_twin
-from trio_dpcoord import EngineLoad, _compiled
+from trio_dpcoord import EngineLoad
 from trio_dpcoord.protocol import (
     AllBlocksCleared,
     BlockRemoved,
@@ -30,18 +29,14 @@ from trio_dpcoord.protocol import (
     EventBatch,
     encode_event_batch,
 )
-from trio_dpcoord.routing import PrefixRouting, _chooser, _keys, _prefix_router
-from trio_dpcoord.routing._keys import Feed
+from trio_dpcoord.routing import PrefixRouting
+from trio_dpcoord.testing import PURE_TWIN_PACKAGE, compiled_twins, hot_path
 
-TWIN = load_pure_twin(
-    ["routing._keys", "routing._prefix_index", "routing._prefix_router", "routing._chooser"]
-)
-PURE_KEYS = TWIN["routing._keys"]
-PURE_ROUTER = TWIN["routing._prefix_router"]
-PURE_CHOOSER = TWIN["routing._chooser"]
-KERNEL = "trio_dpcoord.routing._keys_kernel"
+FAST = hot_path(pure=False)
+PURE = hot_path(pure=True)
 
-REQUIRE_COMPILED_ENV = "TRIO_DPCOORD_REQUIRE_COMPILED"
+PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
+REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
 """CI sets it on the default install: a build that silently fell back fails here."""
 
 
@@ -59,17 +54,15 @@ def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
 def test_the_build_asked_for_runs() -> None:
     """Forced pure: the pure names; else the compiled ones wherever the twin was built
     (and CI's default install must have built it)."""
-    built = importlib.util.find_spec(KERNEL) is not None
-    if os.environ.get(REQUIRE_COMPILED_ENV) and not _compiled.pure_forced():
+    ((built, in_use),) = compiled_twins().values()
+    if REQUIRE_COMPILED and not PURE_PYTHON:
         assert built, "the compiled twin was not built"
-    in_use = _compiled.kernels_in_use()[KERNEL]
-    assert in_use == (built and not _compiled.pure_forced())
-    assert (_keys.block_keys is PURE_KEYS.block_keys) is False  # a copy, never the same
-    compiled_names = {_keys.block_keys.__module__, _keys.chunk_hashes.__module__}
-    assert compiled_names == ({KERNEL} if in_use else {"trio_dpcoord.routing._keys"})
-    assert PURE_KEYS.block_keys.__module__ == "trio_dpcoord._pure_twin.routing._keys"
-    description = _compiled.build_description()
-    assert description.startswith("compiled" if in_use else "pure-Python")
+    assert in_use == (built and not PURE_PYTHON)
+    assert FAST.block_keys is not PURE.block_keys
+    assert FAST.block_keys.__module__.endswith("_kernel") == in_use
+    assert FAST.chunk_hashes.__module__.endswith("_kernel") == in_use
+    assert PURE.block_keys.__module__.startswith(PURE_TWIN_PACKAGE)
+    assert PURE.PrefixRouter.__module__.startswith(PURE_TWIN_PACKAGE)
 
 
 ints = st.one_of(
@@ -91,21 +84,19 @@ tokens_lists = st.lists(ints, max_size=160)
 def test_block_keys_are_the_same(
     tokens: list[int], block_size: int, parent: int, depth: int
 ) -> None:
-    assert outcome(_keys.block_keys, tokens, block_size, parent, depth) == outcome(
-        PURE_KEYS.block_keys, tokens, block_size, parent, depth
+    assert outcome(FAST.block_keys, tokens, block_size, parent, depth) == outcome(
+        PURE.block_keys, tokens, block_size, parent, depth
     )
     as_tuple = tuple(tokens)  # any sequence, not only lists
-    assert outcome(_keys.block_keys, as_tuple, block_size, parent, depth) == outcome(
-        PURE_KEYS.block_keys, as_tuple, block_size, parent, depth
+    assert outcome(FAST.block_keys, as_tuple, block_size, parent, depth) == outcome(
+        PURE.block_keys, as_tuple, block_size, parent, depth
     )
 
 
 @settings(max_examples=300, deadline=None)
 @given(tokens_lists, st.integers(-1, 40))
 def test_chunk_hashes_are_the_same(tokens: list[int], span: int) -> None:
-    assert outcome(_keys.chunk_hashes, tokens, span) == outcome(
-        PURE_KEYS.chunk_hashes, tokens, span
-    )
+    assert outcome(FAST.chunk_hashes, tokens, span) == outcome(PURE.chunk_hashes, tokens, span)
 
 
 @settings(max_examples=100, deadline=None)
@@ -118,14 +109,14 @@ def test_chunk_hashes_are_the_same(tokens: list[int], span: int) -> None:
 )
 def test_other_items_hash_or_fail_alike(items: list[Any], size: int) -> None:
     """Strings and None hash as in a tuple; an unhashable item fails the same way."""
-    assert outcome(_keys.block_keys, items, size) == outcome(PURE_KEYS.block_keys, items, size)
-    assert outcome(_keys.chunk_hashes, items, size) == outcome(PURE_KEYS.chunk_hashes, items, size)
+    assert outcome(FAST.block_keys, items, size) == outcome(PURE.block_keys, items, size)
+    assert outcome(FAST.chunk_hashes, items, size) == outcome(PURE.chunk_hashes, items, size)
 
 
 def test_a_list_shrinking_under_the_chunk_iterator_stops_it() -> None:
     """The iterator reads the list in place: a shorter list ends it (never a stale read)."""
     tokens = list(range(100))
-    fast, pure = _keys.chunk_hashes(tokens, 10), PURE_KEYS.chunk_hashes(tokens[:], 10)
+    fast, pure = FAST.chunk_hashes(tokens, 10), PURE.chunk_hashes(tokens[:], 10)
     assert next(fast) == next(pure)
     del tokens[15:]
     assert list(fast) == []
@@ -152,8 +143,8 @@ def test_the_chunk_cache_gives_and_learns_the_same(
     block_size: int, max_chunks: int, data: st.DataObject
 ) -> None:
     fast, pure = (
-        _keys.ChunkKeys(block_size, max_chunks),
-        PURE_KEYS.ChunkKeys(block_size, max_chunks),
+        FAST.ChunkKeys(block_size, max_chunks),
+        PURE.ChunkKeys(block_size, max_chunks),
     )
     for _ in range(data.draw(st.integers(1, 12))):
         prompt = data.draw(prompts(block_size))
@@ -167,7 +158,7 @@ def test_the_chunk_cache_gives_and_learns_the_same(
                 theirs.extend()
             assert mine.known == theirs.known
         assert list(mine.complete()) == list(theirs.complete())
-        assert list(mine) == PURE_KEYS.block_keys(prompt, block_size)
+        assert list(mine) == PURE.block_keys(prompt, block_size)
         assert fast._chunks == pure._chunks
 
 
@@ -193,13 +184,13 @@ class TwinRouters(RuleBasedStateMachine):
         defer=st.booleans(),
         block_size=st.sampled_from([2, 4]),
     )
-    def start(self, ranks: int, capacity: int, feed: Feed, defer: bool, block_size: int) -> None:
+    def start(self, ranks: int, capacity: int, feed: Any, defer: bool, block_size: int) -> None:
         routing = PrefixRouting(
             block_size=block_size, capacity_blocks=capacity, max_age=5.0, feed=feed
         )
         self.block_size = block_size
-        self.fast = _prefix_router.PrefixRouter(ranks, routing)
-        self.pure = PURE_ROUTER.PrefixRouter(ranks, routing)
+        self.fast = FAST.PrefixRouter(ranks, routing)
+        self.pure = PURE.PrefixRouter(ranks, routing)
         self.fast.defer_store = self.pure.defer_store = defer
         self.seq = [0] * ranks
         self.engine_hashes = [[] for _ in range(ranks)]
@@ -277,8 +268,8 @@ def test_choosers_choose_the_same(
     ranks: int, prompt_list: Sequence[list[int]], data: st.DataObject
 ) -> None:
     """``EngineChooser(routing="prefix")`` on each build: the same engines."""
-    fast = _chooser.EngineChooser(ranks, routing="prefix")
-    pure = PURE_CHOOSER.EngineChooser(ranks, routing="prefix")
+    fast = FAST.EngineChooser(ranks, routing="prefix")
+    pure = PURE.EngineChooser(ranks, routing="prefix")
     for number, prompt in enumerate(prompt_list):
         loads = [
             EngineLoad(
