@@ -74,7 +74,7 @@ ints = st.one_of(
 tokens_lists = st.lists(ints, max_size=160)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     tokens_lists,
     st.integers(-1, 20),
@@ -93,13 +93,13 @@ def test_block_keys_are_the_same(
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tokens_lists, st.integers(-1, 40))
 def test_chunk_hashes_are_the_same(tokens: list[int], span: int) -> None:
     assert outcome(FAST.chunk_hashes, tokens, span) == outcome(PURE.chunk_hashes, tokens, span)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(
         st.one_of(ints, st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=1)),
@@ -262,7 +262,7 @@ TestTwinRouters.settings = settings(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 8), st.lists(prompts(16), min_size=1, max_size=8), st.data())
 def test_choosers_choose_the_same(
     ranks: int, prompt_list: Sequence[list[int]], data: st.DataObject
