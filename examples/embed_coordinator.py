@@ -33,13 +33,13 @@ async def main() -> None:
 
             # A front-end routes a request in one call: the engine (vLLM's score over the
             # live loads), the wave to stamp on it, and the wake of paused engines.
-            route = coordinator.route()
-            print(f"request stamped wave {route.wave} -> engine {route.rank}")
+            route = coordinator.choose()
+            print(f"request stamped wave {route.wave} -> engine {route.engine_index}")
             for engine in engines:
                 print(f"  engine {engine.index} got {await engine.next_broadcast()}")
 
             # Rank 0 reports the end of the wave: the coordinator moves to the next one.
-            coordinator.finished(route.rank)  # the request is done (finished_requests)
+            coordinator.finished(route.engine_index)  # the request is done (finished_requests)
             await engines[0].wave_complete(route.wave)
             await coordinator.wait_for(lambda c: not c.snapshot().engines_running)
             print(f"wave complete: now {coordinator.snapshot()}")

@@ -19,7 +19,9 @@ async def main(engine_count: int, handshake_address: str) -> None:
         for prompt in ([3, 4, 5, 6], [7, 8, 9]):
             async with client.generate(prompt, params) as stream:
                 async for output in stream:
-                    print(f"rank {stream.rank}:", output.new_token_ids, output.finish_reason)
+                    print(
+                        f"rank {stream.engine_index}:", output.new_token_ids, output.finish_reason
+                    )
         print("wave now", client.coordinator.snapshot().current_wave)
 
 

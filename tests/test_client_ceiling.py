@@ -137,7 +137,7 @@ def test_the_breakdown_sorts_stacks_into_the_request_path(tmp_path: Path) -> Non
             ),
             15,
         ),
-        (stack(*TRIO, LOOP, "_Pumps.engine_output_listener (coordinator.py:1)"), 5),
+        (stack(*TRIO, LOOP, "Pumps.engine_output_listener (coordinator.py:1)"), 5),
         ("a line cut short (no count", 0),
     ]
     raw.write_text("".join(f"{s} {n}\n" if n else f"{s}\n" for s, n in lines))
@@ -195,7 +195,7 @@ async def test_the_client_gets_every_token_from_the_stand_in_engines(tmp_path: P
 
                 async def gathered(tokens: int, rank: int | None) -> None:
                     done = await client.complete(
-                        [1, 2, 3], SamplingParams(max_tokens=tokens), rank=rank
+                        [1, 2, 3], SamplingParams(max_tokens=tokens), engine_index=rank
                     )
                     results.append((tokens, done.token_ids, done.finish_reason))
 

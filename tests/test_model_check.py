@@ -57,6 +57,7 @@ from typing import TypeVar
 
 import pytest
 
+from tests.helpers import core_internals
 from trio_dpcoord import protocol
 from trio_dpcoord.core import (
     Broadcast,
@@ -72,12 +73,39 @@ from trio_dpcoord.core import (
     WaveStartCause,
     WaveState,
 )
-from trio_dpcoord.testing import (
-    core_internals,
-    force_wave_state,
-    replace_recovery_rules,
-    replace_wave_rule,
-)
+
+# --- white-box: the mutants' way into a core (private attributes, on purpose) -----------
+
+
+def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
+    """Make ``rule`` ``core``'s wave rule, in place of the :class:`~trio_dpcoord.core.
+    WaveState` it made itself: for a model checker's mutants (a subclass with a known bug
+    the checker must catch). Call it before the core's first input."""
+    core._wave = rule
+
+
+def replace_recovery_rules(core: CoordinatorCore, rules: type[RecoveryRules]) -> None:
+    """Make a recovering ``core`` follow ``rules`` (a subclass of
+    :class:`~trio_dpcoord.core.RecoveryRules` with the same slots, a model checker's mutant
+    with a known bug) from now on; nothing when the core is not recovering."""
+    if core._recovery is not None:
+        core._recovery.__class__ = rules
+
+
+def force_wave_state(
+    rule: WaveState,
+    *,
+    snapshot: WaveSnapshot | None = None,
+    first_request_pending: bool | None = None,
+) -> None:
+    """Overwrite ``rule``'s snapshot and/or pending claim (what is not None), as a broken
+    rule would: the bug of a model checker's mutant. Nothing checks the rule's invariants
+    (the wave may go back)."""
+    if snapshot is not None:
+        rule._snapshot = snapshot
+    if first_request_pending is not None:
+        rule._first_request_pending = first_request_pending
+
 
 # --------------------------------------------------------------------------- the model
 

@@ -26,8 +26,7 @@ from trio_dpcoord.protocol import (
 from trio_dpcoord.routing import PrefixRouter, block_keys
 from trio_dpcoord.sim.routing import FrontEnds, make_policy, run_policy
 from trio_dpcoord.sim.traces import multi_turn_chat
-from trio_dpcoord.testing import VllmPeerRoutes as PeerRoutes
-from trio_dpcoord.testing import vllm_peer_endpoints as peer_endpoints
+from trio_dpcoord.vllm._peers import PeerRoutes, peer_endpoints
 
 KEY = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
@@ -51,7 +50,7 @@ def test_any_bytes_decode_or_raise_the_protocol_error(data: bytes) -> None:
         route = decode_peer_route(data)
     except ProtocolError:
         return
-    assert route.block_size >= 1 and route.rank >= 0  # only a well-formed frame gets here
+    assert route.block_size >= 1 and route.engine_index >= 0  # only a well-formed frame gets here
 
 
 @pytest.mark.parametrize(
@@ -102,7 +101,7 @@ def test_a_front_end_told_every_route_believes_what_the_router_does(
     rng = random.Random(seed)
     for now, prompt in enumerate(_prompts(seed, 30)):
         loads = [float(rng.randrange(200)) for _ in range(ranks)]
-        rank = router.choose(prompt, loads, float(now))
+        rank = router.choose(prompt, loads, float(now)).engine_index
         routed = router.take_routed()
         assert routed == [(rank, block_keys(prompt, 4))]
         for routed_rank, keys in routed:
@@ -157,7 +156,7 @@ def test_the_plugins_sockets_refuse_bad_frames_and_apply_good_ones(
             assert not sides[1].receive(encode_peer_route(0, 4, 5, [1]))  # no engine 5
             routers[0].share_routes = True
             for _ in range(200):  # the SUB connects asynchronously: until one arrives
-                rank = routers[0].choose(prompt, [0.0, 0.0], 0.0)
+                rank = routers[0].choose(prompt, [0.0, 0.0], 0.0).engine_index
                 sides[0].publish(routers[0].take_routed())
                 try:
                     await asyncio.wait_for(sides[1].wait_received(1), 0.05)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ._shell.endpoints import Liveness as Liveness
     from ._shell.endpoints import PrivateIpcDirectory as PrivateIpcDirectory
     from ._shell.engine_client import EngineClient as EngineClient
-    from ._shell.engine_client import open_engine_client as open_engine_client
+    from ._shell.engine_startup import open_engine_client as open_engine_client
     from ._shell.frontend import Frontend as Frontend
     from ._shell.frontend import open_frontend as open_frontend
     from ._shell.monitor import ConnectionMonitor as ConnectionMonitor
@@ -51,9 +51,10 @@ if TYPE_CHECKING:
     from ._shell.request_stream import EngineClientStatistics as EngineClientStatistics
     from ._shell.request_stream import RequestOutput as RequestOutput
     from ._shell.request_stream import RequestStream as RequestStream
+    from ._shell.supervision import RestartStatistics as RestartStatistics
     from ._shell.view import CoordinatorView as CoordinatorView
     from ._shell.view import Route as Route
-    from .core._counters import CoordinatorCounters as CoordinatorCounters
+    from .core._counters import CoordinatorStatistics as CoordinatorStatistics
     from .core._counters import HistogramSnapshot as HistogramSnapshot
     from .core._counters import SubscriptionView as SubscriptionView
     from .core._effects import WaveStartCause as WaveStartCause
@@ -65,9 +66,9 @@ if TYPE_CHECKING:
     from .routing._chooser import ChooserStatistics as ChooserStatistics
     from .routing._chooser import EngineChooser as EngineChooser
     from .routing._chooser import Routing as Routing
+    from .routing._decision import RouteDecision as RouteDecision
+    from .routing._decision import RouterStatistics as RouterStatistics
     from .routing._settings import PrefixRouting as PrefixRouting
-    from .routing._settings import RouteDecision as RouteDecision
-    from .routing._settings import RouterCounters as RouterCounters
 
 __version__ = "0.1.0"
 
@@ -77,8 +78,8 @@ __all__ = [
     "ConnectionMonitor",
     "Coordinator",
     "CoordinatorClosedError",
-    "CoordinatorCounters",
     "CoordinatorError",
+    "CoordinatorStatistics",
     "CoordinatorView",
     "EngineChooser",
     "EngineClient",
@@ -99,9 +100,10 @@ __all__ = [
     "RequestAbortedError",
     "RequestOutput",
     "RequestStream",
+    "RestartStatistics",
     "Route",
     "RouteDecision",
-    "RouterCounters",
+    "RouterStatistics",
     "Routing",
     "SamplingParams",
     "SubscriptionView",
@@ -120,7 +122,7 @@ _EXPORTS: dict[str, str] = {
     "ConnectionMonitor": "._shell.monitor",
     "Coordinator": "._shell.coordinator",
     "CoordinatorClosedError": "._errors",
-    "CoordinatorCounters": ".core._counters",
+    "CoordinatorStatistics": ".core._counters",
     "CoordinatorError": "._errors",
     "CoordinatorView": "._shell.view",
     "EngineChooser": ".routing._chooser",
@@ -142,9 +144,10 @@ _EXPORTS: dict[str, str] = {
     "RequestAbortedError": "._errors",
     "RequestOutput": "._shell.request_stream",
     "RequestStream": "._shell.request_stream",
+    "RestartStatistics": "._shell.supervision",
     "Route": "._shell.view",
-    "RouteDecision": ".routing._settings",
-    "RouterCounters": ".routing._settings",
+    "RouteDecision": ".routing._decision",
+    "RouterStatistics": ".routing._decision",
     "Routing": ".routing._chooser",
     "SamplingParams": ".protocol",
     "SubscriptionView": ".core._counters",
@@ -153,7 +156,7 @@ _EXPORTS: dict[str, str] = {
     "WaveStartCause": ".core._effects",
     "open_connection_monitor": "._shell.monitor",
     "open_coordinator": "._shell.coordinator",
-    "open_engine_client": "._shell.engine_client",
+    "open_engine_client": "._shell.engine_startup",
     "open_frontend": "._shell.frontend",
 }
 

@@ -50,11 +50,12 @@ class EngineStartupError(EngineClientError):
 
 
 class EngineDeadError(EngineClientError):
-    """The engine of DP rank ``rank`` died or went silent: its requests and calls failed."""
+    """The engine ``engine_index`` (its DP rank) died or went silent: its requests and
+    calls failed."""
 
-    def __init__(self, rank: int, reason: str) -> None:
-        super().__init__(f"engine rank {rank} is gone ({reason})")
-        self.rank = rank
+    def __init__(self, engine_index: int, reason: str) -> None:
+        super().__init__(f"engine rank {engine_index} is gone ({reason})")
+        self.engine_index = engine_index
         self.reason = reason
 
 

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Final
 
-__all__ = ["RejectLog"]
+__all__ = ["CountedRejectLog", "RejectLog"]
 
 
 class RejectLog:
@@ -44,3 +44,16 @@ class RejectLog:
             self._last_logged[reason] = now
         else:
             self._suppressed[reason] += 1
+
+
+class CountedRejectLog(RejectLog):
+    """A :class:`RejectLog` that also counts every refusal, by reason (:attr:`counts`),
+    for a room whose statistics report them (the engine client's)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger)
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, reason: str, detail: str, now: float | None = None) -> None:
+        self.counts[reason] += 1
+        super().__call__(reason, detail, now)

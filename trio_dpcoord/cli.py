@@ -31,7 +31,6 @@ import trio
 from ._errors import CoordinatorError
 from ._shell.coordinator import Coordinator, open_coordinator
 from ._shell.endpoints import DEFAULT_LIVENESS, Liveness
-from ._shell.tasks import cancel_at_stdin_eof
 from .core._pacing import ProgressPacer
 
 __all__ = ["cancel_at_stdin_eof", "main"]
@@ -39,6 +38,17 @@ __all__ = ["cancel_at_stdin_eof", "main"]
 logger = logging.getLogger(__name__)
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+async def cancel_at_stdin_eof(scope: trio.CancelScope, logger: logging.Logger) -> None:
+    """Cancel ``scope`` when stdin reaches end of file: the parent holding its other end
+    has gone (even by SIGKILL), so a child process must not outlive it as an orphan."""
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stdin:
+        while await stdin.receive_some(4096):
+            pass
+    logger.info("standard input closed: stopping (the parent is gone)")
+    scope.cancel()
 
 
 class _OneLineParser(argparse.ArgumentParser):

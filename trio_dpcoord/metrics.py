@@ -39,9 +39,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from ._errors import CoordinatorError
 from ._shell.coordinator import Coordinator
 from ._shell.endpoints import check_bind_address
-from ._shell.supervision import RestartCounters
+from ._shell.supervision import RestartStatistics
 from .core._coordinator import (
-    CoordinatorCounters,
+    CoordinatorStatistics,
     HistogramSnapshot,
     SubscriptionView,
     WaveStartCause,
@@ -119,7 +119,7 @@ class CoordinatorCollector(Collector):
         yield from self._engine_load_gauges(coordinator.engine_loads())
         yield from self._restart_counters(coordinator.restarts())
 
-    def _restart_counters(self, restarts: RestartCounters) -> Iterator[Metric]:
+    def _restart_counters(self, restarts: RestartStatistics) -> Iterator[Metric]:
         """Restarts after failures (docs/protocol.md §16): in place, and of the process."""
         yield _labelled(
             CounterMetricFamily(
@@ -137,7 +137,7 @@ class CoordinatorCollector(Collector):
         )
 
     def _state_gauges(
-        self, snapshot: WaveSnapshot, counters: CoordinatorCounters, view: SubscriptionView
+        self, snapshot: WaveSnapshot, counters: CoordinatorStatistics, view: SubscriptionView
     ) -> Iterator[Metric]:
         """The wave, the gate, the subscriptions and the backlog, as they are now."""
         gauges = (
@@ -174,7 +174,7 @@ class CoordinatorCollector(Collector):
             yield GaugeMetricFamily(self._name(suffix), documentation, value=value)
 
     def _event_counters(
-        self, counters: CoordinatorCounters, view: SubscriptionView
+        self, counters: CoordinatorStatistics, view: SubscriptionView
     ) -> Iterator[Metric]:
         """Totals of messages, subscriptions, broadcasts and commands since the start."""
         counts = (
@@ -218,7 +218,7 @@ class CoordinatorCollector(Collector):
         for suffix, documentation, value in counts:
             yield CounterMetricFamily(self._name(suffix), documentation, value=value)
 
-    def _labelled_counters(self, counters: CoordinatorCounters) -> Iterator[Metric]:
+    def _labelled_counters(self, counters: CoordinatorStatistics) -> Iterator[Metric]:
         """Wave starts by cause, rejections by reason, lost connections by socket."""
         name = self._name
         by_cause = dict.fromkeys(_WAVE_START_CAUSES, 0) | dict(counters.wave_starts_by_cause)

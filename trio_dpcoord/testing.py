@@ -13,19 +13,12 @@ yields its endpoints; blocking callers build the same command with :func:`serve_
 and read its first line with :func:`parse_endpoints`. :func:`open_child` does the same
 for any program (the examples).
 
-Test hooks, for what only a test needs inside the package's rooms (none is for real
-code): :func:`core_internals` reads a :class:`~trio_dpcoord.core.CoordinatorCore`'s
-private decision state, :func:`replace_wave_rule` and :func:`force_wave_state` let a
-model checker run mutants of the wave rule, :class:`CoordinatorPumps` and
-:func:`coordinator_pumps` are the coordinator's shell driven by hand, and
-``vllm_routing_setting``, ``vllm_routing_options``, ``vllm_subscribe_endpoint`` and
-``vllm_routing_state`` are the rules and the per-client state of the vLLM plugin's prefix routing,
-``VllmPeerRoutes`` and ``vllm_peer_endpoints`` its API servers' shared routes.
+Only public helpers for testing an application live here; the package's own white-box
+tests import the private modules they test directly.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import signal
@@ -33,59 +26,45 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import trio
 import zmq
 
 from . import protocol
 from ._shell.coordinator import Coordinator, open_coordinator
-from ._shell.coordinator import _Pumps as CoordinatorPumps
 from ._shell.supervision import inject_failure
-from .core import Command, CoordinatorCore, Effect, RecoveryRules, WaveSnapshot, WaveState
-from .routing import PrefixRouter, RankPrefixIndex
 from .trio_zmq import AsyncSocket, curve_client_options, open_context, open_socket
-from .vllm._peers import PeerRoutes as VllmPeerRoutes
-from .vllm._peers import peer_endpoints as vllm_peer_endpoints
-from .vllm._routing import routing_options as vllm_routing_options
-from .vllm._routing import routing_setting as vllm_routing_setting
-from .vllm._routing import routing_state as vllm_routing_state
-from .vllm._routing import subscribe_endpoint as vllm_subscribe_endpoint
 
 __all__ = [
+<<<<<<< HEAD
     "PURE_TWIN_PACKAGE",
     "CoordinatorPumps",
     "CoreInternals",
+=======
+>>>>>>> main
     "EnginePeer",
     "HotPath",
     "ServeProcess",
+<<<<<<< HEAD
     "VllmPeerRoutes",
     "compiled_twins",
+=======
+>>>>>>> main
     "connect_engines",
-    "coordinator_ingest_paths",
-    "coordinator_pumps",
-    "core_internals",
     "expect_broadcast",
+<<<<<<< HEAD
     "force_wave_state",
     "hot_path",
+=======
+>>>>>>> main
     "inject_coordinator_failure",
     "open_child",
     "open_coordinator_with_engines",
     "open_serve",
     "parse_endpoints",
-    "prefix_walk_of_prompt",
-    "prefix_walks",
     "read_lines",
-    "replace_recovery_rules",
-    "replace_wave_rule",
     "serve_command",
-    "store_as_the_router",
-    "use_chain_mode",
-    "vllm_peer_endpoints",
-    "vllm_routing_options",
-    "vllm_routing_setting",
-    "vllm_routing_state",
-    "vllm_subscribe_endpoint",
 ]
 
 _ENDPOINT_KEYS = ("front", "back_pub", "back_out")
@@ -431,6 +410,7 @@ async def open_serve(
         with trio.fail_after(math.inf if ready_timeout is None else ready_timeout):
             serve.endpoints = parse_endpoints(await serve.line(0))
         yield serve
+<<<<<<< HEAD
 
 
 # --------------------------------------------------------------------------- test hooks
@@ -644,3 +624,5 @@ def hot_path(pure: bool) -> HotPath:
         modules["routing._prefix_router"].PrefixRouter,
         modules["routing._chooser"].EngineChooser,
     )
+=======
+>>>>>>> main

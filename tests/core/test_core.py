@@ -20,6 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from tests.helpers import core_internals
 from trio_dpcoord import protocol
 from trio_dpcoord.core import (
     MAX_ENGINES,
@@ -37,7 +38,6 @@ from trio_dpcoord.core import (
     WaveState,
 )
 from trio_dpcoord.protocol import EngineCoreOutputs, EngineLoad, SchedulerStats
-from trio_dpcoord.testing import core_internals
 
 SUB = protocol.SUBSCRIBE
 UNSUB = protocol.UNSUBSCRIBE

@@ -114,12 +114,12 @@ def test_a_bad_engine_index_is_the_callers_mistake() -> None:
     assert fresh().claim_first_request(7) is not None
 
 
-def test_scale_request_is_validated_and_encoded() -> None:
-    frame = FrontendState.scale_request(4)
+def test_resize_is_validated_and_encoded() -> None:
+    frame = FrontendState.resize(4)
     assert protocol.decode_front_message(frame) == protocol.ScaleElasticEP(4)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError):
-            FrontendState.scale_request(bad)  # type: ignore[arg-type]
+            FrontendState.resize(bad)  # type: ignore[arg-type]
 
 
 def test_bad_construction_arguments_are_rejected() -> None:

@@ -290,12 +290,12 @@ async def leave_mid_stream(
     held weakly)."""
     read: list[tuple[int, ...]] = []
     if how == "break":
-        async with client.generate([1], ENDLESS, rank=rank) as stream:
+        async with client.generate([1], ENDLESS, engine_index=rank) as stream:
             record(stream)
             read = await _read(stream, 3)  # and leaves: the caller stopped reading
     elif how == "error":
         with pytest.raises(CallerError):
-            async with client.generate([1], ENDLESS, rank=rank) as stream:
+            async with client.generate([1], ENDLESS, engine_index=rank) as stream:
                 record(stream)
                 read = await _read(stream, 3)
                 raise CallerError
@@ -308,7 +308,7 @@ async def leave_mid_stream(
 
             async def caller(scope: trio.CancelScope) -> None:
                 with scope:
-                    async with client.generate([1], ENDLESS, rank=rank) as stream:
+                    async with client.generate([1], ENDLESS, engine_index=rank) as stream:
                         record(stream)
                         async for output in stream:
                             read.append(output.new_token_ids)
@@ -332,7 +332,7 @@ async def test_a_caller_who_leaves_mid_stream_leaves_nothing_behind(how: str) ->
         async with sim_fleet(2) as (client, engine_log):
             # warm up: a first request on the rank, so that the tasks counted below are
             # the client's steady ones
-            assert (await client.complete([1], params(2), rank=rank)).token_ids == (1, 2)
+            assert (await client.complete([1], params(2), engine_index=rank)).token_ids == (1, 2)
             await client.coordinator.wait_for(lambda c: not c.snapshot().engines_running)
             before = client.statistics()
             tasks_before = all_tasks()
@@ -359,7 +359,7 @@ async def test_a_caller_who_leaves_mid_stream_leaves_nothing_behind(how: str) ->
             assert (after.requests_in_flight, after.streams_open, after.calls_pending) == (0, 0, 0)
             assert after.requests_sent == before.requests_sent + 1
             assert after.requests_aborted == before.requests_aborted + 1
-            assert after.rejected == {} and after.dead_ranks == frozenset()
+            assert after.rejected == {} and after.dead_engines == frozenset()
             assert client.in_flight() == []
             # no task was started for the stream and none is left over
             assert all_tasks() == tasks_before
@@ -368,7 +368,7 @@ async def test_a_caller_who_leaves_mid_stream_leaves_nothing_behind(how: str) ->
             assert [ref() for ref in streams] == [None]
 
             # the engine and the client keep serving: the rank completes a new request
-            again = await client.complete([2], params(4), rank=rank)
+            again = await client.complete([2], params(4), engine_index=rank)
             assert again.token_ids == (1, 2, 3, 4) and again.finish_reason == "length"
             assert engine_log.count(dropped) == 1  # and it aborted nothing else
             assert client.coordinator.statistics().errors == 0
@@ -386,13 +386,13 @@ async def test_cancelled_callers_do_not_disturb_the_others() -> None:
             doomed_scopes = [trio.CancelScope(), trio.CancelScope()]
 
             async def survivor(rank: int) -> None:
-                async with client.generate([rank], params(40), rank=rank) as stream:
+                async with client.generate([rank], params(40), engine_index=rank) as stream:
                     completed[rank] = [output.new_token_ids async for output in stream]
                 assert stream.finish_reason == "length"
 
             async def doomed(rank: int) -> None:
                 with doomed_scopes[rank]:
-                    async with client.generate([rank], ENDLESS, rank=rank) as stream:
+                    async with client.generate([rank], ENDLESS, engine_index=rank) as stream:
                         async for _ in stream:
                             doomed_read[rank].set()
                     pytest.fail("a doomed caller ran past its cancellation")

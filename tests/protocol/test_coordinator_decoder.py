@@ -37,7 +37,12 @@ from trio_dpcoord.protocol import (
     decode_coordinator_output_with_msgpack,
     decode_coordinator_output_with_msgspec,
 )
-from trio_dpcoord.testing import coordinator_ingest_paths
+
+INGEST_PATHS = {
+    "msgpack": protocol.ingest_stats_with_msgpack,
+    "msgspec": protocol.ingest_stats_with_msgspec,
+}
+"""The coordinator's two ingest paths of a stats report."""
 
 
 def _reference(frame: bytes) -> object:
@@ -82,7 +87,7 @@ def assert_ingest_agrees(frame: bytes) -> None:
     exactly when the contract's decoder says STATS, or None (then the decoder judges the
     frame): never other fields, never an exception."""
     expected = COORDINATOR.expected(frame)
-    for name, ingest in coordinator_ingest_paths().items():
+    for name, ingest in INGEST_PATHS.items():
         record = ingest(frame)
         if record is None:
             continue
@@ -111,7 +116,7 @@ def test_the_ingest_path_reads_the_reports_engines_send() -> None:
     wide = write(
         [3, [], {**real_stats(), "step_counter": Wide(17)}, 1.0, None, None, None, None, None]
     )
-    for ingest in coordinator_ingest_paths().values():
+    for ingest in INGEST_PATHS.values():
         assert ingest(REAL_STATS_FRAME) == (2, 3, 12, 0.4375, 5, 17)
         assert ingest(wide) is not None
         for name in ("eco_wave_complete", "eco_start_wave", "eco_normal_output_batch"):

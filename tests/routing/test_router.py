@@ -73,49 +73,49 @@ def test_block_keys_tell_reordered_blocks_apart(block_size: int) -> None:
 def test_approximate_feed_routes_a_repeat_prompt_to_its_rank() -> None:
     router = PrefixRouter(4, PrefixRouting(imbalance_abs=10_000))
     prompt = list(range(256))
-    first = router.choose(prompt, [0, 0, 0, 0], now=0.0)
+    first = router.choose(prompt, [0, 0, 0, 0], 0.0).engine_index
     assert router.cached_tokens(first, prompt, 1.0) == 256
     # Its rank is somewhat busier but the uncached prompt elsewhere would cost more.
     loads = [100.0] * 4
     loads[first] = 150.0
-    assert router.choose(prompt + [7] * 16, loads, now=1.0) == first
+    assert router.choose(prompt + [7] * 16, loads, 1.0).engine_index == first
 
 
 def test_a_request_stays_with_its_prefix_until_the_queue_there_costs_more() -> None:
     router = PrefixRouter(2, PrefixRouting(imbalance_abs=1e9))  # reuse_weight 1
     prompt = list(range(64))
-    first = router.choose(prompt, [0, 0], now=0.0)
+    first = router.choose(prompt, [0, 0], 0.0).engine_index
     loads = [0.0, 0.0]
     # Elsewhere it would compute the 64 tokens again and throw away their affinity (64
     # more): it stays while its rank's queue is less than 128 tokens longer.
     loads[first] = 127.0
-    assert router.choose(prompt, loads, now=1.0) == first
+    assert router.choose(prompt, loads, 1.0).engine_index == first
     loads[first] = 129.0
-    assert router.choose(prompt, loads, now=1.0) == 1 - first
+    assert router.choose(prompt, loads, 1.0).engine_index == 1 - first
     # A new prompt has nothing to keep: the least loaded rank.
     loads[first] = 1.0
-    assert router.choose([5] * 64, loads, now=1.0) == 1 - first
+    assert router.choose([5] * 64, loads, 1.0).engine_index == 1 - first
 
 
 def test_guard_falls_back_to_least_loaded_and_pinned_is_honoured() -> None:
     router = PrefixRouter(3, PrefixRouting(imbalance_abs=100, imbalance_rel=2))
-    assert router.choose([1] * 32, [500, 10, 20], now=0.0) == 1
+    assert router.choose([1] * 32, [500, 10, 20], 0.0).engine_index == 1
     assert router.counters.guard_fallbacks == 1
-    assert router.choose([1] * 32, [0, 0, 0], now=0.0, pinned_rank=2) == 2
+    assert router.observe(2, [1] * 32, 0.0).engine_index == 2
     with pytest.raises(ValueError):
-        router.choose([1] * 32, [0, 0, 0], now=0.0, pinned_rank=3)
+        router.observe(3, [1] * 32, 0.0)
 
 
 def test_ties_rotate() -> None:
     router = PrefixRouter(3, PrefixRouting(feed="exact", provisional_age=0))
-    chosen = {router.choose([i] * 16, [0, 0, 0], now=0.0) for i in range(3)}
+    chosen = {router.choose([i] * 16, [0, 0, 0], 0.0).engine_index for i in range(3)}
     assert chosen == {0, 1, 2}
 
 
 def test_age_limit_forgets() -> None:
     router = PrefixRouter(2, PrefixRouting(max_age=10.0))
     prompt = list(range(32))
-    rank = router.choose(prompt, [0, 0], now=0.0)
+    rank = router.choose(prompt, [0, 0], 0.0).engine_index
     assert router.cached_tokens(rank, prompt, 5.0) == 32
     assert router.cached_tokens(rank, prompt, 20.0) == 0
 
@@ -128,7 +128,7 @@ def test_exact_feed_from_vllm_events() -> None:
     assert router.receive_kv_events(1, 0, batch(stored, child), now=0.0)
     assert router.cached_tokens(1, tokens, 0.0) == 12
     assert router.cached_tokens(0, tokens, 0.0) == 0
-    assert router.choose(tokens, [0, 0], now=0.0) == 1
+    assert router.choose(tokens, [0, 0], 0.0).engine_index == 1
     assert router.cached_tokens(0, tokens, 0.0) == 0  # exact feed learns only from events
     removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": None}
     assert router.receive_kv_events(1, 1, batch(removed), now=0.0)
@@ -144,21 +144,21 @@ def test_exact_feed_believes_a_routed_prompt_until_its_events_are_due() -> None:
     the rank's events, it stays; ``provisional_age=0`` learns from events only."""
     tokens = list(range(12))
     router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4, provisional_age=5.0))
-    rank = router.choose(tokens, [0, 0], now=0.0)
+    rank = router.choose(tokens, [0, 0], 0.0).engine_index
     assert router.cached_tokens(rank, tokens, 1.0) == 12
-    assert router.choose([*tokens, 99], [0, 0], now=1.0) == rank  # the next turn follows
-    router.choose([50] * 8, [0, 0], now=6.0)  # later decisions expire what is due
+    assert router.choose([*tokens, 99], [0, 0], 1.0).engine_index == rank  # the next turn follows
+    router.choose([50] * 8, [0, 0], 6.0)  # later decisions expire what is due
     assert router.cached_tokens(rank, tokens, 6.0) == 0  # unconfirmed: forgotten
 
     router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4, provisional_age=5.0))
-    rank = router.choose(tokens, [0, 0], now=0.0)
+    rank = router.choose(tokens, [0, 0], 0.0).engine_index
     stored = stored_event([11, 12, 13], None, tokens, 4)
     assert router.receive_kv_events(rank, 0, batch(stored), now=2.0)  # confirmed
-    router.choose([50] * 8, [0, 0], now=6.0)
+    router.choose([50] * 8, [0, 0], 6.0)
     assert router.cached_tokens(rank, tokens, 6.0) == 12
 
     router = PrefixRouter(2, PrefixRouting(feed="exact", block_size=4, provisional_age=0))
-    rank = router.choose(tokens, [0, 0], now=0.0)
+    rank = router.choose(tokens, [0, 0], 0.0).engine_index
     assert router.cached_tokens(rank, tokens, 0.0) == 0
     with pytest.raises(ValueError, match="provisional_age"):
         PrefixRouting(provisional_age=-1.0)
@@ -307,14 +307,14 @@ def test_the_choice_is_the_rule_over_every_rank(
     for (family, branch, blocks), rank in learnt:
         pinned = rank % ranks
         tokens = family_prompt(family, branch, blocks)
-        assert router.choose(tokens, [0.0] * ranks, 0.0, pinned_rank=pinned) == pinned
+        assert router.observe(pinned, tokens, 0.0).engine_index == pinned
         assert router.cached_tokens(pinned, tokens, 0.0) == len(tokens)  # approximate feed
     tokens = family_prompt(*prompt)
     loads = queued[:ranks]
     expected = brute_force(router, tokens, loads, start % ranks)
-    decision = router.route(tokens, loads, 0.0)
-    assert 0 <= decision.rank < ranks
-    assert decision.rank == expected
+    decision = router.choose(tokens, loads, 0.0)
+    assert 0 <= decision.engine_index < ranks
+    assert decision.engine_index == expected
     assert not decision.guarded
     assert decision.cached_tokens <= len(tokens)
 
@@ -341,7 +341,7 @@ def test_with_nothing_cached_it_is_the_least_loaded_rank(
         expected = next(
             r for r in [*range(turn % ranks, ranks), *range(turn % ranks)] if queued[r] == low
         )
-        assert router.choose(tokens, queued, 0.0) == expected
+        assert router.choose(tokens, queued, 0.0).engine_index == expected
 
 
 @given(
@@ -357,27 +357,27 @@ def test_the_guard_takes_the_least_loaded_past_both_thresholds(
     router = PrefixRouter(ranks, routing)
     tokens = family_prompt(0, 0, 4)
     busiest = queued.index(max(queued))
-    router.choose(tokens, [0.0] * ranks, 0.0, pinned_rank=busiest)  # affinity to the busiest
+    router.observe(busiest, tokens, 0.0)  # affinity to the busiest
     low, high = min(queued), max(queued)
     imbalanced = high - low > absolute and high > relative * max(low, 1.0)
-    decision = router.route(tokens, queued, 0.0)
+    decision = router.choose(tokens, queued, 0.0)
     assert decision.guarded == imbalanced
     assert router.counters.guard_fallbacks == int(imbalanced)
     if imbalanced:  # the first least loaded from the rotation's start (0: first decision)
-        assert decision.rank == queued.index(low)
+        assert decision.engine_index == queued.index(low)
 
 
 def test_affinity_yields_when_the_queue_costs_more_than_the_prefix() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK, imbalance_abs=1e9, reuse_weight=2))
     history = family_prompt(1, 1, 6)  # 24 tokens
-    assert router.choose(history, [0.0, 0.0, 0.0], 0.0, pinned_rank=2) == 2
+    assert router.observe(2, history, 0.0).engine_index == 2
     turn = [*history, *range(16)]  # 40 tokens, 24 of them cached on rank 2
     # On rank 2: 80 + 16 = 96; elsewhere 10 + 40 + 2 x 24 thrown away = 98: affinity.
-    assert router.choose(turn, [10.0, 10.0, 80.0], 0.0) == 2
+    assert router.choose(turn, [10.0, 10.0, 80.0], 0.0).engine_index == 2
     # Equal costs go to the rank with more cached: 82 + 16 = 98 against 98.
-    assert router.choose([*history, *range(200, 216)], [10.0, 10.0, 82.0], 0.0) == 2
+    assert router.choose([*history, *range(200, 216)], [10.0, 10.0, 82.0], 0.0).engine_index == 2
     # With 84 queued there, 100 > 98: it goes to the least loaded other rank.
-    assert router.choose([*history, *range(100, 116)], [10.0, 12.0, 84.0], 0.0) == 0
+    assert router.choose([*history, *range(100, 116)], [10.0, 12.0, 84.0], 0.0).engine_index == 0
 
 
 def test_front_ends_with_their_own_indexes_agree_on_a_conversations_rank() -> None:
@@ -399,11 +399,11 @@ def test_front_ends_with_their_own_indexes_agree_on_a_conversations_rank() -> No
         servers = [PrefixRouter(4, routing), PrefixRouter(4, routing, start=2)]
         for server in servers:  # both have seen the system prompt on every rank
             for rank in range(4):
-                server.choose(system, [0.0] * 4, 0.0, pinned_rank=rank)
+                server.observe(rank, system, 0.0)
         split = 0
         for number in range(8):
             ranks = [
-                servers[turn % 2].choose(prompt, [0.0] * 4, 0.0)
+                servers[turn % 2].choose(prompt, [0.0] * 4, 0.0).engine_index
                 for turn, prompt in enumerate(conversation(number, 4))
             ]
             split += len(set(ranks)) > 1
@@ -430,23 +430,26 @@ def test_with_rendezvous_home_front_ends_agree_after_one_moved_a_conversation() 
         mover, other = PrefixRouter(4, routing), PrefixRouter(4, routing, start=2)
         for server in (mover, other):  # both saw other conversations after the system prompt
             for number in range(4):
-                server.choose(turns(100 + number)[0], [0.0] * 4, 0.0, pinned_rank=number)
+                server.observe(number, turns(100 + number)[0], 0.0)
         prompts = turns(7)
-        first = mover.choose(prompts[0], [0.0] * 4, 0.0)
+        first = mover.choose(prompts[0], [0.0] * 4, 0.0).engine_index
         busy = [0.0] * 4
         busy[first] = 10_000.0  # far beyond the slack: the second turn moves
-        moved = mover.choose(prompts[1], busy, 0.0)
+        moved = mover.choose(prompts[1], busy, 0.0).engine_index
         assert moved != first
-        later = [other.choose(prompts[2], [0.0] * 4, 0.0), mover.choose(prompts[3], [0.0] * 4, 0.0)]
+        later = [
+            other.choose(prompts[2], [0.0] * 4, 0.0).engine_index,
+            mover.choose(prompts[3], [0.0] * 4, 0.0).engine_index,
+        ]
         assert (later == [first, first]) == agree
         if home:
-            assert other.choose(prompts[0], [0.0] * 4, 0.0) == first  # the same home
+            assert other.choose(prompts[0], [0.0] * 4, 0.0).engine_index == first  # the same home
 
 
 def test_pinned_and_out_of_range_ranks() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
     with pytest.raises(ValueError, match="out of range"):
-        router.choose([1] * 8, [0, 0, 0], 0.0, pinned_rank=-1)
+        router.observe(-1, [1] * 8, 0.0)
     with pytest.raises(ValueError, match="expected 3"):
         router.choose([1] * 8, [0, 0], 0.0)
     assert router.counters.decisions == 0
@@ -455,11 +458,11 @@ def test_pinned_and_out_of_range_ranks() -> None:
 def test_resize_forgets_the_ranks_beyond() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
     tokens = family_prompt(0, 0, 3)
-    router.choose(tokens, [0, 0, 0], 0.0, pinned_rank=2)
+    router.observe(2, tokens, 0.0)
     router.resize(2)
     assert router.stored_blocks == 0
     router.resize(4)
-    assert router.choose(tokens, [5, 5, 5, 0], 0.0) == 3
+    assert router.choose(tokens, [5, 5, 5, 0], 0.0).engine_index == 3
 
 
 @given(seqs=st.lists(st.integers(0, 8), max_size=8))
@@ -516,7 +519,11 @@ class RouterMachine(RuleBasedStateMachine):
         pin=st.none() | st.integers(0, 2),
     )
     def route(self, prompt: tuple[int, int, int], loads: list[float], pin: int | None) -> None:
-        rank = self.router.choose(family_prompt(*prompt), loads, self.now, pinned_rank=pin)
+        if pin is None:
+            decision = self.router.choose(family_prompt(*prompt), loads, self.now)
+        else:
+            decision = self.router.observe(pin, family_prompt(*prompt), self.now)
+        rank = decision.engine_index
         assert 0 <= rank < self.RANKS and (pin is None or rank == pin)
 
     @rule(
@@ -611,7 +618,7 @@ def test_exact_feed_beliefs_push_out_reported_blocks_until_the_events_tell_which
         stored = batch(stored_event([1, 2, 3, 4], None, old, 4))
         assert router.receive_kv_events(0, 0, stored, 0.0)
         assert router.cached_tokens(0, old, 0.0) == 16
-        router.route(new, [0, 0], 1.0, pinned_rank=0)
+        router.observe(0, new, 1.0)
         assert router.cached_tokens(0, new, 1.0) == 8
         assert len(router.indexes[0]) == 4  # never more than the capacity
         assert router.cached_tokens(0, old, 1.0) == 8  # its last 2 blocks pushed out
@@ -628,7 +635,7 @@ def test_exact_feed_beliefs_push_out_reported_blocks_until_the_events_tell_which
     assert len(router.indexes[0].displaced_blocks()) == 0  # nothing left aside
 
     router = full_rank_takes_the_new_prompt()
-    router.route([7] * 4, [0, 0], 7.0, pinned_rank=1)  # a later decision: the belief is due
+    router.observe(1, [7] * 4, 7.0)  # a later decision: the belief is due
     assert router.cached_tokens(0, new, 7.0) == 0
     assert router.cached_tokens(0, old, 7.0) == 16  # pushed out, never evicted: back
 
@@ -750,12 +757,17 @@ def test_with_nothing_cached_the_prefix_chooser_makes_vllms_choice(
 def test_the_unshared_choice_is_taken_only_where_nothing_is_cached() -> None:
     router = PrefixRouter(3, PrefixRouting(block_size=BLOCK))
     held = family_prompt(0, 0, 4)
-    assert router.choose(held, [0.0] * 3, 0.0, pinned_rank=2) == 2
+    assert router.observe(2, held, 0.0).engine_index == 2
     # Nothing of this prompt anywhere: the caller's choice, though rank 0 is idle.
-    assert router.route(family_prompt(1, 0, 4), [0.0, 50.0, 50.0], 0.0, unshared_choice=1).rank == 1
+    assert (
+        router.choose(
+            family_prompt(1, 0, 4), [0.0, 50.0, 50.0], 0.0, unshared_choice=1
+        ).engine_index
+        == 1
+    )
     # A prefix on rank 2: the cost rule, whatever the caller's choice.
-    decision = router.route([*held, 1, 2, 3, 4], [0.0, 0.0, 0.0], 0.0, unshared_choice=0)
-    assert decision.rank == 2 and decision.cached_tokens == len(held)
+    decision = router.choose([*held, 1, 2, 3, 4], [0.0, 0.0, 0.0], 0.0, unshared_choice=0)
+    assert decision.engine_index == 2 and decision.cached_tokens == len(held)
 
 
 def test_the_wired_chooser_learns_its_own_choices_and_pinned_requests() -> None:
@@ -836,4 +848,4 @@ def test_the_wired_chooser_feeds_exact_events_and_follows_a_resize() -> None:
     assert not chooser.receive_kv_events(1, 1, b"\xc1")
     assert chooser.choose(idle(2), tokens, now=0.0) == 1
     assert chooser.choose(idle(3), tokens, now=0.0) == 1  # a third rank joined
-    assert chooser.router is not None and chooser.router.ranks == 3
+    assert chooser.router is not None and chooser.router.engine_count == 3

@@ -12,6 +12,7 @@ optimisations change no routing decision.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -29,12 +30,47 @@ from trio_dpcoord.routing import (
     block_keys,
     vllm_score,
 )
-from trio_dpcoord.testing import (
-    prefix_walk_of_prompt,
-    prefix_walks,
-    store_as_the_router,
-    use_chain_mode,
-)
+
+# --- white-box: the prefix policy's inside (private attributes, on purpose) -----------
+
+
+def prefix_walks(
+    router: PrefixRouter, keys: Sequence[int]
+) -> tuple[list[tuple[int, int]] | None, list[tuple[int, int]]]:
+    """The two ways ``router`` finds which ranks hold how much of ``keys``: its bisecting
+    walk (None unless the indexes are prefix-closed, the approximate feed's case, when
+    it is the one used) and the block-by-block walk. They must agree; read-only."""
+    bisected = router._bisect(keys) if router._closed else None
+    return bisected, router._walk_blocks(keys)
+
+
+def prefix_walk_of_prompt(
+    router: PrefixRouter, token_ids: Sequence[int]
+) -> tuple[list[tuple[int, int]], int]:
+    """The walk :meth:`PrefixRouter.route` makes for ``token_ids`` (with prefix-closed
+    indexes, over the keys its chunk cache knows and the rest on demand), and how many
+    of the prompt's blocks it keyed; read-only (a copy of the router's chunk cache)."""
+    cache = copy.copy(router._keys)
+    cache._chunks = dict(router._keys._chunks)
+    keys = cache.lookup(token_ids) if router._closed else cache(token_ids)
+    groups = router._walk(keys if router._closed else list(keys))
+    return groups, keys.known
+
+
+def use_chain_mode(index: RankPrefixIndex) -> None:
+    """Switch ``index`` to the layout the approximate feed keeps it in (its LRU order in
+    pieces of a chain): for tests that drive an index alone. Before its first store."""
+    index._chain_mode()
+
+
+def store_as_the_router(index: RankPrefixIndex, keys: Sequence[int], held: int, now: float) -> bool:
+    """Store a prompt's ``keys`` as the router does after its walk found ``held`` of them
+    cached (chain mode only; False, storing nothing, in the plain layout)."""
+    if index._held is None:
+        return False
+    index._store_chain(keys, held, now)
+    return True
+
 
 # --- the index: an OrderedDict LRU, one key at a time ------------------------------------
 
@@ -312,7 +348,7 @@ def test_the_walk_is_every_ranks_prefix(
     routing = PrefixRouting(block_size=BLOCK, capacity_blocks=capacity, imbalance_abs=1e12)
     router = PrefixRouter(ranks, routing)
     for tokens, rank in learnt:
-        router.choose([t for t in tokens for _ in range(BLOCK)], [0.0] * ranks, 0.0, rank % ranks)
+        router.observe(rank % ranks, [t for t in tokens for _ in range(BLOCK)], 0.0)
     keys = block_keys([t for t in prompt for _ in range(BLOCK)], BLOCK)
     assert router.prefix_groups(keys) == reference_walk(router, keys)
 
@@ -356,7 +392,10 @@ def test_the_bisecting_walk_is_the_block_walk(
     for tokens, pin, step in steps:
         now += step
         queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
-        router.route(tokens, queued, now, None if pin is None else pin % ranks)
+        if pin is None:
+            router.choose(tokens, queued, now)
+        else:
+            router.observe(pin % ranks, tokens, now)
         for probe in probes:
             keys = block_keys(probe, block)
             bisected, walk = prefix_walks(router, keys)
@@ -375,7 +414,7 @@ def test_the_walk_keys_a_prompt_only_as_far_as_ranks_hold_it() -> None:
     prefix count and stops keying at the chunk where rank 1 stops holding."""
     router = PrefixRouter(3, PrefixRouting(block_size=1, capacity_blocks=1000))
     document = list(range(5 * CHUNK_BLOCKS + 3))
-    router.route(document, [0.0] * 3, 0.0, pinned_rank=1)
+    router.observe(1, document, 0.0)
     for cut in (0, 1, CHUNK_BLOCKS - 1, CHUNK_BLOCKS, 2 * CHUNK_BLOCKS + 5, len(document)):
         prompt = document[:cut] + [10**6] * 40
         groups, keyed = prefix_walk_of_prompt(router, prompt)
@@ -465,8 +504,14 @@ def test_a_deferred_store_changes_no_choice(
         now += step
         queued = [float((len(tokens) * (rank + 3)) % 11) * 50 for rank in range(ranks)]
         pinned = None if pin is None else pin % ranks
-        assert deferred.route(tokens, queued, now, pinned) == at_once.route(
-            tokens, queued, now, pinned
+        assert (
+            deferred.choose(tokens, queued, now)
+            if pinned is None
+            else deferred.observe(pinned, tokens, now)
+        ) == (
+            at_once.choose(tokens, queued, now)
+            if pinned is None
+            else at_once.observe(pinned, tokens, now)
         )
         if settle:
             deferred.settle()

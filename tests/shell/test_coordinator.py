@@ -24,12 +24,11 @@ from trio_dpcoord import (
     open_coordinator,
     protocol,
 )
+from trio_dpcoord._shell.pumps import Pumps
 from trio_dpcoord.core import Broadcast, CoordinatorCore
 from trio_dpcoord.protocol import engine_identity
 from trio_dpcoord.testing import (
-    CoordinatorPumps,
     connect_engines,
-    coordinator_pumps,
     expect_broadcast,
     open_coordinator_with_engines,
 )
@@ -206,7 +205,7 @@ async def test_concurrent_first_requests_coalesce_into_one_broadcast() -> None:
 async def test_route_wakes_paused_engines_once_with_the_current_wave(
     engine_addresses: dict[str, Any],
 ) -> None:
-    """Coordinator.route, one call: the engine vLLM's score picks from the live loads,
+    """Coordinator.choose, one call: the engine vLLM's score picks from the live loads,
     the current wave to stamp, and, the engines being paused, one START_DP_WAVE of that
     wave to the others (the routed engine excluded); while they run, routing sends
     nothing: the next broadcast the engines see is the next wave's wake."""
@@ -217,32 +216,32 @@ async def test_route_wakes_paused_engines_once_with_the_current_wave(
             await engines[0].stats(2, 2, wave=3, step=1)
             await engines[2].stats(1, 3, wave=3, step=1)
             await coordinator.wait_for(lambda c: c.statistics().stats_applied == 2)
-            first = [coordinator.route() for _ in range(4)]  # concurrent requests
+            first = [coordinator.choose() for _ in range(4)]  # concurrent requests
             assert first[0] == Route(1, 3)  # engine 1 reported nothing: the idle one
             assert [route.wave for route in first] == [3, 3, 3, 3]
             assert coordinator.snapshot() == WaveSnapshot(3, True)
             await expect_broadcast(engines, [b"\x02", b"\x92\x03\x01"])
-            while_running = [coordinator.route([5, 6, 7]) for _ in range(3)]
+            while_running = [coordinator.choose([5, 6, 7]) for _ in range(3)]
             assert [route.wave for route in while_running] == [3, 3, 3]
             inflight = coordinator.chooser.statistics().inflight
             assert sum(inflight) == 7
             for route in first + while_running:
-                coordinator.finished(route.rank)
+                coordinator.finished(route.engine_index)
             assert coordinator.chooser.statistics().inflight == (0, 0, 0)
             await engines[0].wave_complete(3)
             await wave_is(coordinator, 4, False)
-            last = coordinator.route()
+            last = coordinator.choose()
             assert last.wave == 4
             # the wave-4 wake is the next broadcast: nothing went out while they ran
-            await expect_broadcast(engines, [b"\x02", msgpack.packb([4, last.rank])])
+            await expect_broadcast(engines, [b"\x02", msgpack.packb([4, last.engine_index])])
             stats = coordinator.statistics()
             assert (stats.wave_starts, stats.commands) == (2, 2)
         with pytest.raises(CoordinatorClosedError):
-            coordinator.route()
+            coordinator.choose()
 
 
 async def test_route_with_the_prefix_policy_follows_the_cached_history() -> None:
-    """``open_coordinator(routing="prefix")``: route() sends a conversation's next turn
+    """``open_coordinator(routing="prefix")``: choose() sends a conversation's next turn
     where its history went, and a pinned request observed there draws its follow-up."""
     with pytest.raises(ValueError, match='need routing="prefix"'):
         async with open_coordinator(2, prefix_routing=PrefixRouting()):
@@ -252,12 +251,12 @@ async def test_route_with_the_prefix_policy_follows_the_cached_history() -> None
         async with open_coordinator_with_engines(
             2, routing="prefix", prefix_routing=PrefixRouting(block_size=16)
         ) as (coordinator, _):
-            first = coordinator.route(history)
-            assert coordinator.route([*history, 99, 100]).rank == first.rank
-            pinned = 1 - first.rank
+            first = coordinator.choose(history)
+            assert coordinator.choose([*history, 99, 100]).engine_index == first.engine_index
+            pinned = 1 - first.engine_index
             other = list(range(1000, 1064))
             assert coordinator.observe(pinned, other)
-            assert coordinator.route([*other, 7]).rank == pinned
+            assert coordinator.choose([*other, 7]).engine_index == pinned
             router = coordinator.chooser.statistics().router
             assert router is not None and router.decisions == 4
 
@@ -432,7 +431,7 @@ async def test_a_failing_task_surfaces_as_coordinator_error() -> None:
     with trio.fail_after(GUARD), pytest.raises(CoordinatorError, match="task failed") as info:
         async with open_coordinator_with_engines(1, restart=False) as (coordinator, _engines):
             # break an invariant of our own: an empty frame list for the broadcaster
-            coordinator_pumps(coordinator).outgoing.send_nowait([Broadcast([], None, 0.0)])
+            coordinator._pumps.outgoing.send_nowait([Broadcast([], None, 0.0)])
             await trio.sleep_forever()
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
 
@@ -521,7 +520,7 @@ async def test_a_due_timed_publish_waits_for_the_publishes_decided_before_it(
     sender is not waiting, with the timed publish already due (the clock is frozen).
     """
     core = CoordinatorCore(2, publish_to_front_ends=True)
-    pumps = CoordinatorPumps(core)
+    pumps = Pumps(core)
     now = trio.current_time()
     with pumps.lock:
         for _ in range(2):

@@ -151,17 +151,19 @@ async def test_requests_stream_utility_calls_and_aborts() -> None:
         async with _fleet(2) as (client, engines):
             assert sorted(client.ready_responses) == [0, 1]
             done = [await client.complete([1, 2], SamplingParams(max_tokens=3)) for _ in range(4)]
-            assert {d.rank for d in done} == {0, 1}
+            assert {d.engine_index for d in done} == {0, 1}
             for d in done:
-                assert d.token_ids == (d.rank + 10,) * 3 and d.finish_reason == "length"
-            pinned = await client.complete([1], SamplingParams(max_tokens=2), rank=1)
-            assert pinned.rank == 1
-            assert await client.call_utility("echo", 1, "a", rank=1) == [1, "a"]
+                assert d.token_ids == (d.engine_index + 10,) * 3 and d.finish_reason == "length"
+            pinned = await client.complete([1], SamplingParams(max_tokens=2), engine_index=1)
+            assert pinned.engine_index == 1
+            assert await client.call_utility("echo", 1, "a", engine_index=1) == [1, "a"]
             assert await client.call_utility_all("echo") == [[], []]
             with pytest.raises(UtilityCallError, match="no method nope"):
                 await client.call_utility("nope")
             # a stream left early is aborted on its engine
-            async with client.generate([5], SamplingParams(max_tokens=1000), rank=0) as stream:
+            async with client.generate(
+                [5], SamplingParams(max_tokens=1000), engine_index=0
+            ) as stream:
                 async for _ in stream:
                     break
             assert client.in_flight() == []
@@ -173,10 +175,10 @@ async def test_requests_stream_utility_calls_and_aborts() -> None:
                     if not output.finished:
                         await client.abort(stream.request_id)
             assert stream.finish_reason == "abort"
-            await engines[stream.rank or 0].wait_aborted(stream.request_id)
+            await engines[stream.engine_index or 0].wait_aborted(stream.request_id)
             # a reader that falls behind is aborted, not buffered without end
             async with client.generate([5], SamplingParams(max_tokens=1000), buffer=2) as slow:
-                await engines[slow.rank or 0].wait_aborted(slow.request_id)
+                await engines[slow.engine_index or 0].wait_aborted(slow.request_id)
                 with pytest.raises(RequestAbortedError, match="fell 2 outputs behind"):
                     async for _ in slow:
                         pass
@@ -192,10 +194,12 @@ async def test_prefix_routing_sends_a_conversation_back_to_its_rank() -> None:
             params = SamplingParams(max_tokens=2)
             first = await client.complete(history, params)
             turns = [await client.complete([*history, *range(n)], params) for n in (16, 32)]
-            assert {t.rank for t in turns} == {first.rank}
-            pinned = await client.complete(list(range(900, 964)), params, rank=1 - first.rank)
+            assert {t.engine_index for t in turns} == {first.engine_index}
+            pinned = await client.complete(
+                list(range(900, 964)), params, engine_index=1 - first.engine_index
+            )
             again = await client.complete([*range(900, 964), 7], params)
-            assert again.rank == pinned.rank == 1 - first.rank
+            assert again.engine_index == pinned.engine_index == 1 - first.engine_index
             counters = client.chooser.statistics().router
             assert counters is not None and counters.decisions == 5
             assert counters.cached_tokens == 64 + 80 + 0 + 64
@@ -206,8 +210,8 @@ async def test_a_dead_engine_fails_only_its_own_work() -> None:
     with trio.fail_after(TIMEOUT):
         async with _fleet(2) as (client, engines):
             async with (
-                client.generate([1], SamplingParams(max_tokens=10**6), rank=1) as doomed,
-                client.generate([1], SamplingParams(max_tokens=50), rank=0) as survivor,
+                client.generate([1], SamplingParams(max_tokens=10**6), engine_index=1) as doomed,
+                client.generate([1], SamplingParams(max_tokens=50), engine_index=0) as survivor,
             ):
                 async for _ in doomed:
                     break
@@ -215,12 +219,12 @@ async def test_a_dead_engine_fails_only_its_own_work() -> None:
                 with pytest.raises(EngineDeadError) as failure:
                     async for _ in doomed:
                         pass
-                assert failure.value.rank == 1
+                assert failure.value.engine_index == 1
                 assert [len(o.new_token_ids) async for o in survivor] == [1] * 50
-            assert client.statistics().dead_ranks == {1}
-            assert (await client.complete([2], SamplingParams(max_tokens=2))).rank == 0
+            assert client.statistics().dead_engines == {1}
+            assert (await client.complete([2], SamplingParams(max_tokens=2))).engine_index == 0
             with pytest.raises(EngineDeadError, match="rank 1"):
-                await client.call_utility("echo", rank=1)
+                await client.call_utility("echo", engine_index=1)
 
 
 @pytest.mark.trio
@@ -229,8 +233,8 @@ async def test_a_silent_engine_is_taken_as_dead() -> None:
         async with _fleet(2, silence_timeout=1.0) as (client, engines):
             engines[0].stalled = True
             with pytest.raises(EngineDeadError, match=r"engine rank 0 is gone \(silent"):
-                await client.complete([1], SamplingParams(max_tokens=5), rank=0)
-            assert (await client.complete([1], SamplingParams(max_tokens=2))).rank == 1
+                await client.complete([1], SamplingParams(max_tokens=5), engine_index=0)
+            assert (await client.complete([1], SamplingParams(max_tokens=2))).engine_index == 1
 
 
 @pytest.mark.trio
@@ -239,13 +243,15 @@ async def test_an_engine_idle_longer_than_the_silence_timeout_is_not_taken_as_de
     gets its clock restarted by its next request (and by a utility call)."""
     with trio.fail_after(TIMEOUT):
         async with _fleet(2, silence_timeout=1.0) as (client, _):
-            assert (await client.complete([1], SamplingParams(max_tokens=2), rank=0)).rank == 0
+            assert (
+                await client.complete([1], SamplingParams(max_tokens=2), engine_index=0)
+            ).engine_index == 0
             await trio.sleep(1.5)  # idle: nothing in flight, nothing heard
-            again = await client.complete([1], SamplingParams(max_tokens=2), rank=0)
+            again = await client.complete([1], SamplingParams(max_tokens=2), engine_index=0)
             assert again.finish_reason == "length"
             await trio.sleep(1.5)
-            assert await client.call_utility("echo", 7, rank=0) == [7]
-            assert client.statistics().dead_ranks == frozenset()
+            assert await client.call_utility("echo", 7, engine_index=0) == [7]
+            assert client.statistics().dead_engines == frozenset()
 
 
 @pytest.mark.trio
@@ -316,8 +322,10 @@ async def test_a_pinned_request_leaves_the_chosen_requests_counts_alone() -> Non
         async with _fleet(2) as (client, _):
             async with client.generate([1], SamplingParams(max_tokens=10**6)) as chosen:
                 await chosen.__anext__()
-                assert client.chooser.statistics().inflight[chosen.rank] == 1
-                pinned = await client.complete([2], SamplingParams(max_tokens=2), rank=chosen.rank)
+                assert client.chooser.statistics().inflight[chosen.engine_index] == 1
+                pinned = await client.complete(
+                    [2], SamplingParams(max_tokens=2), engine_index=chosen.engine_index
+                )
                 assert pinned.finish_reason == "length"
-                assert client.chooser.statistics().inflight[chosen.rank] == 1
+                assert client.chooser.statistics().inflight[chosen.engine_index] == 1
             assert client.chooser.statistics().inflight == (0, 0)

@@ -159,17 +159,17 @@ async def test_scale_resizes_the_coordinator_table() -> None:
     with trio.fail_after(GUARD):
         async with frontend_with_engines(3) as (coordinator, engines, frontend):
             await frontend.wait_for(lambda f: f.engine_count == 3)
-            frontend.scale(2)
+            frontend.resize(2)
             await coordinator.wait_for(lambda c: c.engine_count == 2)
             await engines[0].stats(1, 2, 0.25, wave=0, step=1)
             await frontend.wait_for(lambda f: f.engine_loads() == ((1, 2, 0.25), (0, 0, 0.0)))
-            frontend.scale(4)
+            frontend.resize(4)
             await coordinator.wait_for(lambda c: c.engine_count == 4)
             await engines[1].stats(0, 5, 0.5, wave=0, step=2)
             grown = ((1, 2, 0.25), (0, 5, 0.5), (0, 0, 0.0), (0, 0, 0.0))
             await frontend.wait_for(lambda f: f.engine_loads() == grown)
             with pytest.raises(ValueError):
-                frontend.scale(0)
+                frontend.resize(0)
             assert coordinator.statistics().commands == 2
 
 
@@ -223,7 +223,7 @@ async def test_a_bad_publish_is_counted_and_the_next_one_applied() -> None:
                     assert frontend.snapshot() == WaveSnapshot(8, False)
                     assert frontend.engine_loads() == ((1, 2, 0.5),)
                     # and commands reach the coordinator's side of the socket verbatim
-                    frontend.scale(3)
+                    frontend.resize(3)
                     assert await xpub.recv() == protocol.encode_scale_elastic_ep(3)
                     frontend.notify_first_request(0)
                     assert await xpub.recv() == b"\x92\x00\x08"
@@ -255,7 +255,7 @@ async def test_closed_frontend_refuses_commands_and_waits() -> None:
         pass
     assert isinstance(frontend, Frontend)
     with pytest.raises(CoordinatorClosedError):
-        frontend.scale(2)
+        frontend.resize(2)
     with pytest.raises(CoordinatorClosedError):
         await frontend.wait_for(lambda f: f.statistics().publishes_received > 0)
 

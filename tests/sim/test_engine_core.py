@@ -93,13 +93,13 @@ async def test_bursts_stream_tokens_and_waves_advance(engines: int) -> None:
                     # the simulated engine's n-th token of a request is n
                     assert completion.token_ids == tuple(range(1, max_tokens + 1))
                     assert completion.finish_reason == "length"
-                assert {c.rank for _, c in done} == set(range(engines)), burst
+                assert {c.engine_index for _, c in done} == set(range(engines)), burst
                 # the idle gap: the engines end the wave, the coordinator sees it
                 waves = await wave_ends(client, waves)
                 assert client.coordinator.snapshot().current_wave == waves
             assert waves >= 3
             # a stream delivers one token per step, in order, the last with its reason
-            async with client.generate([1], params(5), rank=engines - 1) as stream:
+            async with client.generate([1], params(5), engine_index=engines - 1) as stream:
                 outputs = [o async for o in stream]
             assert [o.new_token_ids for o in outputs] == [(1,), (2,), (3,), (4,), (5,)]
             assert [o.finish_reason for o in outputs] == [None] * 4 + ["length"]
@@ -112,7 +112,7 @@ async def test_abort_utility_calls_and_pause() -> None:
         async with sim_fleet(3) as (client, _):
             # abort by id mid-stream: the stream ends at once; the engine drops the
             # request, so the wave can end (a request left running would hold it open)
-            async with client.generate([1], params(10**6), rank=2) as stream:
+            async with client.generate([1], params(10**6), engine_index=2) as stream:
                 first = await read(stream, 2)
                 await client.abort(stream.request_id)
                 rest = [o async for o in stream]
@@ -127,14 +127,14 @@ async def test_abort_utility_calls_and_pause() -> None:
 
             # utility calls, answered as vLLM answers them
             assert await client.call_utility_all("is_scheduler_paused") == [False] * 3
-            assert await client.call_utility("get_weight_version", rank=1) == "default"
+            assert await client.call_utility("get_weight_version", engine_index=1) == "default"
             with pytest.raises(UtilityCallError, match="no method 'reset_everything'"):
-                await client.call_utility("reset_everything", rank=0)
+                await client.call_utility("reset_everything", engine_index=0)
 
             # pause "keep": requests wait, unserved, until the resume
             await client.pause_scheduler("keep")
             assert await client.call_utility_all("is_scheduler_paused") == [True] * 3
-            async with client.generate([1], params(3), rank=0) as held:
+            async with client.generate([1], params(3), engine_index=0) as held:
                 with trio.move_on_after(0.5):
                     early = await read(held, 1)
                     pytest.fail(f"a paused engine stepped: {early}")
@@ -145,7 +145,7 @@ async def test_abort_utility_calls_and_pause() -> None:
             waves = await wave_ends(client, waves)
 
             # pause "abort": what is in flight ends aborted, from the engine
-            async with client.generate([1], params(10**6), rank=1) as doomed:
+            async with client.generate([1], params(10**6), engine_index=1) as doomed:
                 await read(doomed, 1)
                 await client.pause_scheduler("abort")
                 reasons = [o.finish_reason async for o in doomed]
@@ -168,8 +168,8 @@ async def test_a_killed_engine_fails_its_requests_with_the_named_error() -> None
     with trio.fail_after(GUARD):
         async with sim_fleet(2, exited, collective_timeout=2.0) as (client, fleet):
             async with (
-                client.generate([1], params(10**6), rank=1) as doomed,
-                client.generate([1], params(10**6), rank=0) as peer,
+                client.generate([1], params(10**6), engine_index=1) as doomed,
+                client.generate([1], params(10**6), engine_index=0) as peer,
             ):
                 await read(doomed, 1)
                 await read(peer, 1)
@@ -177,14 +177,14 @@ async def test_a_killed_engine_fails_its_requests_with_the_named_error() -> None
                 with pytest.raises(EngineDeadError) as killed:
                     async for _ in doomed:
                         pass
-                assert killed.value.rank == 1
+                assert killed.value.engine_index == 1
                 # rank 0 steps in lock-step with the dead rank: its collective times
                 # out, it says ENGINE_CORE_DEAD and exits; its request fails, no hang
                 with pytest.raises(EngineDeadError) as broken:
                     async for _ in peer:
                         pass
-                assert broken.value.rank == 0
-            assert client.statistics().dead_ranks == {0, 1}
+                assert broken.value.engine_index == 0
+            assert client.statistics().dead_engines == {0, 1}
             with pytest.raises(EngineDeadError, match="every engine is gone"):
                 await client.complete([1], params(2))
             await both_exited.wait()  # the launcher saw both processes go, and how

@@ -80,7 +80,7 @@ async def _bursts(client: EngineClient) -> dict[tuple[int, ...], tuple[int, ...]
                 done = await client.complete(prompt, GREEDY)
                 assert done.finish_reason == "length"
                 assert len(done.token_ids) == GREEDY.max_tokens
-                ranks.add(done.rank)
+                ranks.add(done.engine_index)
                 key = tuple(prompt)
                 assert seen.setdefault(key, done.token_ids) == done.token_ids
                 seen[key] = done.token_ids
@@ -111,15 +111,15 @@ async def test_engine_client_drives_real_engines(
 
             # a utility call on every rank, results matched to calls
             assert await client.call_utility_all("is_sleeping") == [False, False]
-            assert await client.call_utility("is_scheduler_paused", rank=1) is False
+            assert await client.call_utility("is_scheduler_paused", engine_index=1) is False
 
             tokens = await _bursts(client)
             # what vllm serve must give too (tests/vllm_real/test_engine_client_vs_serve.py)
             greedy_completions.record("engine-client", tokens)
 
             # pinned: the same prompt on each rank gives the same tokens (same seed, weights)
-            pinned = [await client.complete(PROMPTS[0], GREEDY, rank=r) for r in (0, 1)]
-            assert [p.rank for p in pinned] == [0, 1]
+            pinned = [await client.complete(PROMPTS[0], GREEDY, engine_index=r) for r in (0, 1)]
+            assert [p.engine_index for p in pinned] == [0, 1]
             assert pinned[0].token_ids == pinned[1].token_ids == tokens[tuple(PROMPTS[0])]
 
             # abandoned mid-stream: leaving the block aborts it on the engine
@@ -142,7 +142,7 @@ async def test_engine_client_drives_real_engines(
             await _wait_idle(client)
 
             # an engine killed: its request fails naming rank 1
-            async with client.generate(PROMPTS[3], LONG, rank=1) as doomed:
+            async with client.generate(PROMPTS[3], LONG, engine_index=1) as doomed:
                 async for _ in doomed:
                     break
                 engine = next(
@@ -156,11 +156,11 @@ async def test_engine_client_drives_real_engines(
                     async for _ in doomed:
                         pass
             assert isinstance(failure.value, EngineDeadError), failure.value
-            assert failure.value.rank == 1
-            assert 1 in client.statistics().dead_ranks
+            assert failure.value.engine_index == 1
+            assert 1 in client.statistics().dead_engines
             with pytest.raises(EngineDeadError):
-                await client.call_utility("is_sleeping", rank=1)
-            assert client.in_flight(1) == []
+                await client.call_utility("is_sleeping", engine_index=1)
+            assert client.in_flight(engine_index=1) == []
         # clean shutdown: nothing in flight, nothing pending, the handshake port free
         assert client.in_flight() == [] and client.statistics().calls_pending == 0
         with socket.socket() as probe:

@@ -111,9 +111,9 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
 
             # utility calls, results matched to their calls, vLLM's failure message
             assert await client.call_utility_all("is_sleeping") == [False, False]
-            assert await client.call_utility("is_scheduler_paused", rank=1) is False
+            assert await client.call_utility("is_scheduler_paused", engine_index=1) is False
             with pytest.raises(UtilityCallError, match="no_such_method"):
-                await client.call_utility("no_such_method", rank=0)
+                await client.call_utility("no_such_method", engine_index=0)
             first_wave = await _wait_paused(client)
 
             # requests streamed to completion on both ranks: token n at step n
@@ -121,7 +121,7 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
                 done = await client.complete([1, 2, 3], SamplingParams(max_tokens=max_tokens))
                 assert done.finish_reason == "length"
                 assert done.token_ids == tuple(range(1, max_tokens + 1))
-                results.append((done.rank, done.token_ids))
+                results.append((done.engine_index, done.token_ids))
 
             waves = [first_wave]
             for burst in range(2):
@@ -144,7 +144,9 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
             real_snapshot = client.coordinator.snapshot
             client.coordinator.snapshot = lambda: WaveSnapshot(0, True)  # type: ignore[method-assign]
             try:
-                async with client.generate([4], SamplingParams(max_tokens=4), rank=0) as stale:
+                async with client.generate(
+                    [4], SamplingParams(max_tokens=4), engine_index=0
+                ) as stale:
                     client.coordinator.snapshot = real_snapshot  # type: ignore[method-assign]
                     assert [t async for o in stale for t in o.new_token_ids] == [1, 2, 3, 4]
             finally:
@@ -154,25 +156,29 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
             assert counters.wave_starts_by_cause.get("engine_start_wave", 0) > engine_starts
 
             # an abort mid-stream: the stream ends with "abort", the engine drops it
-            async with client.generate([5], LONG, rank=1) as stream:
+            async with client.generate([5], LONG, engine_index=1) as stream:
                 assert len(await _take(stream, 3)) >= 3
                 await client.abort(stream.request_id)
                 rest = [output async for output in stream]
             assert rest[-1].finish_reason == "abort" and stream.finish_reason == "abort"
             # ... and a stream left mid-way is aborted on its engine the same way
-            async with client.generate([6], LONG, rank=0) as stream:
+            async with client.generate([6], LONG, engine_index=0) as stream:
                 await _take(stream, 2)
             await _wait_paused(client)  # both long requests are gone from the engines
 
             # pause_scheduler("keep") mid-stream: a request sent while paused waits in
             # the queue; resume_scheduler (vLLM's DP barrier) and both run to the end, the
             # first one's tokens neither lost nor repeated
-            async with client.generate([7], SamplingParams(max_tokens=30), rank=0) as running:
+            async with client.generate(
+                [7], SamplingParams(max_tokens=30), engine_index=0
+            ) as running:
                 before = await _take(running, 2)
                 await client.pause_scheduler(mode="keep")
                 assert await client.call_utility_all("is_scheduler_paused") == [True, True]
-                async with client.generate([8], SamplingParams(max_tokens=5), rank=1) as queued:
-                    assert await client.call_utility("is_scheduler_paused", rank=1) is True
+                async with client.generate(
+                    [8], SamplingParams(max_tokens=5), engine_index=1
+                ) as queued:
+                    assert await client.call_utility("is_scheduler_paused", engine_index=1) is True
                     await client.resume_scheduler()
                     assert await client.call_utility_all("is_scheduler_paused") == [False, False]
                     after = [t async for output in running for t in output.new_token_ids]
@@ -183,11 +189,11 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
             # pause_generation("abort") (0.33.0): the running request ends with "abort",
             # a request sent while paused is refused with finish reason "error", and after
             # the resume requests run again
-            async with client.generate([9], LONG, rank=1) as doomed:
+            async with client.generate([9], LONG, engine_index=1) as doomed:
                 await _take(doomed, 1)
                 await client.pause_generation(mode="abort")
                 assert [o.finish_reason async for o in doomed][-1] == "abort"
-            refused = await client.complete([10], SamplingParams(max_tokens=3), rank=0)
+            refused = await client.complete([10], SamplingParams(max_tokens=3), engine_index=0)
             assert refused.finish_reason == "error" and refused.token_ids == ()
             await client.resume_scheduler()
             again = await client.complete([11], SamplingParams(max_tokens=3))
@@ -200,7 +206,7 @@ async def test_the_client_drives_vllm_033_engines(cluster_root: Path, tmp_path: 
                 0,
                 0,
             )
-            assert stats.dead_ranks == frozenset()
+            assert stats.dead_engines == frozenset()
             assert client.coordinator.statistics().errors == 0
             assert stats.rejected == {}
 
@@ -237,8 +243,8 @@ async def test_a_killed_engine_fails_the_requests_naming_the_rank(
             _,
         ):
             async with (
-                client.generate([1], LONG, rank=0) as survivor,
-                client.generate([2], LONG, rank=1) as doomed,
+                client.generate([1], LONG, engine_index=0) as survivor,
+                client.generate([2], LONG, engine_index=1) as doomed,
             ):
                 await _take(doomed, 1)
                 await _take(survivor, 1)
@@ -246,13 +252,13 @@ async def test_a_killed_engine_fails_the_requests_naming_the_rank(
                 with pytest.raises(EngineDeadError) as killed:
                     async for _ in doomed:
                         pass
-                assert killed.value.rank == 1
+                assert killed.value.engine_index == 1
                 assert "rank 1" in str(killed.value)
                 with pytest.raises(EngineDeadError) as stuck:
                     async for _ in survivor:
                         pass
-                assert stuck.value.rank == 0
-            assert client.statistics().dead_ranks == {0, 1}
+                assert stuck.value.engine_index == 0
+            assert client.statistics().dead_engines == {0, 1}
             with pytest.raises(EngineDeadError, match="every engine is gone"):
                 await client.complete([3])
             stats = client.statistics()

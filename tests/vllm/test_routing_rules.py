@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 
 from trio_dpcoord.routing import vllm_score
-from trio_dpcoord.testing import vllm_routing_options as routing_options
-from trio_dpcoord.testing import vllm_routing_setting as routing_setting
-from trio_dpcoord.testing import vllm_subscribe_endpoint as subscribe_endpoint
+from trio_dpcoord.vllm._routing import routing_options, routing_setting, subscribe_endpoint
 
 
 @pytest.mark.parametrize(

@@ -22,24 +22,20 @@ import logging
 import sys
 import time
 import uuid
-from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from typing import Any, final
 
 import trio
-import zmq
 
 from .._errors import (
     EngineClientClosedError,
     EngineClientError,
     EngineDeadError,
     RequestAbortedError,
-    UtilityCallError,
 )
-from .._reject_log import RejectLog
-from ..core._engine_client import HandshakeState, RequestState, RequestTable, SilenceWatch
+from .._reject_log import CountedRejectLog
+from ..core._engine_client import RequestState, RequestTable, SilenceWatch
 from ..protocol import (
     FINISH_REASONS,
     EngineDead,
@@ -47,62 +43,30 @@ from ..protocol import (
     ProtocolError,
     SamplingParams,
     decode_client_frames,
-    decode_utility_output,
     encode_abort,
     encode_add,
     encode_utility,
     engine_identity,
 )
-from ..routing._chooser import EngineChooser, Routing
-from ..routing._settings import PrefixRouting
-from ..trio_zmq import open_context, open_socket
-from .coordinator import Coordinator, open_coordinator
-from .endpoints import DEFAULT_LIVENESS, Liveness, check_bind_address
-from .engine_io import Outbox, run_client_tasks
-from .engine_startup import (
-    bind_client_sockets,
-    handshake_metadata,
-    tcp_host,
-    wait_for_engines,
-)
+from ..routing._chooser import EngineChooser
+from .coordinator import Coordinator
+from .engine_io import Outbox
 from .request_stream import (
     Completion,
     EngineClientStatistics,
     RequestStream,
 )
+from .utility_calls import UtilityCalls
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["EngineClient", "open_engine_client"]
+__all__ = ["EngineClient"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STARTUP_TIMEOUT = 600.0
-"""vLLM's own default (``VLLM_ENGINE_READY_TIMEOUT_S``): loading weights takes a while."""
 _UNAVAILABLE = EngineLoad(waiting=2**62, running=0, kv_cache_usage=1.0)
 """The load a dead rank is given so that the chooser never picks it."""
-
-
-class _CountedRejectLog(RejectLog):
-    """The rejects log that also counts, by reason (for :meth:`EngineClient.statistics`)."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        super().__init__(logger)
-        self.counts: Counter[str] = Counter()
-
-    def __call__(self, reason: str, detail: str, now: float | None = None) -> None:
-        self.counts[reason] += 1
-        super().__call__(reason, detail, now)
-
-
-@dataclass
-class _PendingCall:
-    rank: int
-    method: str
-    done: trio.Event
-    result: Any = None
-    error: BaseException | None = None
 
 
 @final
@@ -132,12 +96,12 @@ class EngineClient:
         self._uncounted: set[str] = set()
         """Pinned requests the chooser does not count in flight (vLLM's routing): their
         end must not release a chosen request's count."""
-        self._calls: dict[int, _PendingCall] = {}
+        self._calls = UtilityCalls(self._table)
         self._chooser = chooser if chooser is not None else EngineChooser(engine_count)
         self._closed = False
         self._request_id_prefix = f"trio-{uuid.uuid4().hex[:12]}-"
         self._requests_made = 0
-        self._reject = _CountedRejectLog(logger)
+        self._reject = CountedRejectLog(logger)
         self._silence = SilenceWatch(silence_timeout) if silence_timeout is not None else None
         self._work_sent = trio.Event()
         self._requests_sent = 0
@@ -173,9 +137,9 @@ class EngineClient:
         self._shutdown_expected = True
         self._coordinator.expect_shutdown()
 
-    def in_flight(self, rank: int | None = None) -> list[str]:
-        """Request ids in flight (on ``rank`` only, if given)."""
-        return self._table.in_flight(rank)
+    def in_flight(self, engine_index: int | None = None) -> list[str]:
+        """Request ids in flight (on ``engine_index`` only, if given)."""
+        return self._table.in_flight(engine_index)
 
     def statistics(self) -> EngineClientStatistics:
         """The client's bookkeeping now, a frozen copy (as trio's ``statistics()``
@@ -185,7 +149,7 @@ class EngineClient:
             requests_in_flight=len(self._table.in_flight()),
             streams_open=len(self._streams),
             calls_pending=len(self._calls),
-            dead_ranks=frozenset(self._table.dead),
+            dead_engines=frozenset(self._table.dead),
             requests_sent=self._requests_sent,
             requests_aborted=self._requests_aborted,
             rejected=dict(self._reject.counts),
@@ -197,18 +161,20 @@ class EngineClient:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        rank: int | None = None,
+        engine_index: int | None = None,
         priority: int = 0,
         buffer: int = 1024,
     ) -> RequestStream:
         """A request for ``prompt_token_ids``; enter the returned stream to send it.
 
-        ``rank`` pins the request to that DP rank (vLLM's ``data_parallel_rank``);
+        ``engine_index`` pins the request to that engine (vLLM's ``data_parallel_rank``);
         otherwise the chooser picks the engine from the coordinator's live loads.
         ``buffer``: how many outputs may wait unread before the request is aborted.
         """
-        if rank is not None and not 0 <= rank < self._engine_count:
-            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
+        if engine_index is not None and not 0 <= engine_index < self._engine_count:
+            raise ValueError(
+                f"engine_index must be in [0, {self._engine_count}), got {engine_index}"
+            )
         if buffer < 1:
             raise ValueError("buffer must be at least 1")
         if request_id is None:
@@ -219,7 +185,7 @@ class EngineClient:
             request_id,
             prompt_token_ids,
             params or SamplingParams(),
-            rank,
+            engine_index,
             priority,
             buffer,
         )
@@ -229,17 +195,19 @@ class EngineClient:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         *,
-        rank: int | None = None,
+        engine_index: int | None = None,
     ) -> Completion:
         """Send one request and wait for all of it (its token ids are gathered as they
         come, without waking the caller before the end)."""
-        stream = self.generate(prompt_token_ids, params, rank=rank)
+        stream = self.generate(prompt_token_ids, params, engine_index=engine_index)
         tokens: list[int] = []
         stream._collected = tokens
         async with stream:
             await stream._until_ended()
-        assert stream.finish_reason is not None and stream.rank is not None
-        return Completion(stream.request_id, tuple(tokens), stream.finish_reason, stream.rank)
+        assert stream.finish_reason is not None and stream.engine_index is not None
+        return Completion(
+            stream.request_id, tuple(tokens), stream.finish_reason, stream.engine_index
+        )
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in flight: its stream ends at once with a last output of
@@ -256,27 +224,25 @@ class EngineClient:
         if stream is not None and not stream._push((), "abort"):
             stream._fail(RequestAbortedError(f"request {request_id} aborted"))
 
-    async def call_utility(self, method: str, *args: Any, rank: int = 0) -> Any:
-        """Call ``EngineCore.<method>(*args)`` on ``rank`` and return its result.
+    async def call_utility(self, method: str, *args: Any, engine_index: int = 0) -> Any:
+        """Call ``EngineCore.<method>(*args)`` on ``engine_index`` and return its result.
 
         :class:`UtilityCallError` with vLLM's message if the call failed there;
         :class:`EngineDeadError` if the engine goes first. Results are decoded msgpack
         (vLLM sends typed results only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
         self._check_usable()
+        rank = engine_index
         if not 0 <= rank < self._engine_count:
-            raise ValueError(f"rank must be in [0, {self._engine_count}), got {rank}")
+            raise ValueError(f"engine_index must be in [0, {self._engine_count}), got {rank}")
         if rank in self._table.dead:
             raise EngineDeadError(rank, "taken as dead earlier")
         self._work_for(rank)
-        call_id = self._table.new_call(rank)
-        call = _PendingCall(rank, method, trio.Event())
-        self._calls[call_id] = call
+        call_id, call = self._calls.start(rank, method)
         try:
             self._queue(rank, encode_utility(self._client_index, call_id, method, args))
             await call.done.wait()
         finally:
-            if self._calls.pop(call_id, None) is not None:
-                self._table.complete_call(call_id)
+            self._calls.end(call_id)
         if call.error is not None:
             raise call.error
         return call.result
@@ -287,7 +253,7 @@ class EngineClient:
         results: dict[int, Any] = {}
 
         async def one(rank: int) -> None:
-            results[rank] = await self.call_utility(method, *args, rank=rank)
+            results[rank] = await self.call_utility(method, *args, engine_index=rank)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -336,7 +302,7 @@ class EngineClient:
 
     def _busy_ranks(self) -> set[int]:
         """Ranks with requests or utility calls in flight."""
-        return set(self._table.busy_ranks()) | {call.rank for call in self._calls.values()}
+        return set(self._table.busy_ranks()) | self._calls.ranks()
 
     def _work_for(self, rank: int) -> None:
         """Work (a request, a call) is about to be recorded and sent to ``rank``: a rank
@@ -345,9 +311,7 @@ class EngineClient:
         silence = self._silence
         if silence is None:
             return
-        idle = not self._table.is_busy(rank) and all(
-            call.rank != rank for call in self._calls.values()
-        )
+        idle = not self._table.is_busy(rank) and rank not in self._calls.ranks()
         silence.sent(rank, trio.current_time(), idle)
         if idle:
             self._work_sent.set()
@@ -388,7 +352,7 @@ class EngineClient:
             rank = self._choose(stream._prompt)
         self._work_for(rank)
         self._table.add(stream.request_id, rank)
-        stream.rank = rank
+        stream.engine_index = rank
         self._streams[stream.request_id] = stream
         snapshot = self._coordinator.snapshot()
         self._queue(
@@ -485,21 +449,9 @@ class EngineClient:
             self._chooser.finished(rank)
 
     def _receive_utility(self, rank: int, raw: object) -> None:
-        try:
-            answer = decode_utility_output(raw)
-        except ProtocolError as exc:
-            self._reject("utility_output", f"rank {rank}: {exc}")
-            return
-        call = self._calls.pop(answer.call_id, None)
-        if call is None:
-            self._reject("utility_output", f"rank {rank}: no call {answer.call_id} pending")
-            return
-        self._table.complete_call(answer.call_id)
-        if answer.failure is not None:
-            call.error = UtilityCallError(f"{call.method} failed on rank {rank}: {answer.failure}")
-        else:
-            call.result = answer.result
-        call.done.set()
+        refused = self._calls.answer(rank, raw)
+        if refused is not None:
+            self._reject("utility_output", refused)
 
     def _rank_dead(self, rank: int, reason: str) -> None:
         if rank in self._table.dead:
@@ -518,11 +470,7 @@ class EngineClient:
             self._chooser_finished(request_id, rank)
             if stream is not None:
                 stream._fail(EngineDeadError(rank, reason))
-        for call_id in calls:
-            call = self._calls.pop(call_id, None)
-            if call is not None:
-                call.error = EngineDeadError(rank, reason)
-                call.done.set()
+        self._calls.fail(calls, lambda call: EngineDeadError(rank, reason))
 
     async def _watch_silence(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -550,102 +498,7 @@ class EngineClient:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream._fail(RequestAbortedError(f"request {request_id}: the client closed"))
-        for call_id, call in list(self._calls.items()):
-            self._table.complete_call(call_id)
-            call.error = EngineClientClosedError(f"{call.method}: the client closed")
-            call.done.set()
-        self._calls.clear()
+        self._calls.fail_all(
+            lambda call: EngineClientClosedError(f"{call.method}: the client closed")
+        )
         self._outbox.close()
-
-
-@asynccontextmanager
-async def open_engine_client(
-    engine_count: int,
-    handshake_address: str,
-    *,
-    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
-    parallel_config: Mapping[str, Any] | None = None,
-    client_index: int = 0,
-    allow_remote: bool = False,
-    liveness: Liveness = DEFAULT_LIVENESS,
-    wave_coordination: bool = True,
-    silence_timeout: float | None = 120.0,
-    routing: Routing = "vllm",
-    prefix_routing: PrefixRouting | None = None,
-) -> AsyncIterator[EngineClient]:
-    """Serve ``engine_count`` DP engine cores that connect to ``handshake_address``.
-
-    ``handshake_address`` is ``tcp://HOST:PORT``, what the engines were given as
-    ``--data-parallel-address HOST --data-parallel-rpc-port PORT``; the request input,
-    the per-rank output sockets and the coordinator's engine sockets are bound on the
-    same host, on free ports (``allow_remote`` for a host other than loopback: the
-    traffic is unauthenticated, as vLLM's). Each HELLO is answered with vLLM's
-    ``EngineHandshakeMetadata``: those addresses, no front-end stats address (the
-    coordinator is in this process), and ``parallel_config`` (vLLM's DP master keys,
-    ``data_parallel_master_ip`` ...; empty by default, so engines launched together keep
-    the ports their launcher chose for them).
-
-    Yields the :class:`EngineClient` once every rank said READY and sent its ready
-    response; :class:`EngineStartupError` naming the missing ranks after
-    ``startup_timeout`` seconds. Leaving the block fails whatever is in flight with
-    :class:`RequestAbortedError` and closes every socket and task; the engines
-    themselves keep running (they belong to whoever started them). A failure of the
-    client's own tasks comes out as :class:`EngineClientError`.
-
-    A rank is taken as dead (its requests and calls fail with :class:`EngineDeadError`
-    naming it; it is chosen no more) when it sends ``ENGINE_CORE_DEAD``, when its output
-    connection closes or its heartbeats stop (``liveness``), or when it says nothing for
-    ``silence_timeout`` seconds while work waits on it (None: never; a paused scheduler
-    holding requests is silent too, so keep it well above the longest pause).
-
-    ``routing``: how requests without a pinned rank are placed, ``"vllm"`` (vLLM
-    0.33.0's score, the default) or ``"prefix"`` (prefix-cache affinity weighed against
-    the busiest rank, settings in ``prefix_routing``; pinned requests are learnt too).
-    """
-    if engine_count < 1:
-        raise ValueError("engine_count must be at least 1")
-    chooser = EngineChooser(engine_count, routing=routing, prefix_routing=prefix_routing)
-    host = tcp_host(handshake_address)
-    check_bind_address(handshake_address, allow_remote=allow_remote)
-    free = f"tcp://{host}:0"
-    tcp_options = liveness.for_address(free).socket_options()
-    async with AsyncExitStack() as stack:
-        context = await stack.enter_async_context(open_context())
-        sockets = await bind_client_sockets(stack, context, engine_count, free, tcp_options)
-        coordinator = await stack.enter_async_context(
-            _embedded_coordinator(engine_count, free, allow_remote, liveness, wave_coordination)
-        )
-        state = HandshakeState(
-            range(engine_count), handshake_metadata(sockets, coordinator, parallel_config)
-        )
-        async with open_socket(
-            context, zmq.ROUTER, bind=handshake_address, options=tcp_options
-        ) as handshake:
-            await wait_for_engines(state, handshake, sockets.input, client_index, startup_timeout)
-        client = EngineClient(
-            coordinator,
-            engine_count,
-            dict(state.ready_responses),
-            Outbox(sockets.input),
-            client_index,
-            silence_timeout,
-            chooser,
-        )
-        async with run_client_tasks(client, sockets):
-            yield client
-
-
-def _embedded_coordinator(
-    engine_count: int, free: str, allow_remote: bool, liveness: Liveness, waves: bool
-) -> AbstractAsyncContextManager[Coordinator]:
-    """The client's own coordinator: its two engine sockets on free ports of ``free``'s
-    host; no READY timeout of its own (the handshake's ``startup_timeout`` rules)."""
-    return open_coordinator(
-        engine_count,
-        back_publish_address=free,
-        back_output_address=free,
-        ready_timeout=None,
-        allow_remote=allow_remote,
-        liveness=liveness,
-        wave_coordination=waves,
-    )

@@ -1,5 +1,6 @@
-"""The engine client's sockets at work: the request input (:class:`Outbox`) and, per rank,
-the output listener and the connection watcher (:func:`run_client_tasks`).
+"""The engine client's sockets (:class:`ClientSockets`) at work: the request input
+(:class:`Outbox`) and, per rank, the output listener and the connection watcher
+(:func:`run_client_tasks`).
 
 The client (:mod:`.engine_client`) decides; these only move bytes. The request path is
 the per-request cost of the whole client, so it takes no hop it does not need: a request
@@ -14,6 +15,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
@@ -21,12 +23,21 @@ import zmq
 
 from .._errors import EngineClientError
 from ..trio_zmq import AsyncSocket, parse_monitor_event
-from .engine_startup import ClientSockets
 from .tasks import open_task_nursery
 
-__all__ = ["Outbox", "run_client_tasks"]
+__all__ = ["ClientSockets", "Outbox", "run_client_tasks"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSockets:
+    """The request input (ROUTER) and, per rank, its output (PULL), the PULL's
+    disconnection monitor and the address the rank connects to."""
+
+    input: AsyncSocket
+    input_address: str
+    outputs: list[tuple[AsyncSocket, AsyncSocket, str]]
 
 
 class Outbox:

@@ -178,10 +178,10 @@ class Frontend:
 
     # --- commands to the coordinator -------------------------------------------------
 
-    def scale(self, engine_count: int) -> None:
+    def resize(self, engine_count: int) -> None:
         """Elastic EP: ask the coordinator to resize its load table (``SCALE_ELASTIC_EP``)."""
-        self._queue(FrontendState.scale_request(engine_count))
-        logger.info("asking the coordinator to scale to %d engines", engine_count)
+        self._queue(FrontendState.resize(engine_count))
+        logger.info("asking the coordinator to resize to %d engines", engine_count)
 
     def notify_first_request(self, engine_index: int) -> None:
         """A request is being routed to ``engine_index``: wake the engines if they sleep.

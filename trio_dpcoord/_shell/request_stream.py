@@ -52,7 +52,7 @@ class Completion:
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str
-    rank: int
+    engine_index: int
 
 
 _new = object.__new__
@@ -98,7 +98,7 @@ class RequestStream:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        rank: int | None,
+        engine_index: int | None,
         priority: int,
         buffer: int,
     ) -> None:
@@ -106,10 +106,10 @@ class RequestStream:
         self.request_id = request_id
         self._prompt = list(prompt_token_ids)
         self._params = params
-        self._pinned = rank
+        self._pinned = engine_index
         self._priority = priority
-        self.rank: int | None = None
-        """The DP rank the request went to (set once entered)."""
+        self.engine_index: int | None = None
+        """The engine (DP rank) the request went to (set once entered)."""
         self._buffer: deque[RequestOutput] = deque()
         self._capacity = buffer
         self._reader: trio.lowlevel.Task | None = None
@@ -233,7 +233,7 @@ class EngineClientStatistics:
     """Request streams the client still delivers outputs to."""
     calls_pending: int
     """Utility calls sent and not answered yet."""
-    dead_ranks: frozenset[int]
+    dead_engines: frozenset[int]
     requests_sent: int
     requests_aborted: int
     rejected: dict[str, int]

@@ -14,7 +14,7 @@ is dropped (the recovery wake covers it); what the pumps had read and not yet ap
 applied by the new core, but the message being handled when the failure came, which may
 be its cause.
 
-Each restart is counted (:class:`RestartCounters`, ``Coordinator.restarts()``) and told
+Each restart is counted (:class:`RestartStatistics`, ``Coordinator.restarts()``) and told
 in one INFO line: how long the engines were without a coordinator and what was rebuilt;
 the failure itself is logged at ERROR with its traceback. More than ``max_restarts``
 failures within :data:`RESTART_WINDOW` seconds is a crash loop: the service stops with
@@ -41,7 +41,7 @@ from ..core import Broadcast, CoordinatorCore, Effect, Recovery
 
 
 class Restartable(Protocol):
-    """What a restart needs of the coordinator's pumps (``coordinator._Pumps``): a
+    """What a restart needs of the coordinator's pumps (``pumps.Pumps``): a
     protocol, so that this module and the coordinator's do not import each other."""
 
     core: CoordinatorCore
@@ -62,8 +62,8 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 __all__ = [
     "RESTART_WINDOW",
-    "RestartCounters",
     "RestartLog",
+    "RestartStatistics",
     "WaveFile",
     "inject_failure",
     "recovery_from",
@@ -78,7 +78,7 @@ RESTART_WINDOW: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
-class RestartCounters:
+class RestartStatistics:
     """How often the coordinator was restarted after a failure, and what it cost."""
 
     restarts: int
@@ -95,7 +95,7 @@ class RestartCounters:
 
 
 class RestartLog:
-    """The restarts so far and the crash-loop budget (what :class:`RestartCounters` copies)."""
+    """The restarts so far and the crash-loop budget (what :class:`RestartStatistics` copies)."""
 
     def __init__(self, max_restarts: int) -> None:
         if type(max_restarts) is not int or max_restarts < 0:
@@ -124,8 +124,8 @@ class RestartLog:
         self._last_failure = failure
         self._last_restart_at = up_at
 
-    def counters(self) -> RestartCounters:
-        return RestartCounters(
+    def counters(self) -> RestartStatistics:
+        return RestartStatistics(
             self._restarts,
             self._down,
             self._last_failure,

@@ -9,8 +9,6 @@ internals), cancellation passes through.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,7 +18,7 @@ import trio
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["cancel_at_stdin_eof", "open_task_nursery"]
+__all__ = ["open_task_nursery"]
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -60,14 +58,3 @@ async def open_task_nursery(
     if body_error is not None:
         # The block's own exception, unwrapped from the nursery's group.
         raise body_error
-
-
-async def cancel_at_stdin_eof(scope: trio.CancelScope, logger: logging.Logger) -> None:
-    """Cancel ``scope`` when stdin reaches end of file: the parent holding its other end
-    has gone (even by SIGKILL), so a child process must not outlive it as an orphan."""
-    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    async with stdin:
-        while await stdin.receive_some(4096):
-            pass
-    logger.info("standard input closed: stopping (the parent is gone)")
-    scope.cancel()

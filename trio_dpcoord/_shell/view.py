@@ -1,5 +1,5 @@
 """What both handles offer a front-end that routes requests: one typing Protocol, and the
-:class:`Route` of :meth:`~trio_dpcoord.Coordinator.route`."""
+:class:`Route` of :meth:`~trio_dpcoord.Coordinator.choose`."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ __all__ = ["CoordinatorView", "Route"]
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where one request goes (:meth:`~trio_dpcoord.Coordinator.route`): the engine
-    ``rank`` to send it to, and the ``wave`` to stamp on it (vLLM's ``current_wave``)."""
+    """Where one request goes (:meth:`~trio_dpcoord.Coordinator.choose`): the engine
+    ``engine_index`` to send it to, and the ``wave`` to stamp on it (vLLM's
+    ``current_wave``)."""
 
-    rank: int
+    engine_index: int
     wave: int
 
 

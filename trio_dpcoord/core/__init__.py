@@ -33,7 +33,7 @@ Outputs: *effects*, in the order they must be carried out
 Reads (methods, like trio's ``statistics()``)
     :meth:`CoordinatorCore.snapshot` (a :class:`WaveSnapshot`),
     :meth:`CoordinatorCore.subscriptions` (a :class:`SubscriptionView`),
-    :meth:`CoordinatorCore.counters` (a :class:`CoordinatorCounters`, with its
+    :meth:`CoordinatorCore.counters` (a :class:`CoordinatorStatistics`, with its
     :class:`HistogramSnapshot` of wake latency; the keys of ``wave_starts_by_cause`` are
     :class:`WaveStartCause` values).
 
@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from ._backlog import BacklogNews, IngestBacklog
 from ._coordinator import CoordinatorCore
-from ._counters import CoordinatorCounters, HistogramSnapshot, SubscriptionView
+from ._counters import CoordinatorStatistics, HistogramSnapshot, SubscriptionView
 from ._effects import (
     MAX_ENGINES,
     MAX_WAVE,
@@ -97,7 +97,7 @@ __all__ = [
     "BurstSummary",
     "Command",
     "CoordinatorCore",
-    "CoordinatorCounters",
+    "CoordinatorStatistics",
     "Effect",
     "FirstRequest",
     "FrontendState",

@@ -58,7 +58,15 @@ class BacklogNews(NamedTuple):
 class IngestBacklog:
     """The engine-output socket's backlog, from the batches the listener reads."""
 
-    __slots__ = ("_coalesced", "_last_warned", "_since", "warn_after", "warn_every")
+    __slots__ = (
+        "_coalesced",
+        "_coalesced_total",
+        "_last_warned",
+        "_since",
+        "behind_at_last_read",
+        "warn_after",
+        "warn_every",
+    )
 
     def __init__(self, warn_after: float = 2.0, warn_every: float = 30.0) -> None:
         if not (warn_after > 0 and warn_every > 0):
@@ -69,10 +77,24 @@ class IngestBacklog:
         """When the queue was last seen empty, while it has not been since (else None)."""
         self._last_warned = -math.inf
         self._coalesced = 0
+        self._coalesced_total = 0
+        self.behind_at_last_read = 0.0
+        """:meth:`behind_for` as of the last :meth:`listener_read`."""
 
     def behind_for(self, now: float) -> float:
         """Seconds since the queue was last emptied (0 when the last batch emptied it)."""
         return 0.0 if self._since is None else max(0.0, now - self._since)
+
+    def listener_read(
+        self, *, drained: bool, coalesced_total: int, now: float
+    ) -> BacklogNews | None:
+        """:meth:`batch_read` from the running total of coalesced load reports (the
+        core's count), remembering how far behind the listener was."""
+        coalesced = coalesced_total - self._coalesced_total
+        self._coalesced_total = coalesced_total
+        news = self.batch_read(drained=drained, coalesced=coalesced, now=now)
+        self.behind_at_last_read = self.behind_for(now)
+        return news
 
     def batch_read(self, *, drained: bool, coalesced: int, now: float) -> BacklogNews | None:
         """The listener read a batch at ``now``; ``drained``: the queue was empty as it

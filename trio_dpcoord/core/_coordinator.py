@@ -8,18 +8,19 @@ reads one socket, calls the core under the coordinator's lock and hands each eff
 the one task that owns where it goes. The names that go in and come out, and who owns
 each effect, are documented in the public :mod:`trio_dpcoord.core`.
 
-The rules it owns (docs/protocol.md §5 and §13): the start-up gate and READY, late
-subscriptions, the wave state machine with vLLM PR #46833's rule, the wave-coordination
-mode, the load table and its lock-step snapshot, every bounds check on what peers send,
-the wake-confirmation rule (a first-request start no engine confirms goes back to
-paused), publish timing, and the counters. Everything the core returns before the gate
-opens waits inside it and comes out behind READY, in the order it was decided.
+The rules it owns (docs/protocol.md §5 and §13): the start-up gate and READY (what waits
+behind it: ``_gate.py``), late subscriptions (their counts and log lines:
+``_subscriptions.py``), the wave state machine with vLLM PR #46833's rule, the
+wave-coordination mode, the load table and its lock-step snapshot, every bounds check on
+what peers send, the wake-confirmation rule (a first-request start no engine confirms
+goes back to paused; its deadlines: ``_wake.py``), publish timing, and the counters.
+Everything the core returns before the gate opens waits inside it and comes out behind
+READY, in the order it was decided.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Final, final
 
@@ -28,7 +29,7 @@ from ..protocol import EngineLoad
 from ..protocol._output_decoder import decode_coordinator_output
 from ._backlog import IngestBacklog
 from ._counters import (
-    CoordinatorCounters,
+    CoordinatorStatistics,
     HistogramSnapshot,
     SubscriptionView,
     Tally,
@@ -44,9 +45,11 @@ from ._effects import (
     ScaleRequest,
     WaveStartCause,
 )
+from ._gate import StartupGate
 from ._ingest import HeldStats, log_out_of_order
-from ._pacing import BurstSummary
 from ._recovery import Recovery, RecoveryRules
+from ._subscriptions import Subscriptions
+from ._wake import WakeDeadlines
 from ._wave import (
     HEARTBEAT_INTERVAL,
     FirstRequest,
@@ -65,7 +68,7 @@ __all__ = [
     "Broadcast",
     "Command",
     "CoordinatorCore",
-    "CoordinatorCounters",
+    "CoordinatorStatistics",
     "Effect",
     "HistogramSnapshot",
     "Publish",
@@ -89,7 +92,6 @@ _NOT_FOR_COORDINATOR: Final = {
     if kind not in (_STATS, _WAVE_COMPLETE, _START_WAVE)
 }
 _READY_FRAMES: Final = [protocol.READY]
-_BROADCAST_SOCKET: Final = "back_publish"
 
 
 @final
@@ -116,30 +118,16 @@ class CoordinatorCore:
 
     __slots__ = (
         "_backlog",
-        "_backlog_at_last_read",
-        "_coalesced_at_last_read",
-        "_connections",
-        "_connections_lost",
-        "_deferred",
-        "_deferred_commands",
         "_expected_engines",
-        "_front_ends",
-        "_gate_open",
+        "_gate",
         "_heard_from",
         "_held",
-        "_last_connection_lost_at",
-        "_late_subscription_burst",
-        "_late_subscriptions",
         "_loads",
         "_publish_to_front_ends",
         "_recovery",
         "_schedule",
-        "_shutdown_expected",
-        "_subscribed",
+        "_subscriptions",
         "_tally",
-        "_unsubscribed",
-        "_unsubscription_burst",
-        "_wake_confirm_timeout",
         "_wake_deadlines",
         "_wave",
         "_wave_coordination",
@@ -161,36 +149,18 @@ class CoordinatorCore:
             )
         if not stats_interval > 0:
             raise ValueError(f"stats_interval must be positive, got {stats_interval!r}")
-        if wake_confirm_timeout <= 0:
-            raise ValueError(f"wake_confirm_timeout must be positive, got {wake_confirm_timeout!r}")
         self._expected_engines = engine_count
         self._wave_coordination = wave_coordination
-        self._wake_confirm_timeout = wake_confirm_timeout
         self._publish_to_front_ends = publish_to_front_ends
         self._wave = WaveState()
         self._loads = LoadTable(engine_count, lockstep=wave_coordination)
         self._schedule = PublishSchedule(interval=stats_interval, heartbeat=heartbeat_interval)
-        self._gate_open = False
-        self._deferred: list[Effect] = []
-        self._deferred_commands: list[Command] = []
-        # (deadline, wave) of each first-request start no engine confirmed yet, in order
-        # (one timeout for all)
-        self._wake_deadlines: deque[tuple[float, int]] = deque()
+        self._gate = StartupGate()
+        self._wake_deadlines = WakeDeadlines(wake_confirm_timeout)
         self._heard_from: set[int] = set()
-        self._subscribed = 0
-        self._unsubscribed = 0
-        self._unsubscription_burst = BurstSummary()
-        self._late_subscription_burst = BurstSummary()
-        self._shutdown_expected = False
-        self._late_subscriptions = 0
-        self._front_ends = 0
-        self._connections: Counter[str] = Counter()
-        self._connections_lost: Counter[str] = Counter()
-        self._last_connection_lost_at: dict[str, float] = {}
+        self._subscriptions = Subscriptions()
         self._backlog = IngestBacklog()
         self._tally = Tally()
-        self._coalesced_at_last_read = 0
-        self._backlog_at_last_read = 0.0
         self._recovery: RecoveryRules | None = None
         self._held = HeldStats(self._loads, self._tally, self._heard_from)
 
@@ -212,11 +182,11 @@ class CoordinatorCore:
 
     def gate_open(self) -> bool:
         """Whether the start-up gate has opened (READY went out to the engines)."""
-        return self._gate_open
+        return self._gate.is_open
 
     @property
     def wake_confirm_timeout(self) -> float:
-        return self._wake_confirm_timeout
+        return self._wake_deadlines.timeout
 
     def snapshot(self) -> WaveSnapshot:
         """The wave to stamp on a new request, and whether the engines run."""
@@ -231,34 +201,12 @@ class CoordinatorCore:
         return [i for i in range(self._loads.engine_count) if i not in self._heard_from]
 
     def subscriptions(self) -> SubscriptionView:
-        return SubscriptionView(
-            current=self._subscribed - self._unsubscribed,
-            subscribed=self._subscribed,
-            unsubscribed=self._unsubscribed,
-            late_subscriptions=self._late_subscriptions,
-            gate_open=self._gate_open,
-            front_ends=self._front_ends,
-            connections=self._connections[_BROADCAST_SOCKET],
-            connections_lost=self._connections_lost[_BROADCAST_SOCKET],
-            last_connection_lost_at=self._last_connection_lost_at.get(_BROADCAST_SOCKET),
-        )
+        return self._subscriptions.view(gate_open=self._gate.is_open)
 
-    def counters(self) -> CoordinatorCounters:
-        return CoordinatorCounters(
-            engine_messages=self._tally.engine_messages,
-            stats_applied=self._tally.stats_applied,
-            stats_coalesced=self._tally.stats_coalesced,
-            engine_output_backlog=self._backlog_at_last_read,
-            waves_completed=self._tally.waves_completed,
-            wave_starts=sum(self._tally.wave_starts.values()),
-            wave_starts_by_cause=dict(self._tally.wave_starts),
-            ready_broadcasts=self._tally.ready_broadcasts,
-            front_publishes=self._tally.front_publishes,
-            commands=self._tally.commands,
-            unconfirmed_expiries=self._tally.unconfirmed_expiries,
-            rejected=dict(self._tally.rejected),
-            wake_latency=self._tally.wake_latency.snapshot(),
-            connections_lost=dict(self._connections_lost),
+    def counters(self) -> CoordinatorStatistics:
+        return self._tally.counters(
+            engine_output_backlog=self._backlog.behind_at_last_read,
+            connections_lost=self._subscriptions.connections_lost(),
         )
 
     # --- inputs: commands ----------------------------------------------------------------
@@ -282,8 +230,7 @@ class CoordinatorCore:
         """Apply a first-request notice or an elastic-EP resize: the one path of every
         command, from the handle or decoded off the front socket. Before the gate opens
         it waits, and is applied behind READY (vLLM's coordinator reads nothing earlier)."""
-        if not self._gate_open:
-            self._deferred_commands.append(command)
+        if self._gate.hold_command(command):
             return _NOTHING
         self._tally.commands += 1
         if isinstance(command, ScaleRequest):
@@ -298,7 +245,7 @@ class CoordinatorCore:
         if start is None:
             return _NOTHING
         # rank 0 reports every start it joins: one nobody confirms in time was dropped
-        self._wake_deadlines.append((now + self._wake_confirm_timeout, start.wave))
+        self._wake_deadlines.started(start.wave, now)
         cause = (
             WaveStartCause.LEGACY_FIRST_REQUEST if command.legacy else WaveStartCause.FIRST_REQUEST
         )
@@ -310,10 +257,8 @@ class CoordinatorCore:
         """The listener read a batch off the engine-output socket at ``now``; ``drained``:
         its queue was empty as the batch began (the receive waited) or after it (it was
         short). Logs a backlog lasting seconds, and its end (``_backlog.py``)."""
-        coalesced = self._tally.stats_coalesced - self._coalesced_at_last_read
-        self._coalesced_at_last_read = self._tally.stats_coalesced
-        news = self._backlog.batch_read(drained=drained, coalesced=coalesced, now=now)
-        self._backlog_at_last_read = self._backlog.behind_for(now)
+        coalesced = self._tally.stats_coalesced
+        news = self._backlog.listener_read(drained=drained, coalesced_total=coalesced, now=now)
         if news is not None:
             news.log(logger)
 
@@ -340,9 +285,14 @@ class CoordinatorCore:
         self._heard_from.add(engine_index)
         if kind is _STATS:
             assert isinstance(value, protocol.StatsReport)
-            taken = (self._hold_stats if hold_stats else self._apply_stats)(engine_index, value)
-            if self._recovery is None or taken:  # taken: rejected
-                return taken
+            if hold_stats:
+                rejected = self._hold_stats(engine_index, value)
+            else:
+                rejected = self._apply_stats(engine_index, value)
+            if rejected:
+                return rejected
+            if self._recovery is None:
+                return _NOTHING
             return self._recovered(self._recovery.stats(self._wave, value), now)
         if kind is _WAVE_COMPLETE or kind is _START_WAVE:
             assert isinstance(value, int)
@@ -359,7 +309,9 @@ class CoordinatorCore:
         by one then :meth:`apply_held_stats` (effects in that order), up to the first
         message whose effects hold a :class:`Broadcast`; returns the position after it (or
         the end) and the effects. Stats reports take the hot path (``_ingest.py``)."""
-        held, engines = self._held, self._loads.engine_count if self._recovery is None else 0
+        held = self._held
+        # while recovering, every report takes the full path (the recovery reads it)
+        engines = self._loads.engine_count if self._recovery is None else 0
         effects: list[Effect] = []
         index, end = start, len(messages)
         while (index := held.take(messages, index, engines)) < end:
@@ -381,43 +333,13 @@ class CoordinatorCore:
     def expect_shutdown(self) -> None:
         """The fleet is being stopped on purpose: engines unsubscribing from now on are
         told at INFO (still counted, still summed up in a burst), not WARNING."""
-        self._shutdown_expected = True
-
-    def _log_summary_due(self) -> float:
-        return min(
-            self._unsubscription_burst.summary_due(), self._late_subscription_burst.summary_due()
-        )
+        self._subscriptions.expect_shutdown()
 
     def log_summaries(self, now: float, *, final: bool = False) -> None:
         """Sum up in one line each the unsubscriptions and the late subscriptions of a
         burst that were logged at DEBUG only (a mass disconnect or reconnect: the first
         few are told one by one). ``final``: stopping."""
-        current = self._subscribed - self._unsubscribed
-        summary = self._unsubscription_burst.take_summary(now, final=final)
-        if summary is not None:
-            held, first, last = summary
-            logger.log(
-                self._unsubscription_level,
-                "%d more engines unsubscribed in %.1f s (each logged at DEBUG); "
-                "%d still subscribed",
-                held,
-                last - first,
-                current,
-            )
-        summary = self._late_subscription_burst.take_summary(now, final=final)
-        if summary is not None:
-            held, first, last = summary
-            logger.info(
-                "%d more late engine subscriptions in %.1f s, each sent READY again "
-                "(logged at DEBUG); %d subscribed",
-                held,
-                last - first,
-                current,
-            )
-
-    @property
-    def _unsubscription_level(self) -> int:
-        return logging.INFO if self._shutdown_expected else logging.WARNING
+        self._subscriptions.log_summaries(now, final=final)
 
     def receive_engine_subscription(self, frame: bytes, now: float) -> Sequence[Effect]:
         """A frame the engine broadcast XPUB read: an engine (un)subscribed (§5.2)."""
@@ -427,25 +349,12 @@ class CoordinatorCore:
                 "unexpected_broadcast_socket_frame",
                 f"{len(frame)}-byte upstream payload on the engine broadcast socket",
             )
+        subscriptions = self._subscriptions
         if not sub.subscribe:
-            self._unsubscribed += 1
-            self.log_summaries(now)
-            logger.log(
-                self._unsubscription_level
-                if self._unsubscription_burst.admit(now)
-                else logging.DEBUG,
-                "an engine unsubscribed (%d still subscribed); "
-                "it will get READY again when it comes back",
-                self._subscribed - self._unsubscribed,
-            )
+            subscriptions.engine_unsubscribed(now)
             return _NOTHING
-        self._subscribed += 1
-        current = self._subscribed - self._unsubscribed
-        if self._gate_open:
-            self._late_subscriptions += 1
-            self.log_summaries(now)
-            level = logging.INFO if self._late_subscription_burst.admit(now) else logging.DEBUG
-            logger.log(level, "late engine subscription (%d subscribed): READY again", current)
+        if self._gate.is_open:
+            level = subscriptions.late_engine_subscribed(now)
             ready = Broadcast(_READY_FRAMES, None, now)
             snap = self._wave.snapshot
             if not (self._wave_coordination and snap.engines_running):
@@ -461,6 +370,7 @@ class CoordinatorCore:
             start = WaveStart(snap.current_wave, None)
             frames = protocol.encode_start_dp_wave(start.wave, None)
             return (ready, Broadcast(frames, start, now, WaveStartCause.LATE_SUBSCRIPTION))
+        current = subscriptions.engine_subscribed()
         if current < self._expected_engines:
             logger.debug("engine subscribed (%d of %d)", current, self._expected_engines)
             return _NOTHING
@@ -472,15 +382,13 @@ class CoordinatorCore:
     def connection_opened(self, socket: str, now: float) -> None:
         """A peer connected to ``socket`` (``back_publish``, ``back_output``,
         ``front``): counted only; its subscription, if any, comes as its own input."""
-        self._connections[socket] += 1
+        self._subscriptions.connection_opened(socket)
 
     def connection_lost(self, socket: str, now: float) -> None:
         """A peer's connection to ``socket`` dropped: it closed it, died, or stayed silent
         past the heartbeat timeout. Counted; on the broadcast socket the XPUB also
         reports the unsubscription, which is the input that matters to the gate."""
-        self._connections[socket] = max(0, self._connections[socket] - 1)
-        self._connections_lost[socket] += 1
-        self._last_connection_lost_at[socket] = now
+        self._subscriptions.connection_lost(socket, now)
 
     # --- inputs: the front socket -----------------------------------------------------------
 
@@ -490,13 +398,8 @@ class CoordinatorCore:
         :meth:`receive_command`."""
         sub = protocol.decode_subscription(frame)
         if sub is not None:
-            self._front_ends += 1 if sub.subscribe else -1
-            logger.info(
-                "front-end %s (%d subscribed)",
-                "subscribed" if sub.subscribe else "unsubscribed",
-                self._front_ends,
-            )
-            if not sub.subscribe or not self._gate_open:
+            self._subscriptions.front_end(subscribe=sub.subscribe)
+            if not sub.subscribe or not self._gate.is_open:
                 # before the gate, the first timed publish (due as it opens) serves it
                 return _NOTHING
             # a newcomer gets the current counts now, not at the next heartbeat
@@ -520,10 +423,9 @@ class CoordinatorCore:
         is scheduled): the next timed publish, wake-confirmation deadline or burst summary
         line. A pure query; any input may move it earlier, so the shell asks again after
         each one."""
-        due = self._log_summary_due()
-        if self._wake_deadlines:
-            due = min(due, self._wake_deadlines[0][0])
-        if self._gate_open and self._publish_to_front_ends:
+        due = self._subscriptions.summary_due()
+        due = min(due, self._wake_deadlines.next_due())
+        if self._gate.is_open and self._publish_to_front_ends:
             due = min(due, self._schedule.next_due(self._loads))
         return due
 
@@ -536,13 +438,12 @@ class CoordinatorCore:
         publish if due (counts or the lock-step snapshot, and the wave), behind the rest.
         """
         effects: list[Effect] = []
-        deadlines = self._wake_deadlines
-        while deadlines and deadlines[0][0] <= now:
-            effects.extend(self._wake_deadline_passed(deadlines.popleft()[1]))
-        if self._log_summary_due() <= now:
+        for wave in self._wake_deadlines.passed(now):
+            effects.extend(self._wake_deadline_passed(wave))
+        if self._subscriptions.summary_due() <= now:
             self.log_summaries(now)
         if (
-            self._gate_open
+            self._gate.is_open
             and self._publish_to_front_ends
             and self._schedule.next_due(self._loads) <= now
         ):
@@ -565,10 +466,10 @@ class CoordinatorCore:
             "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused engines "
             "drop it): wave %d is paused again",
             wave,
-            self._wake_confirm_timeout,
+            self._wake_deadlines.timeout,
             wave,
         )
-        return self._emit(self._wave_publish())
+        return self._gate.emit(self._wave_publish())
 
     def ready_sent(self) -> bool:
         """Whether READY has been handed to ZeroMQ (see :meth:`broadcast_sent`)."""
@@ -640,11 +541,11 @@ class CoordinatorCore:
             if not self._wave.wave_complete(wave):
                 return _NOTHING
             self._tally.waves_completed += 1
-            return self._emit(self._wave_publish())
+            return self._gate.emit(self._wave_publish())
         start = self._wave.engine_start_wave(wave, engine_index)
         if start is None:
             return _NOTHING
-        return self._emit(self._wave_start(start, WaveStartCause.ENGINE_START_WAVE, now))
+        return self._gate.emit(self._wave_start(start, WaveStartCause.ENGINE_START_WAVE, now))
 
     def _wave_start(self, start: WaveStart, cause: str, now: float) -> list[Effect]:
         frames = protocol.encode_start_dp_wave(start.wave, start.exclude)
@@ -661,18 +562,9 @@ class CoordinatorCore:
             )
         ]
 
-    def _emit(self, effects: list[Effect]) -> Sequence[Effect]:
-        # Before the gate opens nothing leaves: decisions wait, in order, behind READY.
-        if self._gate_open:
-            return effects
-        self._deferred.extend(effects)
-        return _NOTHING
-
     def _open_gate(self, now: float) -> list[Effect]:
-        self._gate_open = True
-        effects: list[Effect] = [Broadcast(_READY_FRAMES, None, now), *self._deferred]
-        self._deferred.clear()
-        commands, self._deferred_commands = self._deferred_commands, []
+        deferred, commands = self._gate.open()
+        effects: list[Effect] = [Broadcast(_READY_FRAMES, None, now), *deferred]
         for command in commands:
             effects.extend(self.receive_command(command, now))
         if self._recovery is not None:
@@ -681,18 +573,25 @@ class CoordinatorCore:
 
     def restarted(self, recovery: Recovery, now: float) -> Sequence[Effect]:
         """Take over from a coordinator that died: a fresh core's first input (_recovery.py)."""
-        if self._recovery is not None or self._subscribed or self._tally.engine_messages:
+        fresh = self._subscriptions.subscribed == 0 and self._tally.engine_messages == 0
+        if self._recovery is not None or not fresh:
             raise ValueError("restarted() must be the first input of a fresh core")
         rules = RecoveryRules(recovery, self._wave, self._loads, waves=self._wave_coordination)
-        self._recovery, self._gate_open = rules, recovery.gate_open
-        self._subscribed, self._front_ends = recovery.subscriptions, recovery.front_ends
-        return self._recovered(rules.wake(self._wave), now) if self._gate_open else _NOTHING
+        self._recovery = rules
+        if recovery.gate_open:
+            self._gate.open()
+        self._subscriptions.restored(recovery.subscriptions, recovery.front_ends)
+        if not self._gate.is_open:
+            return _NOTHING
+        return self._recovered(rules.wake(self._wave), now)
 
     def _recovered(self, outcome: WaveStart | bool, now: float) -> Sequence[Effect]:
-        if not isinstance(outcome, WaveStart):
-            return self._emit(self._wave_publish()) if outcome else _NOTHING
-        self._wake_deadlines.append((now + self._wake_confirm_timeout, outcome.wave))
-        return self._emit(self._wave_start(outcome, WaveStartCause.RECOVERY, now))
+        if outcome is False:
+            return _NOTHING
+        if outcome is True:  # the wave's state changed: the front-ends hear of it
+            return self._gate.emit(self._wave_publish())
+        self._wake_deadlines.started(outcome.wave, now)
+        return self._gate.emit(self._wave_start(outcome, WaveStartCause.RECOVERY, now))
 
     def _reject(self, reason: str, detail: str) -> tuple[Effect, ...]:
         self._tally.rejected[reason] += 1

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final, final
 
-__all__ = ["WAKE_LATENCY_BOUNDS", "CoordinatorCounters", "HistogramSnapshot", "SubscriptionView"]
+__all__ = ["WAKE_LATENCY_BOUNDS", "CoordinatorStatistics", "HistogramSnapshot", "SubscriptionView"]
 
 WAKE_LATENCY_BOUNDS: Final = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
@@ -31,7 +31,7 @@ class HistogramSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class CoordinatorCounters:
+class CoordinatorStatistics:
     """What the coordinator received, decided, sent and rejected, since it started."""
 
     engine_messages: int
@@ -143,3 +143,24 @@ class Tally:
         self.unconfirmed_expiries = 0
         self.rejected: Counter[str] = Counter()
         self.wake_latency = LatencyHistogram()
+
+    def counters(
+        self, *, engine_output_backlog: float, connections_lost: dict[str, int]
+    ) -> CoordinatorStatistics:
+        """A copy of the counts, with what the core keeps elsewhere."""
+        return CoordinatorStatistics(
+            engine_messages=self.engine_messages,
+            stats_applied=self.stats_applied,
+            stats_coalesced=self.stats_coalesced,
+            engine_output_backlog=engine_output_backlog,
+            waves_completed=self.waves_completed,
+            wave_starts=sum(self.wave_starts.values()),
+            wave_starts_by_cause=dict(self.wave_starts),
+            ready_broadcasts=self.ready_broadcasts,
+            front_publishes=self.front_publishes,
+            commands=self.commands,
+            unconfirmed_expiries=self.unconfirmed_expiries,
+            rejected=dict(self.rejected),
+            wake_latency=self.wake_latency.snapshot(),
+            connections_lost=connections_lost,
+        )

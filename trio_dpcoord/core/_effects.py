@@ -28,7 +28,7 @@ MAX_ENGINES: Final = 1 << 16
 
 
 class WaveStartCause:
-    """Why a START_DP_WAVE went out: the keys of ``CoordinatorCounters.wave_starts_by_cause``."""
+    """Why a START_DP_WAVE went out: the keys of ``CoordinatorStatistics.wave_starts_by_cause``."""
 
     ENGINE_START_WAVE: Final = "engine_start_wave"
     """An engine got a request while paused and reported ``start_wave`` (vLLM >= 0.33)."""

@@ -25,7 +25,8 @@ from .. import protocol
 from .._errors import CoordinatorError
 from ..protocol import IDLE_LOAD, EngineLoad
 from ..routing._chooser import EngineChooser, Routing, check_routing
-from ..routing._settings import PrefixRouting, RouterCounters
+from ..routing._decision import RouterStatistics
+from ..routing._settings import PrefixRouting
 from ._coordinator import Reject
 from ._wave import WaveSnapshot, WaveState, check_engine_index
 
@@ -49,7 +50,7 @@ class FrontendStatistics:
     """Publishes that could not be decoded, by reason."""
     inflight: tuple[int, ...]
     """This front-end's unfinished requests per engine (empty before the first choice)."""
-    router: RouterCounters | None
+    router: RouterStatistics | None
     """The prefix policy's counters (a copy); None with vLLM's, or before the first choice."""
     disconnects: int = 0
     """How many times the connection to the coordinator dropped (the trio handle's
@@ -267,7 +268,7 @@ class FrontendState:
         return protocol.encode_legacy_first_request(engine_index, claim.wave)
 
     @staticmethod
-    def scale_request(engine_count: int) -> bytes:
+    def resize(engine_count: int) -> bytes:
         """The SCALE_ELASTIC_EP frame asking for ``engine_count`` engines (§5.8)."""
         if type(engine_count) is not int or engine_count < 1:
             raise ValueError(f"engine_count must be a positive int, got {engine_count!r}")

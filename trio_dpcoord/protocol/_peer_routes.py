@@ -29,11 +29,11 @@ _WHAT = "peer route"
 @dataclass(frozen=True, slots=True)
 class PeerRoute:
     """One routed prompt: the sending front-end's index, the engines' block size the
-    keys were made with, the engine index (rank) it went to, and its block keys."""
+    keys were made with, the engine it went to, and its block keys."""
 
     sender: int
     block_size: int
-    rank: int
+    engine_index: int
     keys: tuple[int, ...]
 
 

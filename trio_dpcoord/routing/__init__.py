@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from ._chooser import ChooserStatistics as ChooserStatistics
     from ._chooser import EngineChooser as EngineChooser
     from ._chooser import Routing as Routing
+    from ._decision import RouteDecision as RouteDecision
+    from ._decision import RouterStatistics as RouterStatistics
     from ._keys import CHUNK_BLOCKS as CHUNK_BLOCKS
     from ._keys import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
     from ._keys import ChunkedKeys as ChunkedKeys
@@ -32,8 +34,6 @@ if TYPE_CHECKING:
     from ._prefix_router import PrefixRouter as PrefixRouter
     from ._score import vllm_score as vllm_score
     from ._settings import PrefixRouting as PrefixRouting
-    from ._settings import RouteDecision as RouteDecision
-    from ._settings import RouterCounters as RouterCounters
 
 __all__ = [
     "CHUNK_BLOCKS",
@@ -47,7 +47,7 @@ __all__ = [
     "PrefixRouting",
     "RankPrefixIndex",
     "RouteDecision",
-    "RouterCounters",
+    "RouterStatistics",
     "Routing",
     "block_keys",
     "vllm_score",
@@ -64,8 +64,8 @@ _EXPORTS: dict[str, str] = {
     "PrefixRouter": "._prefix_router",
     "PrefixRouting": "._settings",
     "RankPrefixIndex": "._prefix_index",
-    "RouteDecision": "._settings",
-    "RouterCounters": "._settings",
+    "RouteDecision": "._decision",
+    "RouterStatistics": "._decision",
     "Routing": "._chooser",
     "block_keys": "._keys",
     "vllm_score": "._score",

@@ -14,9 +14,10 @@ from math import isfinite
 from typing import Literal
 
 from ..protocol import IDLE_LOAD, EngineLoad
+from ._decision import RouterStatistics
 from ._prefix_router import PrefixRouter, first_from
 from ._score import vllm_score
-from ._settings import PrefixRouting, RouterCounters
+from ._settings import PrefixRouting
 
 __all__ = ["ROUTINGS", "ChooserStatistics", "EngineChooser", "Routing"]
 
@@ -44,7 +45,7 @@ class ChooserStatistics:
 
     inflight: tuple[int, ...]
     """This chooser's unfinished requests per engine (chosen, or observed and counted)."""
-    router: RouterCounters | None
+    router: RouterStatistics | None
     """The prefix policy's counters (a copy), or None with vLLM's routing."""
 
 
@@ -262,11 +263,11 @@ class EngineChooser:
     ) -> int:
         tokens: Sequence[int] = prompt_token_ids if prompt_token_ids is not None else ()
         # vLLM's choice, scanned only if nothing of the prompt is cached anywhere
-        decision = router.route(
+        decision = router.choose(
             tokens, self._queued, self._clock(now), unshared_choice=partial(self._lowest, start)
         )
-        self._charge(decision.rank, len(tokens) - decision.cached_tokens, bool(tokens))
-        return decision.rank
+        self._charge(decision.engine_index, len(tokens) - decision.cached_tokens, bool(tokens))
+        return decision.engine_index
 
     def _charge(self, rank: int, uncached: int, has_prompt: bool) -> None:
         if has_prompt:
@@ -291,9 +292,9 @@ class EngineChooser:
         :meth:`finished` follow when it ends (a ``finished`` for an uncounted request
         would release a chosen request's count)."""
         router = self._router
-        if router is None or not 0 <= engine_index < router.ranks:
+        if router is None or not 0 <= engine_index < router.engine_count:
             return False
-        decision = router.route(prompt_token_ids, self._queued, self._clock(now), engine_index)
+        decision = router.observe(engine_index, prompt_token_ids, self._clock(now))
         self._charge(engine_index, len(prompt_token_ids) - decision.cached_tokens, True)
         self._inflight[engine_index] += 1
         self._rescore(engine_index)

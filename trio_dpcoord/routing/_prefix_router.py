@@ -1,40 +1,36 @@
-"""The prefix policy: settings, counters and the router that picks a rank from the index."""
+"""The prefix policy's router: it picks a rank from the ranks' prefix indexes.
+
+Its settings and what it returns and counts are in ``_settings.py``, the exact feed's
+KV events in ``_kv_feed.py``, the rendezvous of front-ends in ``_rendezvous.py``.
+"""
 
 from __future__ import annotations
 
 import logging
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from itertools import chain, islice, takewhile
-from typing import Any
 
 from .._reject_log import RejectLog
 from ..protocol import (
-    BlockRemoved,
-    BlockStored,
     KVEventError,
     decode_event_batch,
 )
+from ._decision import RouteDecision, RouterStatistics
+from ._kv_feed import ExactRank
 from ._prefix_index import (
     CHUNK_BLOCKS,
-    ROOT_KEY,
     ChunkedKeys,
     ChunkKeys,
     Feed,
     RankPrefixIndex,
     block_keys,
 )
-from ._settings import PrefixRouting, RouteDecision, RouterCounters
+from ._rendezvous import BranchPoints, rendezvous_rank
+from ._settings import PrefixRouting
+from ._walk import bisect_holders
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ExactRank:
-    last_seq: int | None = None
-    vllm_to_ours: dict[Any, tuple[int, int]] = field(default_factory=dict)
-    """vLLM's block hash -> (our key, the block's depth in its chain)."""
 
 
 def first_from(values: Sequence[float], value: float, start: int) -> int:
@@ -44,9 +40,6 @@ def first_from(values: Sequence[float], value: float, start: int) -> int:
     except ValueError:
         return values.index(value)
 
-
-_BRANCH = object()
-"""A block seen followed by two different blocks."""
 
 _FEW_RANKS = 1
 """The walk counts the runs of this many ranks or fewer in their own indexes. With the
@@ -75,7 +68,7 @@ class PrefixRouter:
     ``feed="approximate"``; ``feed="exact"`` learns from :meth:`receive_kv_events`
     (and, until they are due, believes its own decisions provisionally).
 
-    With :attr:`defer_store` set, :meth:`route` returns before the routed prompt is
+    With :attr:`defer_store` set, :meth:`choose` returns before the routed prompt is
     learnt, which :meth:`settle` does (a front-end calls it once the request is sent;
     anything that reads or changes the indexes does it first): the same choices and
     indexes, the store (and hashing the prompt past what the walk read) off the
@@ -87,9 +80,11 @@ class PrefixRouter:
     index holding a prompt's blocks from the first one on (it bisects the prompt).
     """
 
-    def __init__(self, ranks: int, routing: PrefixRouting | None = None, *, start: int = 0) -> None:
-        if ranks < 1:
-            raise ValueError(f"ranks must be >= 1, got {ranks}")
+    def __init__(
+        self, engine_count: int, routing: PrefixRouting | None = None, *, start: int = 0
+    ) -> None:
+        if engine_count < 1:
+            raise ValueError(f"engine_count must be >= 1, got {engine_count}")
         self.routing = routing if routing is not None else PrefixRouting()
         self.block_size = self.routing.block_size
         self.feed: Feed = self.routing.feed
@@ -107,7 +102,7 @@ class PrefixRouter:
         """Keep each routed prompt (approximate feed) for :meth:`take_routed`, so that a
         front-end can tell the others (:meth:`receive_routed` on theirs)."""
         self._routed: list[tuple[int, Sequence[int]]] = []
-        self._exact: list[_ExactRank] = []
+        self._exact: list[ExactRank] = []
         self._keys = ChunkKeys(self.block_size, 0)
         self._closed = self.feed == "approximate"
         """Every rank's index is prefix-closed: a rank holding a prompt's block holds the
@@ -116,21 +111,21 @@ class PrefixRouter:
         parent is always more recent than its child: evictions and expiry take the child
         first); KV events (a chain continued from a reported parent, evictions of the
         engine's choosing) end it. :meth:`_walk` bisects while it holds."""
-        self.ranks = 0
-        self.resize(ranks)
-        self._rotation = start % ranks
+        self.engine_count = 0
+        self.resize(engine_count)
+        self._rotation = start % engine_count
         self._next_sweep = -float("inf")
         self._next_belief_sweep = -float("inf")
-        self.counters = RouterCounters()
+        self.counters = RouterStatistics()
         self._reject = RejectLog(logger)
-        self._children: dict[int, object] = {}
-        """``rendezvous_home``: block key -> the key of the block seen after it, or
-        :data:`_BRANCH` once two different ones were (bounded: cleared when full)."""
+        self._branches = BranchPoints()
+        """``rendezvous_home``: where the prompts routed part (``_rendezvous.py``)."""
 
-    def resize(self, ranks: int) -> None:
-        """Elastic EP: follow a new rank count (ranks beyond it are forgotten)."""
-        if ranks < 1:
-            raise ValueError(f"ranks must be >= 1, got {ranks}")
+    def resize(self, engine_count: int) -> None:
+        """Elastic EP: follow a new engine count (engines beyond it are forgotten)."""
+        if engine_count < 1:
+            raise ValueError(f"engine_count must be >= 1, got {engine_count}")
+        ranks = engine_count
         self.settle()
         for index in self._indexes[ranks:]:
             index.clear()
@@ -143,8 +138,8 @@ class PrefixRouter:
             if self._closed:
                 index._chain_mode()  # every store a prompt's chain: the order in pieces
             self._indexes.append(index)
-            self._exact.append(_ExactRank())
-        self.ranks = ranks
+            self._exact.append(ExactRank())
+        self.engine_count = engine_count
         self._all = (1 << ranks) - 1
         # At most half the chunks the indexes can hold (about 15 bytes a block at most).
         self._keys.max_chunks = max(64, ranks * routing.capacity_blocks // (2 * CHUNK_BLOCKS))
@@ -166,41 +161,50 @@ class PrefixRouter:
         """Blocks remembered over all ranks (each at most ``capacity_blocks``)."""
         return sum(len(index) for index in self.indexes)
 
-    def cached_tokens(self, rank: int, token_ids: Sequence[int], now: float) -> int:
-        """The leading tokens of ``token_ids`` believed cached on ``rank`` at ``now``."""
+    def cached_tokens(self, engine_index: int, token_ids: Sequence[int], now: float) -> int:
+        """The leading tokens of ``token_ids`` believed cached on ``engine_index`` at
+        ``now``."""
         keys = block_keys(token_ids, self.block_size)
-        return self.indexes[rank].matched_blocks(keys, now) * self.block_size
+        return self.indexes[engine_index].matched_blocks(keys, now) * self.block_size
 
     def choose(
         self,
         token_ids: Sequence[int],
         queued_work: Sequence[float],
         now: float,
-        pinned_rank: int | None = None,
-    ) -> int:
-        """The rank for a prompt of ``token_ids`` given each rank's queued work (tokens)."""
-        return self.route(token_ids, queued_work, now, pinned_rank).rank
-
-    def route(
-        self,
-        token_ids: Sequence[int],
-        queued_work: Sequence[float],
-        now: float,
-        pinned_rank: int | None = None,
         *,
         unshared_choice: int | Callable[[], int] | None = None,
     ) -> RouteDecision:
-        """:meth:`choose`, with how much was cached there and whether the guard chose.
+        """The engine for a prompt of ``token_ids`` given each engine's queued work
+        (tokens), with how much was cached there and whether the guard chose.
 
         ``unshared_choice``: the rank to take when no rank is believed to hold any of the
         prompt (the caller's load balancer's choice, e.g. vLLM's score): with nothing to
         reuse, affinity has nothing to weigh and the load balancer's own count of the
         engines' queues is the better judge (the rendezvous of ``rendezvous_slack``
         aside); a callable is called only then (a rank out of range: ignored)."""
-        if len(queued_work) != self.ranks:
-            raise ValueError(f"queued_work has {len(queued_work)} ranks, expected {self.ranks}")
-        if pinned_rank is not None and not 0 <= pinned_rank < self.ranks:
-            raise ValueError(f"pinned rank {pinned_rank} out of range 0..{self.ranks - 1}")
+        if len(queued_work) != self.engine_count:
+            raise ValueError(
+                f"queued_work has {len(queued_work)} engines, expected {self.engine_count}"
+            )
+        return self._decide(token_ids, queued_work, now, None, unshared_choice)
+
+    def observe(self, engine_index: int, token_ids: Sequence[int], now: float) -> RouteDecision:
+        """A request of ``token_ids`` went to ``engine_index`` without :meth:`choose`
+        (pinned): counted and learnt there as a choice is; the decision says how much
+        was believed cached there."""
+        if not 0 <= engine_index < self.engine_count:
+            raise ValueError(f"engine index {engine_index} out of range 0..{self.engine_count - 1}")
+        return self._decide(token_ids, (), now, engine_index, None)
+
+    def _decide(
+        self,
+        token_ids: Sequence[int],
+        queued_work: Sequence[float],
+        now: float,
+        pinned: int | None,
+        unshared_choice: int | Callable[[], int] | None,
+    ) -> RouteDecision:
         self.counters.decisions += 1
         if self._pending is not None:
             self.settle()
@@ -220,13 +224,13 @@ class PrefixRouter:
                 index.expire_provisional(now)
             self._next_belief_sweep = now + self.routing.provisional_age / 8
         groups = self._walk(keys)
-        if pinned_rank is not None:
-            depth = self._depth_of(groups, pinned_rank)
-            decision = RouteDecision(pinned_rank, depth * self.block_size, False)
+        if pinned is not None:
+            depth = self._depth_of(groups, pinned)
+            decision = RouteDecision(pinned, depth * self.block_size, False)
         else:
             decision = self._pick(groups, keys, len(token_ids), queued_work, unshared_choice)
         if self.routing.rendezvous_home and keys:
-            self._learn_branches(keys)
+            self._branches.learn(keys, self.engine_count * self.routing.capacity_blocks)
         self.counters.prompt_tokens += len(token_ids)
         self.counters.cached_tokens += decision.cached_tokens
         if keys:
@@ -234,19 +238,19 @@ class PrefixRouter:
                 # learnt now, or by :meth:`settle` (``defer_store``): before anything reads
                 # or changes the indexes again
                 held = decision.cached_tokens // self.block_size
-                self._pending = (decision.rank, keys, held, now)
+                self._pending = (decision.engine_index, keys, held, now)
                 if not self.defer_store:
                     self.settle()
             elif self.routing.provisional_age > 0:
                 # the exact feed's belief in a prompt just routed, until events are due
                 until = now + min(self.routing.provisional_age, self.routing.max_age)
-                self._indexes[decision.rank].store_provisionally(keys, now, until)
+                self._indexes[decision.engine_index].store_provisionally(keys, now, until)
         return decision
 
     def settle(self) -> None:
         """Learn the last routed prompt on its rank (approximate feed), if not yet done.
 
-        With :attr:`defer_store` set, :meth:`route` returns its choice before storing the
+        With :attr:`defer_store` set, :meth:`choose` returns its choice before storing the
         prompt (the store, and hashing the prompt's blocks past what the walk read, are
         most of a decision's work): call this once the request is on its way, off the
         decision's latency. It is done anyway before anything reads or changes the
@@ -275,38 +279,18 @@ class PrefixRouter:
         routed, self._routed = self._routed, []
         return routed
 
-    def receive_routed(self, rank: int, keys: Sequence[int], now: float) -> bool:
+    def receive_routed(self, engine_index: int, keys: Sequence[int], now: float) -> bool:
         """Another front-end routed a prompt of these block keys (:func:`block_keys` of
-        this router's block size, root first) to ``rank``: believed cached there, as this
+        this router's block size, root first) to ``engine_index``: believed cached there, as this
         router's own choices are (approximate feed; ignored with the exact one, whose
         events are every front-end's already). False, and nothing changed, for a rank out
         of range or with the exact feed."""
-        if self.feed != "approximate" or not 0 <= rank < self.ranks:
+        if self.feed != "approximate" or not 0 <= engine_index < self.engine_count:
             return False
         self.settle()
         if keys:
-            self._indexes[rank].store(keys, now)
+            self._indexes[engine_index].store(keys, now)
         return True
-
-    def _learn_branches(self, keys: Sequence[int]) -> None:
-        children = self._children
-        if len(children) > self.ranks * self.routing.capacity_blocks:
-            children.clear()  # the bound: branch points are relearnt from the traffic
-        for parent, child in zip(keys, islice(keys, 1, None), strict=False):
-            known = children.get(parent)
-            if known is None:
-                children[parent] = child
-            elif known is not _BRANCH and known != child:
-                children[parent] = _BRANCH
-
-    def _branch_point(self, keys: Sequence[int]) -> int:
-        """The blocks of ``keys`` up to and including its last branch point."""
-        get = self._children.get
-        point = 0
-        for index, key in enumerate(keys):
-            if get(key) is _BRANCH:
-                point = index + 1
-        return point
 
     def _home(
         self,
@@ -319,7 +303,7 @@ class PrefixRouter:
         prompts of the best and that hold the prompt up to its last branch point (all
         ranks if none does), the one rendezvous hashing of the prompt's first block past
         that point ranks first; the least cost if none is within."""
-        ranks, block = self.ranks, self.block_size
+        ranks, block = self.engine_count, self.block_size
         depth_of = [0] * ranks
         for depth, mask in groups:
             for rank in self._members(mask):
@@ -332,16 +316,13 @@ class PrefixRouter:
         ]
         best = min(costs)
         within = best + self.routing.rendezvous_slack * prompt_len
-        point = self._branch_point(keys)
+        point = self._branches.point(keys)
         # the ranks holding the prompt up to its branch point (a shared document), if any
         eligible = [r for r in range(ranks) if depth_of[r] >= point] or range(ranks)
         key = keys[min(point, len(keys) - 1)]
-        winner, top = costs.index(best), -1
-        for rank in eligible:
-            if costs[rank] <= within:
-                mine = hash((key, rank)) & 0xFFFFFFFFFFFF
-                if mine > top:
-                    winner, top = rank, mine
+        winner = rendezvous_rank(key, (r for r in eligible if costs[r] <= within))
+        if winner is None:
+            winner = costs.index(best)
         return RouteDecision(winner, depth_of[winner] * block, False)
 
     def _walk(self, keys: Sequence[int]) -> list[tuple[int, int]]:
@@ -388,40 +369,14 @@ class PrefixRouter:
                     end = known - 1
                     last = owners(chunks[end // span][end % span], 0) & first
                     if known == count or not last or not owners(keys.probe(), 0) & last:
-                        return self._bisect_range(chunks, span, known, first, last)
+                        return bisect_holders(self._owners, chunks, span, known, first, last)
                     keys.extend()
         first = owners(chunks[0][0], 0) & everyone
         if not first:
             return []
         end = count - 1
         last = owners(chunks[end // span][end % span], 0) & first
-        return self._bisect_range(chunks, span, count, first, last)
-
-    def _bisect_range(
-        self, chunks: Sequence[Sequence[int]], span: int, count: int, first: int, last: int
-    ) -> list[tuple[int, int]]:
-        """:meth:`_bisect` of the first ``count`` keys (``chunks`` of ``span``), the
-        holders of the first (``first``) and of the last (``last``) given; none of the
-        ranks holding the last one holds the key after it."""
-        owners = self._owners.get
-        groups: list[tuple[int, int]] = []
-        # Stretches (low, high, holders at low, holders at high), leftmost on top.
-        stack = [(0, count - 1, first, last)]
-        pop, push = stack.pop, stack.append
-        while stack:
-            low, high, at_low, at_high = pop()
-            if at_low == at_high:
-                continue
-            if high - low == 1:
-                groups.append((high, at_low ^ at_high))  # held to ``low``, not ``high``
-                continue
-            middle = (low + high) >> 1
-            at_middle = owners(chunks[middle // span][middle % span], 0) & at_low
-            push((middle, high, at_middle, at_high))
-            push((low, middle, at_low, at_middle))
-        if last:
-            groups.append((count, last))
-        return groups
+        return bisect_holders(self._owners, chunks, span, count, first, last)
 
     def _walk_blocks(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """:meth:`_walk` block by block, from the first block to the first no rank holds.
@@ -490,7 +445,7 @@ class PrefixRouter:
         queued: Sequence[float],
         unshared_choice: int | Callable[[], int] | None = None,
     ) -> RouteDecision:
-        ranks = self.ranks
+        ranks = self.engine_count
         start = self._rotation
         self._rotation = (start + 1) % ranks
         block = self.block_size
@@ -569,24 +524,21 @@ class PrefixRouter:
         key = keys[min(deepest, len(keys) - 1)]
         within = best_cost + self.routing.rendezvous_slack * prompt_len
         uncached = prompt_len - deepest * self.block_size
-        members = self._members(holders) if holders else range(self.ranks)
-        winner, weight = best[0], -1
-        found = False
-        for rank in members:
-            if queued[rank] + uncached <= within:
-                mine = hash((key, rank)) & 0xFFFFFFFFFFFF
-                if mine > weight:
-                    winner, weight, found = rank, mine, True
-        return (winner, deepest) if found else best
+        members = self._members(holders) if holders else range(self.engine_count)
+        winner = rendezvous_rank(key, (r for r in members if queued[r] + uncached <= within))
+        if winner is None:
+            return best
+        return (winner, deepest)
 
-    def receive_kv_events(self, rank: int, seq: int, payload: bytes, now: float) -> bool:
+    def receive_kv_events(self, engine_index: int, seq: int, payload: bytes, now: float) -> bool:
         """Apply one engine's KV-event batch (``seq`` from the PUB frame); False if rejected.
 
         A sequence gap or step back means lost or reordered batches: the rank's exact
         knowledge is forgotten, since what it would now claim could be stale. Rejected
         batches are logged at WARNING (rate-limited) and counted; nothing else changes.
         """
-        if not 0 <= rank < self.ranks:
+        rank = engine_index
+        if not 0 <= rank < self.engine_count:
             self.counters.rejected_event_batches += 1
             self._reject("KV events", f"from unknown rank {rank}", now)
             return False
@@ -612,31 +564,7 @@ class PrefixRouter:
             self._closed = False
             for each in self._indexes:
                 each._materialize()
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                if event.block_size != self.block_size:
-                    continue  # keys of another block size never match our prompts'
-                parent, depth = ROOT_KEY, 0
-                if event.parent_block_hash is not None:
-                    known = state.vllm_to_ours.get(event.parent_block_hash)
-                    if known is None or not index.knows(known[0]):
-                        continue  # parent unknown: the chain cannot be matched anyway
-                    parent, depth = known[0], known[1] + 1
-                ours = block_keys(event.token_ids, event.block_size, parent, depth)
-                for offset, (theirs, key) in enumerate(zip(event.block_hashes, ours, strict=True)):
-                    state.vllm_to_ours[theirs] = (key, depth + offset)
-                index.confirm(ours)
-                index.store(ours, now)
-            elif isinstance(event, BlockRemoved):
-                gone = (state.vllm_to_ours.pop(h, None) for h in event.block_hashes)
-                index.remove(known[0] for known in gone if known is not None)
-            else:
-                index.clear()
-                state.vllm_to_ours.clear()
-        if len(state.vllm_to_ours) > 2 * index.capacity_blocks:
-            state.vllm_to_ours = {
-                h: known for h, known in state.vllm_to_ours.items() if index.knows(known[0])
-            }
+        state.apply(batch.events, index, self.block_size, now)
         return True
 
     # --- read-only views (tests, diagnostics): copies, never the router's own state --------

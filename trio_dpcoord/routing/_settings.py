@@ -1,6 +1,6 @@
-"""The prefix policy's settings (:class:`PrefixRouting`) and what a router reports
-(:class:`RouterCounters`, :class:`RouteDecision`): plain records, apart from the router
-so that the shell and the core can name them without it."""
+"""The prefix policy's settings (:class:`PrefixRouting`): a plain record, apart from the
+router so that the shell and the core can name it without it (what a router reports:
+``_decision.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ._prefix_index import DEFAULT_BLOCK_SIZE, Feed
 
-__all__ = ["PrefixRouting", "RouteDecision", "RouterCounters"]
+__all__ = ["PrefixRouting"]
 
 
 @dataclass(frozen=True)
@@ -118,30 +118,3 @@ class PrefixRouting:
             raise ValueError(f"reuse_weight must be >= 0, got {self.reuse_weight!r}")
         if not self.rendezvous_slack >= 0:
             raise ValueError(f"rendezvous_slack must be >= 0, got {self.rendezvous_slack!r}")
-
-
-@dataclass
-class RouterCounters:
-    """What the router did: decisions (pinned ones included), the prompt tokens they
-    routed and how many of those were believed cached on the chosen rank, guard
-    fallbacks, KV-event batches applied, rejected (undecodable or from an unknown rank)
-    and sequence gaps (lost or reordered batches, each of which forgot that rank's
-    exact knowledge)."""
-
-    decisions: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    guard_fallbacks: int = 0
-    event_batches: int = 0
-    rejected_event_batches: int = 0
-    event_gaps: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """One choice: the rank, the prompt's tokens believed cached there, and whether the
-    imbalance guard made it (least loaded, affinity ignored)."""
-
-    rank: int
-    cached_tokens: int
-    guarded: bool

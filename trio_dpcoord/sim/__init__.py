@@ -7,8 +7,10 @@ users get.
 
 * :mod:`.engine` — one DP rank (``python -m trio_dpcoord.sim engine --rank R ...``),
   faithful to docs/protocol.md §6, stepping in lock-step with its peers through a real
-  collective between processes (:mod:`.collective`); what it is told and counts in
-  :mod:`.engine_config`, its sockets in :mod:`.engine_sockets`;
+  collective between processes (:mod:`.collective`); its rules and busy loop in
+  :mod:`.engine_loop`, what it is told in :mod:`.engine_config`, what it keeps and
+  counts in :mod:`.engine_state`, how it fails in :mod:`.engine_errors`, its sockets in
+  :mod:`.engine_sockets`;
 * :mod:`.frontend` — the front-end (wave stamp, engine choice, optional
   ``notify_first_request``) and wake-latency measurement; :mod:`.load` — the bursty
   load generator;
@@ -30,7 +32,7 @@ from .cluster import EmbeddedCoordinator, open_engine_fleet, run_cluster
 from .cluster_config import ClusterConfig, ClusterReport, Mode, Progress
 from .collective import AllReduceResult, CollectiveTimeoutError
 from .engine import SimEngine, run_engine, run_sim_engine
-from .engine_config import CoordinatorLostError, EngineConfig, EngineProtocolError
+from .engine_config import EngineConfig
 from .engine_core import (
     ENGINE_CLIENT_MODE,
     EngineCoreFleet,
@@ -39,6 +41,7 @@ from .engine_core import (
     open_sim_engine_client,
     run_engine_core_cluster,
 )
+from .engine_errors import CoordinatorLostError, EngineProtocolError
 from .frontend import SimFrontend, TokenListener, WakePath, open_sim_frontend
 from .load import LoadPlan, generate_load
 from .timeline import Timeline, plot_timeline

@@ -25,15 +25,15 @@ import trio
 from ..cli import cancel_at_stdin_eof
 from .collective import CollectiveTimeoutError
 from .engine import run_engine, run_sim_engine
-from .engine_config import (
+from .engine_config import EngineConfig
+from .engine_core import SimEngineCore
+from .engine_errors import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_COORDINATOR_LOST,
     EXIT_PROTOCOL_ERROR,
     CoordinatorLostError,
-    EngineConfig,
     EngineProtocolError,
 )
-from .engine_core import SimEngineCore
 
 logger = logging.getLogger("trio_dpcoord.sim")
 

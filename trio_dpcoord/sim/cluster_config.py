@@ -135,7 +135,7 @@ class ClusterReport:
     planned: int
     routing: str = "vllm"
     routing_counters: dict[str, int] | None = None
-    """With the prefix routing: the router's counters (``RouterCounters``) at the end."""
+    """With the prefix routing: the router's counters (``RouterStatistics``) at the end."""
     prefix_queries: list[int] = field(default_factory=list)
     """Per engine, the prompt tokens it looked up in its prefix cache, as its scheduler
     stats reported (vLLM's ``prefix_cache_stats.queries``; engines with a cache)."""

@@ -1,55 +1,16 @@
-"""What one simulated DP rank is told, what it keeps of each request and what it counts;
-the errors it dies of and the exit statuses they give its process.
+"""What one simulated DP rank is told: :class:`EngineConfig`.
 
-Plain values, no I/O: :mod:`.engine` steps with them, :mod:`.engine_core` extends the
-rank, :mod:`.fleet` reads the exit statuses of the processes it supervises and
-``python -m trio_dpcoord.sim engine`` turns the errors into them.
+Plain values, no I/O: :mod:`.engine` runs a rank with one; what a rank keeps of each
+request and counts is in :mod:`.engine_state`, how it fails in :mod:`.engine_errors`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
-from .. import protocol
 from .prefix import DEFAULT_BLOCK_SIZE
 
-__all__ = [
-    "DIAGNOSED_EXIT_STATUSES",
-    "EXIT_COLLECTIVE_TIMEOUT",
-    "EXIT_COORDINATOR_LOST",
-    "EXIT_PROTOCOL_ERROR",
-    "FINISH_ABORT",
-    "FINISH_LENGTH",
-    "AbortInput",
-    "CoordinatorLostError",
-    "EngineConfig",
-    "EngineCounters",
-    "EngineProtocolError",
-    "RequestState",
-]
-
-FINISH_LENGTH: Final = protocol.FINISH_REASONS.index("length")
-"""vLLM's finish reason of a request that generated all its tokens (1 on the wire)."""
-FINISH_ABORT: Final = protocol.FINISH_REASONS.index("abort")
-"""vLLM's finish reason of a request an engine dropped (2 on the wire)."""
-
-# Exit statuses of ``python -m trio_dpcoord.sim engine`` for the failures it diagnoses
-# itself; a launcher never restarts such a rank (its DP group is broken).
-EXIT_COLLECTIVE_TIMEOUT: Final = 3  # CollectiveTimeoutError
-EXIT_PROTOCOL_ERROR: Final = 4  # EngineProtocolError
-EXIT_COORDINATOR_LOST: Final = 5  # CoordinatorLostError
-DIAGNOSED_EXIT_STATUSES: Final = frozenset(
-    {EXIT_COLLECTIVE_TIMEOUT, EXIT_PROTOCOL_ERROR, EXIT_COORDINATOR_LOST}
-)
-
-
-class EngineProtocolError(Exception):
-    """The coordinator sent something a vLLM engine would die on (docs/protocol.md §4.1)."""
-
-
-class CoordinatorLostError(Exception):
-    """The connection to the coordinator stayed down for ``coordinator_timeout`` s."""
+__all__ = ["EngineConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,50 +81,3 @@ class EngineConfig:
             raise ValueError("step_per_token must be >= 0")
         if self.kv_events_address is not None and not self.prefix_cache_blocks:
             raise ValueError("kv_events_address needs a prefix cache (prefix_cache_blocks > 0)")
-
-
-@dataclass(slots=True)
-class RequestState:
-    """One request in a rank's scheduler (its waiting or running queue)."""
-
-    request_id: str
-    remaining: int
-    """Tokens still to generate."""
-    generated: int = 0
-    prompt: tuple[int, ...] = ()
-    prefill_left: int = 0
-    """Prompt tokens still to compute (the prefix-cache engine; 0 for the toy)."""
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    """What one rank did, for tests and reports."""
-
-    steps: int = 0
-    dummy_steps: int = 0
-    waves: int = 0
-    requests_finished: int = 0
-    start_waves_sent: int = 0
-    broadcasts_dropped: int = 0
-    broadcast_regressions: int = 0
-    """START_DP_WAVEs for an older wave than one received before: the coordinator's wave
-    went back as this engine sees it (never, by docs/protocol.md §16.1 rule 1)."""
-    bad_requests: int = 0
-    stats_sent: int = 0
-    coordinator_disconnects: int = 0
-    coordinator_reconnects: int = 0
-    prefix_queries: int = 0
-    """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_stats.queries``)."""
-    prefix_hits: int = 0
-    """Of those, tokens found cached (``prefix_cache_stats.hits``)."""
-    computed_tokens: int = 0
-    """Tokens processed by real steps (prefill chunks plus decodes; the prefix cache)."""
-    kv_event_batches: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class AbortInput:
-    """An ABORT read off the input socket, queued for the busy loop in order with the
-    other inputs (a stand-in engine that reads its own socket queues it the same way)."""
-
-    request_ids: tuple[str, ...]

@@ -53,8 +53,10 @@ from . import messages
 from .cluster_config import ClusterConfig, ClusterReport, log_to_stderr
 from .collective import CollectiveTimeoutError
 from .engine import SimEngine
-from .engine_config import FINISH_ABORT, EngineConfig, EngineProtocolError, RequestState
+from .engine_config import EngineConfig
+from .engine_errors import EngineProtocolError
 from .engine_sockets import HEARTBEAT_OPTIONS
+from .engine_state import FINISH_ABORT, RequestState
 from .fleet import EngineFleet, engine_command
 
 __all__ = [

@@ -23,7 +23,7 @@ import trio
 
 from ..testing import ServeProcess, open_serve, read_lines
 from .cluster_config import ClusterConfig, ClusterReport
-from .engine_config import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
+from .engine_errors import DIAGNOSED_EXIT_STATUSES, EXIT_COLLECTIVE_TIMEOUT
 from .frontend import SimFrontend
 
 __all__ = [

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,13 +45,13 @@ from .. import (
     EngineChooser,
     Frontend,
     PrefixRouting,
-    PrivateIpcDirectory,
     Routing,
     protocol,
 )
 from ..protocol import IDLE_LOAD, EngineLoad, decode_kv_event_frames, engine_identity
-from ..trio_zmq import AsyncSocket, open_context, open_socket
+from ..trio_zmq import AsyncSocket
 from . import messages
+from .frontend_sockets import open_frontend_sockets
 from .timeline import Timeline
 
 __all__ = [
@@ -551,59 +551,29 @@ async def open_sim_frontend(
     engines bind, as vLLM's publisher binds ipc endpoints), and feed them to the chooser.
 
     Addresses default to ``ipc://`` paths in a private temporary directory, removed on
-    exit. Engines connect to :attr:`SimFrontend.request_address` and
-    :attr:`SimFrontend.completion_address`.
+    exit (the sockets: :mod:`.frontend_sockets`). Engines connect to
+    :attr:`SimFrontend.request_address` and :attr:`SimFrontend.completion_address`.
     """
-    private = PrivateIpcDirectory()  # created only if an address is needed
-    try:
-        async with AsyncExitStack() as stack:
-            context = await stack.enter_async_context(open_context())
-            router = await stack.enter_async_context(
-                open_socket(
-                    context,
-                    zmq.ROUTER,
-                    options={
-                        zmq.ROUTER_MANDATORY: 1,
-                        # A restarted engine reconnects with the same identity.
-                        zmq.ROUTER_HANDOVER: 1,
-                        zmq.SNDHWM: 0,
-                        zmq.RCVHWM: 0,
-                    },
-                )
-            )
-            pull = await stack.enter_async_context(
-                open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0})
-            )
-            bound_requests = router.bind(request_address or private.address("requests"))
-            bound_completions = pull.bind(completion_address or private.address("completions"))
-            kv_addresses = [
-                private.address(f"kv-events-{rank}") for rank in range(engine_count) if kv_events
-            ]
-            subs = []
-            for address in kv_addresses:
-                sub = await stack.enter_async_context(
-                    open_socket(context, zmq.SUB, connect=address, options={zmq.SUBSCRIBE: b""})
-                )
-                subs.append(sub)
-            frontend = SimFrontend(
-                view,
-                engine_count,
-                wake_path=wake_path,
-                router=router,
-                request_address=bound_requests,
-                completion_address=bound_completions,
-                routing=routing,
-                prefix=prefix,
-                kv_event_addresses=kv_addresses,
-            )
-            async with trio.open_nursery() as nursery:
-                await nursery.start(frontend._hello_receiver)
-                await nursery.start(frontend._completion_receiver, pull)
-                for rank, sub in enumerate(subs):
-                    await nursery.start(frontend._kv_event_receiver, rank, sub)
-                try:
-                    yield frontend
-                finally:
-                    nursery.cancel_scope.cancel()
-    finally:
-        private.cleanup()
+    async with open_frontend_sockets(
+        engine_count, request_address, completion_address, kv_events=kv_events
+    ) as sockets:
+        frontend = SimFrontend(
+            view,
+            engine_count,
+            wake_path=wake_path,
+            router=sockets.router,
+            request_address=sockets.request_address,
+            completion_address=sockets.completion_address,
+            routing=routing,
+            prefix=prefix,
+            kv_event_addresses=sockets.kv_event_addresses,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(frontend._hello_receiver)
+            await nursery.start(frontend._completion_receiver, sockets.completions)
+            for rank, sub in enumerate(sockets.kv_events):
+                await nursery.start(frontend._kv_event_receiver, rank, sub)
+            try:
+                yield frontend
+            finally:
+                nursery.cancel_scope.cancel()

@@ -165,13 +165,13 @@ class PeerRoutes:
             return False
         router = self._router
         if route.block_size != router.block_size or not router.receive_routed(
-            route.rank, route.keys, time.monotonic()
+            route.engine_index, route.keys, time.monotonic()
         ):
             self.rejected += 1
             self._reject(
                 "shared routes: route",
-                f"API server {route.sender}'s route to engine {route.rank} (block size "
-                f"{route.block_size}) refused: this server has {router.ranks} engines, "
+                f"API server {route.sender}'s route to engine {route.engine_index} (block size "
+                f"{route.block_size}) refused: this server has {router.engine_count} engines, "
                 f"block size {router.block_size}, {router.feed} feed",
             )
             return False

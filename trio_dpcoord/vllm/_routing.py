@@ -3,7 +3,7 @@
 vLLM's ``DPLBAsyncMPClient.get_core_engine_for_request`` (the front-end's engine choice in
 every API-server process of ``vllm serve --data-parallel-size N``) scores each engine by
 its queue alone. With this variable set, the ``vllm.general_plugins`` entry point
-(:func:`trio_dpcoord.vllm.register`) replaces that method with :func:`choose_engine`:
+(:func:`trio_dpcoord.vllm.register`) replaces that method with :func:`choose_core_engine`:
 trio_dpcoord's :class:`~trio_dpcoord.routing.PrefixRouter`, which weighs the prompt tokens
 an engine already holds in its prefix cache against the busiest engine's work.
 
@@ -77,7 +77,7 @@ from ._peers import PeerRoutes, bind_publisher, peer_endpoints, peers_wanted
 __all__ = [
     "OPTIONS_VARIABLE",
     "ROUTING_VARIABLE",
-    "choose_engine",
+    "choose_core_engine",
     "install",
     "routing_options",
     "routing_setting",
@@ -148,7 +148,7 @@ _STATES: weakref.WeakKeyDictionary[Any, RoutingState] = weakref.WeakKeyDictionar
 
 
 def install(client_class: type, late_interaction_index: Callable[[Any, int], int | None]) -> bool:
-    """Replace ``client_class.get_core_engine_for_request`` with :func:`choose_engine`.
+    """Replace ``client_class.get_core_engine_for_request`` with :func:`choose_core_engine`.
 
     ``late_interaction_index`` is vLLM's ``get_late_interaction_engine_index`` (as the
     method itself calls it). Returns False if it was installed already (idempotent).
@@ -161,10 +161,10 @@ def install(client_class: type, late_interaction_index: Callable[[Any, int], int
     _ORIGINALS[client_class] = current
 
     def get_core_engine_for_request(self: Any, request: Any) -> Any:
-        return choose_engine(self, request, current, late_interaction_index)
+        return choose_core_engine(self, request, current, late_interaction_index)
 
     get_core_engine_for_request._trio_dpcoord_prefix = True  # type: ignore[attr-defined]
-    get_core_engine_for_request.__doc__ = choose_engine.__doc__
+    get_core_engine_for_request.__doc__ = choose_core_engine.__doc__
     client_class.get_core_engine_for_request = get_core_engine_for_request  # type: ignore[attr-defined]
 
     original_shutdown = client_class.shutdown  # type: ignore[attr-defined]
@@ -188,7 +188,7 @@ def routing_state(client: Any) -> RoutingState | None:
     return _STATES.get(client)
 
 
-def choose_engine(
+def choose_core_engine(
     client: Any,
     request: Any,
     original: Callable[[Any, Any], Any],
@@ -211,13 +211,13 @@ def choose_engine(
         return original(client, request)
     try:
         state = _STATES.get(client)
-        if state is None or state.ranks != len(engines):
+        if state is None or state.engine_count != len(engines):
             if state is not None:
                 state.stop()  # the fleet was resized (elastic EP): start afresh
             state = _STATES[client] = RoutingState(client)
         if request.data_parallel_rank is not None:
             engine = original(client, request)
-            state.note_pinned(token_ids, engines.index(engine))
+            state.observe(engines.index(engine), token_ids)
             return engine
         streaming: set[str] | None = getattr(client, "streaming_reqs", None)  # vLLM 0.33
         if streaming is not None:
@@ -257,8 +257,8 @@ class RoutingState:
     """
 
     def __init__(self, client: Any) -> None:
-        self.ranks: int = len(client.core_engines)
-        start = (self.ranks * int(client.client_index)) // int(client.client_count)
+        self.engine_count: int = len(client.core_engines)
+        start = (self.engine_count * int(client.client_index)) // int(client.client_count)
         cache_config = getattr(client.vllm_config, "cache_config", None)
         block_size = getattr(cache_config, "block_size", None)
         if not isinstance(block_size, int) or block_size < 1:
@@ -267,7 +267,7 @@ class RoutingState:
         options: dict[str, Any] = {}
         if isinstance(capacity_tokens, int) and capacity_tokens >= block_size:
             options["capacity_blocks"] = capacity_tokens // block_size
-        sources = _event_sources(client, self.ranks)
+        sources = _event_sources(client, self.engine_count)
         share = sources is None and int(client.client_count) > 1 and peers_wanted()
         endpoints = _peer_endpoints(client) if share else None
         publisher = None
@@ -280,7 +280,7 @@ class RoutingState:
             options["rendezvous_slack"] = MULTI_SERVER_SLACK
         options.update(routing_options())
         self.router = PrefixRouter(
-            self.ranks,
+            self.engine_count,
             PrefixRouting(
                 block_size=block_size,
                 feed="exact" if sources is not None else "approximate",
@@ -306,7 +306,7 @@ class RoutingState:
             "%d blocks an engine, reuse weight %g, rendezvous slack %g)",
             ROUTING_VARIABLE,
             PREFIX,
-            self.ranks,
+            self.engine_count,
             "exact, from vLLM's KV events" if self.follower else "approximate",
             block_size,
             routing.capacity_blocks,
@@ -330,8 +330,8 @@ class RoutingState:
         # (the first request: its own length): with nothing cached anywhere, the least
         # of it (rotation on ties, from vLLM's start) is vLLM's own choice
         unit = max(1.0, self.mean_uncached_tokens or float(len(token_ids)))
-        work = [0.0] * self.ranks
-        for index in range(self.ranks):
+        work = [0.0] * self.engine_count
+        for index in range(self.engine_count):
             waiting, running, kv_usage = client.lb_engines[index]
             score = vllm_score(
                 waiting,
@@ -341,19 +341,17 @@ class RoutingState:
                 client.client_count,
             )
             work[index] = score * unit
-        decision = self.router.route(token_ids, work, time.monotonic())
+        decision = self.router.choose(token_ids, work, time.monotonic())
         self._learn_uncached(decision, len(token_ids))
         if self.peers is not None:
             self.peers.ensure_started()
             self.peers.publish(self.router.take_routed())
-        return decision.rank
+        return decision.engine_index
 
-    def note_pinned(self, token_ids: Sequence[int], engine_index: int) -> None:
+    def observe(self, engine_index: int, token_ids: Sequence[int]) -> None:
         """A pinned request's prompt is cached where vLLM sent it (believed so at once
         with the approximate feed, provisionally with the exact one)."""
-        decision = self.router.route(
-            token_ids, [0.0] * self.ranks, time.monotonic(), pinned_rank=engine_index
-        )
+        decision = self.router.observe(engine_index, token_ids, time.monotonic())
         self._learn_uncached(decision, len(token_ids))
         if self.peers is not None:
             self.peers.publish(self.router.take_routed())

@@ -179,7 +179,7 @@ async def kv_events(scenario: Scenario, publishers: list[zmq.asyncio.Socket]) ->
     """Exact mode: what the engines' KV events say decides, not the router's own choices."""
     # a test hook: the state the routing plugin keeps on vLLM's client (its KV-event
     # follower), which no public API exposes
-    from trio_dpcoord.testing import vllm_routing_state as routing_state
+    from trio_dpcoord.vllm._routing import routing_state
 
     events = load_kv_events()
     encoder = msgspec.msgpack.Encoder()
@@ -237,7 +237,7 @@ async def two_servers(address: str, share: bool) -> dict[str, Any]:
     kernel may spread a user's connections. With shared routes each server waits for the
     other's announcement of a turn before the next (the test's order; a real server does
     not wait)."""
-    from trio_dpcoord.testing import vllm_routing_state as routing_state
+    from trio_dpcoord.vllm._routing import routing_state
 
     clients = [make_client({}, 2, index, address) for index in range(2)]
     scenarios = [Scenario(client) for client in clients]

@@ -1,0 +1,24 @@
+"""A small trio shim over pyzmq: every pyzmq call of the package goes through it.
+
+:func:`open_context` and :func:`open_socket` give :class:`AsyncSocket`, a zmq socket whose
+sends and receives are trio checkpoints (``_socket.py`` says how it waits on libzmq's
+edge-triggered FD, shared by several tasks); :func:`open_monitor` runs libzmq's socket
+monitor for a block (``_monitor.py``); :func:`curve_client_options` makes a socket a
+CURVE client.
+"""
+
+from __future__ import annotations
+
+from ._monitor import MonitorEvent, accepted_peer_address, open_monitor, parse_monitor_event
+from ._socket import AsyncSocket, curve_client_options, open_context, open_socket
+
+__all__ = [
+    "AsyncSocket",
+    "MonitorEvent",
+    "accepted_peer_address",
+    "curve_client_options",
+    "open_context",
+    "open_monitor",
+    "open_socket",
+    "parse_monitor_event",
+]
