@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.vllm_real import (
     REQUIRED_ENV,
@@ -20,6 +21,12 @@ from tests.vllm_real import (
 from tests.vllm_reference import VLLM_VERSION, VllmUnavailable, prepare_import_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Property tests check outcomes, never speed: on a loaded machine (CI, or two cores shared
+# by several runs) hypothesis's default 200 ms deadline and its too-slow health check fail
+# correct code, so the whole suite runs without them.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 VECTORS_PATH = REPO_ROOT / "tests" / "data" / "vectors.json"
 
 

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from ._compiled import log_build
 from ._errors import CoordinatorError
 from ._shell.coordinator import Coordinator, open_coordinator
 from ._shell.endpoints import DEFAULT_LIVENESS, Liveness
@@ -396,6 +397,7 @@ async def _serve(args: argparse.Namespace) -> int:
                     endpoints["metrics"] = metrics.url
                 _emit(endpoints)
                 started = True
+                log_build()  # which build of the hot path runs: compiled, or the pure twin
                 async with trio.open_nursery() as nursery:
                     if metrics is not None:
                         await nursery.start(metrics.serve)

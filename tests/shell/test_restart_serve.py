@@ -21,7 +21,6 @@ import pytest
 import trio
 
 from trio_dpcoord import Frontend, open_frontend, protocol
-from trio_dpcoord._shell.supervision import CRASH_VARIABLE
 from trio_dpcoord.testing import (
     EnginePeer,
     ServeProcess,
@@ -30,6 +29,9 @@ from trio_dpcoord.testing import (
     open_serve,
     serve_command,
 )
+
+CRASH_VARIABLE = "TRIO_DPCOORD_INJECT_CRASH"
+"""The injected-crash hook (trio_dpcoord/_shell/supervision.py), off when unset."""
 
 pytestmark = pytest.mark.trio
 

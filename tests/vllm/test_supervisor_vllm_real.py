@@ -45,8 +45,10 @@ from tests.vllm_real import (
     completion_body,
     write_model,
 )
-from trio_dpcoord._shell.supervision import CRASH_VARIABLE
 from trio_dpcoord.sim.cluster_config import percentile
+
+CRASH_VARIABLE = "TRIO_DPCOORD_INJECT_CRASH"
+"""The injected-crash hook (trio_dpcoord/_shell/supervision.py), off when unset."""
 
 pytestmark = pytest.mark.vllm_real
 

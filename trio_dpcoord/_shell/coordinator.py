@@ -65,7 +65,7 @@ class Coordinator:
     :meth:`engine_loads`, :meth:`subscriptions`, :meth:`statistics` and
     :attr:`engine_count` may also be called from other threads (:meth:`choose`,
     :meth:`observe` and :meth:`finished` only from trio tasks). Properties are fixed
-    settings; methods read what changes (the README's rule).
+    settings; methods read what changes (docs/api.md's rule).
     """
 
     def __init__(

@@ -73,7 +73,7 @@ _UNAVAILABLE = EngineLoad(waiting=2**62, running=0, kv_cache_usage=1.0)
 class EngineClient:
     """The handle :func:`open_engine_client` yields once every engine is ready.
 
-    Properties are fixed settings; methods read what changes (the README's rule)."""
+    Properties are fixed settings; methods read what changes (docs/api.md's rule)."""
 
     def __init__(
         self,

@@ -60,7 +60,7 @@ class Frontend:
 
     Built complete by :func:`open_frontend` once its socket is connected. Every method is
     synchronous and cheap, for use from trio tasks; only :meth:`wait_for` awaits.
-    Properties are fixed settings; methods read what changes (the README's rule).
+    Properties are fixed settings; methods read what changes (docs/api.md's rule).
     """
 
     def __init__(

@@ -49,7 +49,7 @@ class BacklogNews(NamedTuple):
                 "engine output socket behind for %.1f s: its queue has not been empty since "
                 "(%d load reports superseded before they were written meanwhile). Engines "
                 "send faster than the coordinator reads: published loads are that old and "
-                "wave reports wait behind the queue (README: past the limit)",
+                "wave reports wait behind the queue (docs/operations.md: past the limit)",
                 self.behind_for,
                 self.coalesced,
             )

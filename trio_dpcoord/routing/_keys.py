@@ -12,6 +12,8 @@ from itertools import accumulate, chain, islice
 from operator import xor
 from typing import Literal, overload
 
+from .._compiled import accelerate
+
 __all__ = [
     "CHUNK_BLOCKS",
     "DEFAULT_BLOCK_SIZE",
@@ -77,6 +79,12 @@ def block_keys(
     keys = list(accumulate(hashes, xor, initial=parent))
     del keys[0]
     return keys
+
+
+def chunk_hashes(token_ids: Sequence[int], span: int) -> Iterator[int]:
+    """The hash of each full chunk of ``span`` tokens as a tuple, lazily (zip builds each
+    tuple from the tokens: no slice copied per chunk); a partial last chunk has none."""
+    return map(hash, zip(*(iter(token_ids),) * span, strict=False))
 
 
 CHUNK_BLOCKS = 16
@@ -259,9 +267,8 @@ class ChunkKeys:
         total = len(token_ids)
         chunks = self._chunks
         keys = ChunkedKeys([], total // self.block_size)
-        # The full chunks' tuple hashes, zip building each tuple from the tokens (no
-        # slice copied per chunk), lazily: the first alone, the others if it is known.
-        hashes = map(hash, zip(*(iter(token_ids),) * span, strict=False))
+        # The full chunks' tuple hashes, lazily: the first alone, the others if it is known.
+        hashes = chunk_hashes(token_ids, span)
         first = next(hashes, None)
         ids: list[int] = []
         found = 0
@@ -308,3 +315,6 @@ class ChunkKeys:
         if excess > 0:
             for old in list(islice(chunks, excess)):
                 del chunks[old]
+
+
+accelerate(globals(), "trio_dpcoord.routing._keys_kernel")  # the compiled twin, if built

