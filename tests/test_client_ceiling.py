@@ -1,4 +1,4 @@
-"""The client-ceiling benchmark's own parts (benchmarks/_client_ceiling.py): its stand-in
+"""The client-ceiling benchmark's own parts (benchmarks/sections/client_ceiling.py): its stand-in
 engines write the bytes the protocol's encoder writes, and its profile breakdown sorts
 py-spy's stacks into the request path's parts. (Its figures are measured, never asserted.)"""
 
@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks._client_ceiling import SCHEDULER, STARTUP, breakdown
-from benchmarks._stand_in_engine import (
+from benchmarks.programs.stand_in_engine import (
     TOKEN,
     decode_add,
     outputs_frame,
     step_frame,
     wire_request,
 )
+from benchmarks.sections.client_ceiling_profile import SCHEDULER, STARTUP, breakdown
 from trio_dpcoord import SamplingParams, protocol
 
 items = st.lists(
@@ -102,7 +102,7 @@ def stack(*frames: str) -> str:
     return ";".join(frames)
 
 
-TRIO = ("<module> (benchmarks/_engine_client.py:1)", "run (trio/_core/_run.py:2532)")
+TRIO = ("<module> (benchmarks/programs/engine_client.py:1)", "run (trio/_core/_run.py:2532)")
 LOOP = "unrolled_run (trio/_core/_run.py:2866)"
 
 
@@ -119,8 +119,8 @@ def test_the_breakdown_sorts_stacks_into_the_request_path(tmp_path: Path) -> Non
             stack(
                 *TRIO,
                 LOOP,
-                "_run.<locals>.load.<locals>.worker (benchmarks/_engine_client.py:9)",
-                "_run.<locals>.one (benchmarks/_engine_client.py:9)",
+                "_run.<locals>.load.<locals>.worker (benchmarks/programs/engine_client.py:9)",
+                "_run.<locals>.one (benchmarks/programs/engine_client.py:9)",
                 "RequestStream.__aenter__ (trio_dpcoord/_shell/request_stream.py:1)",
                 "EngineClient._add (trio_dpcoord/_shell/engine_client.py:1)",
                 "encode_add (trio_dpcoord/protocol/_engine_core.py:1)",
@@ -163,7 +163,7 @@ async def test_the_client_gets_every_token_from_the_stand_in_engines(tmp_path: P
     outputs); a stream left early is aborted and the engines go on serving the rest."""
     import trio
 
-    from benchmarks._stand_in_engine import WireSpeedEngineCore
+    from benchmarks.programs.stand_in_engine import WireSpeedEngineCore
     from tests.vllm_real import free_port
     from trio_dpcoord import SamplingParams, open_engine_client
     from trio_dpcoord.sim.engine_config import EngineConfig

@@ -71,4 +71,4 @@ def dense_config(*, hidden: int, layers: int, max_len: int) -> dict[str, Any]:
 
 PREFILL_CONFIG: dict[str, Any] = dense_config(hidden=256, layers=4, max_len=4224)
 """A dense model whose prefill takes a real share of a step on the CPU (a routing
-benchmark's: ``benchmarks/_routing_real.py``): 4 layers of width 256, prompts up to 4k."""
+benchmark's: ``benchmarks/sections/routing_real.py``): 4 layers of width 256, prompts up to 4k."""

@@ -78,7 +78,7 @@ class PrefixRouting:
     conversation's turns then have one home whatever each front-end knows of where its
     history is cached, as long as the home's cost is within the slack of the best. On
     the lock-step model with two front-ends (approximate feed, 20 requests/s a rank,
-    slack 3; ``python -m benchmarks._front_ends``) it raised multi-turn's hit rate from
+    slack 3; ``python -m benchmarks.tools.front_ends``) it raised multi-turn's hit rate from
     0.73-0.75 to 0.81-0.82 at DP = 2 (one front-end: 0.80-0.81) and from 0.63 to
     0.69-0.75 at DP = 8 (one: 0.78-0.81), shared documents' from 0.42 to 0.48 at DP = 8;
     with nothing shared it spreads by hash within the slack (0.91-0.98x the throughput

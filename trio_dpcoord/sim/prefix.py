@@ -29,7 +29,7 @@ weight reads and launch overhead for an 8B-class model on one GPU; assumed."""
 STEP_PER_TOKEN_S = 2e-5
 """The model's cost per token processed in a step (``b``): 50k tokens/s of prefill, the
 order of an 8B-class model on one data-centre GPU; assumed. The routing benchmark sweeps
-it (``benchmarks/_routing.py``, ``PREFILL_SWEEP_PER_TOKEN_S``)."""
+it (``benchmarks/sections/routing.py``, ``PREFILL_SWEEP_PER_TOKEN_S``)."""
 
 
 @dataclass
