@@ -107,7 +107,7 @@ FLOORS: dict[str, int] = {
 imports its own room, the rooms of lower floors and the foundations; integrations also
 import each other."""
 
-FOUNDATIONS = frozenset({"_errors", "_lazy", "_reject_log", "_compiled"})
+FOUNDATIONS = frozenset({"_errors", "_heartbeat", "_lazy", "_reject_log", "_compiled"})
 """Modules anyone may import; they import nothing of the package."""
 
 
@@ -384,6 +384,8 @@ WHITE_BOX: dict[str, str] = {
     f"{ROOT}.vllm._routing": "the vLLM plugin's routing rules and per-client state",
     f"{ROOT}.vllm._peers": "the vLLM plugin's routes shared between API servers",
     f"{ROOT}._compiled": "the compiled twins' switch: the differential tests load the pure twin",
+    f"{ROOT}._supervisor": "the supervisor's sans-IO rules on a fake clock (tests/shell)",
+    f"{ROOT}._heartbeat": "the worker's heartbeat record beside the wave (tests/shell)",
 }
 """The private modules tests may import (white-box tests of exactly that module, its
 private names included); nothing else outside the package names a private module."""

@@ -32,6 +32,8 @@ from ._compiled import log_build
 from ._errors import CoordinatorError
 from ._shell.coordinator import Coordinator, open_coordinator
 from ._shell.endpoints import DEFAULT_LIVENESS, Liveness
+from ._shell.supervision import inject_failure, keep_heartbeat
+from ._supervisor import RULE, SILENCE_DEADLINE
 from .core._pacing import ProgressPacer
 
 __all__ = ["cancel_at_stdin_eof", "main"]
@@ -269,9 +271,17 @@ def _add_process_arguments(serve: argparse.ArgumentParser) -> None:
         "--supervised",
         action="store_true",
         help="run the coordinator as a worker process and start another on the same "
-        "addresses within a second when it dies (a crash, kill -9): it takes over at the "
-        "wave the dead one had reached and the engines reconnect to it (at most 5 "
-        "restarts a minute). This process only supervises; killing it ends the worker",
+        "addresses within a second when it dies (a crash, kill -9) or hangs: it takes over "
+        f"at the wave the dead one had reached and the engines reconnect to it. The rule: "
+        f"{RULE}. This process only supervises; killing it ends the worker",
+    )
+    serve.add_argument(
+        "--watchdog-timeout",
+        type=_seconds_or_off,
+        default=SILENCE_DEADLINE,
+        metavar="SECONDS",
+        help="with --supervised: kill and replace a worker whose event loop was silent "
+        "this long (no heartbeat); 0 turns the watchdog off (default: %(default)s)",
     )
     serve.add_argument("--wave-file", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
@@ -392,6 +402,14 @@ async def _serve(args: argparse.Namespace) -> int:
                     if metrics is not None:
                         await nursery.start(metrics.serve)
                     nursery.start_soon(_log_gate_progress, coordinator, args.engines)
+                    if args.wave_file is not None:  # supervised: the watchdog reads it
+                        nursery.start_soon(
+                            keep_heartbeat,
+                            args.wave_file,
+                            lambda: coordinator.subscriptions().gate_open,
+                            coordinator.restarts().process_restarts == 0,
+                            lambda: inject_failure(coordinator._pumps, "engine_output"),
+                        )
                     if args.exit_on_stdin_eof:
                         nursery.start_soon(cancel_at_stdin_eof, nursery.cancel_scope, logger)
                     async for signum in signals:
@@ -431,7 +449,8 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
             "--back-out": args.back_out or f"ipc://{private}/back-output",
         }
         base = [sys.executable, "-m", "trio_dpcoord", *options]
-        base += ["--wave-file", os.path.join(private, "wave"), "--exit-on-stdin-eof"]
+        wave_file = os.path.join(private, "wave")
+        base += ["--wave-file", wave_file, "--exit-on-stdin-eof"]
 
         def command(endpoints: Mapping[str, str] | None) -> list[str]:
             addresses = dict(first)
@@ -452,6 +471,8 @@ def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
             lambda endpoints: [*command(endpoints), "--standby"],
             on_endpoints=lambda endpoints: _emit(dict(endpoints)),
             on_line=relay,
+            heartbeat_path=wave_file,
+            silence_deadline=args.watchdog_timeout or 0.0,
             stop_on_stdin_eof=args.exit_on_stdin_eof,
         )
 

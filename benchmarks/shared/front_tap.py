@@ -92,16 +92,22 @@ async def _watch(monitor: AsyncSocket, tap: RecoveryTap) -> None:
 
 
 @asynccontextmanager
-async def open_recovery_tap(address: str, *, within: float = 60.0) -> AsyncIterator[RecoveryTap]:
+async def open_recovery_tap(
+    address: str, *, within: float = 60.0, reconnect_ivl_ms: int | None = RECONNECT_IVL_MS
+) -> AsyncIterator[RecoveryTap]:
     """Subscribe to the front socket at ``address`` for the block; entered once the first
-    publish arrived (``trio.TooSlowError`` if none came ``within`` seconds)."""
+    publish arrived (``trio.TooSlowError`` if none came ``within`` seconds).
+    ``reconnect_ivl_ms`` None: libzmq's default reconnection, as vLLM's API servers have."""
     tap = RecoveryTap()
+    options: dict[int, int | bytes] = {zmq.SUBSCRIBE: b""}
+    if reconnect_ivl_ms is not None:
+        options[zmq.RECONNECT_IVL] = reconnect_ivl_ms
     async with (
         open_context() as context,
         open_socket(
             context,
             zmq.SUB,
-            options={zmq.SUBSCRIBE: b"", zmq.RECONNECT_IVL: RECONNECT_IVL_MS},
+            options=options,
         ) as socket,
         open_monitor(
             context, socket, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED

@@ -37,6 +37,7 @@ from typing import Final, Protocol
 
 import trio
 
+from .._heartbeat import HeartbeatWriter
 from ..core import Broadcast, CoordinatorCore, Effect, Recovery
 
 
@@ -61,17 +62,32 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
+    "CRASH_VARIABLE",
+    "HEARTBEAT_INTERVAL",
     "RESTART_WINDOW",
+    "InjectedCrash",
     "RestartLog",
     "RestartStatistics",
     "WaveFile",
     "inject_failure",
+    "keep_heartbeat",
     "recovery_from",
     "restart_pumps",
     "supervise",
 ]
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL: Final = 0.1
+"""Seconds between two heartbeats of a supervised worker (one store into its wave file)."""
+
+CRASH_VARIABLE: Final = "TRIO_DPCOORD_INJECT_CRASH"
+"""A testing hook, off when unset: ``worker:SECONDS`` makes the first worker process on
+a wave file raise :class:`InjectedCrash` in its event loop that many seconds after its gate
+opened (the process dies of it; its supervisor replaces it); ``worker:/PATH``, any worker
+once a file appears at PATH (it removes it: one crash per file); ``pump:...`` raises an
+``AssertionError`` inside the coordinator's engine-output pump instead (the service is
+restarted in place)."""
 
 RESTART_WINDOW: Final = 60.0
 """Seconds over which ``max_restarts`` is counted: more failures than that is a loop."""
@@ -299,3 +315,79 @@ def _describe(group: BaseExceptionGroup[BaseException]) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
+
+
+class InjectedCrash(AssertionError):
+    """A broken invariant raised on purpose (:data:`CRASH_VARIABLE`)."""
+
+
+def _crash_plan(value: str | None) -> tuple[str, float | str] | None:
+    """``CRASH_VARIABLE``'s value as (where, seconds after the gate opened, or the path
+    whose appearance triggers it); None when unset."""
+    if not value:
+        return None
+    where, _, when = value.partition(":")
+    if where not in ("worker", "pump"):
+        raise ValueError(f"{CRASH_VARIABLE}={value!r}: expected worker:WHEN or pump:WHEN")
+    if when.startswith("/"):
+        return where, when
+    try:
+        delay = float(when or "0")
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0:
+        raise ValueError(f"{CRASH_VARIABLE}={value!r}: WHEN is seconds or an absolute path")
+    return where, delay
+
+
+def _crash_due(plan: tuple[str, float | str], opened_at: float, now: float) -> bool:
+    """Whether the planned crash is due; a trigger file is consumed (one crash per file)."""
+    when = plan[1]
+    if isinstance(when, float):
+        return now >= opened_at + when
+    try:
+        os.unlink(when)
+    except OSError:
+        return False
+    return True
+
+
+async def keep_heartbeat(
+    path: str,
+    gate_open: Callable[[], bool],
+    first_process: bool,
+    inject_in_pump: Callable[[], None],
+    *,
+    interval: float = HEARTBEAT_INTERVAL,
+) -> None:
+    """A supervised worker's heartbeat (``_heartbeat.py``), from a task of its own event
+    loop, once per ``interval`` until cancelled: a loop that stops running (a hang, a
+    task that never yields, SIGSTOP) stops it, and the supervisor's watchdog replaces the
+    worker. Also carries out :data:`CRASH_VARIABLE` in the first process on the file
+    (``first_process``); ``inject_in_pump`` makes the engine-output pump fail."""
+    plan = _crash_plan(os.environ.get(CRASH_VARIABLE))
+    if plan is not None and isinstance(plan[1], float) and not first_process:
+        plan = None  # after a delay: the first process only, or every one would crash
+    writer = HeartbeatWriter(path, interval)
+    opened_at: float | None = None
+    try:
+        while True:
+            now = trio.current_time()
+            opened = gate_open()
+            writer.beat(now, opened)
+            if plan is not None and opened:
+                opened_at = now if opened_at is None else opened_at
+                if _crash_due(plan, opened_at, now):
+                    where, plan = plan[0], None
+                    logger.warning("%s: injecting a crash in the %s now", CRASH_VARIABLE, where)
+                    if where == "worker":
+                        raise InjectedCrash(f"a broken invariant injected ({CRASH_VARIABLE})")
+                    inject_in_pump()
+            await trio.sleep(interval)
+    finally:
+        if writer.longest_silence > 0:
+            logger.info(
+                "event loop: the longest silence between two heartbeats was %.3f s",
+                writer.longest_silence,
+            )
+        writer.close()

@@ -407,7 +407,8 @@ def _supervise(
     with tempfile.TemporaryDirectory(prefix="trio-dpcoord-") as private:
         base = [sys.executable, "-m", "trio_dpcoord", "serve", f"--engines={engine_count}"]
         base += ["--allow-remote", f"--stats-interval-ms={stats_interval_ms}"]
-        base += [f"--wave-file={os.path.join(private, 'wave')}", "--exit-on-stdin-eof"]
+        wave_file = os.path.join(private, "wave")
+        base += [f"--wave-file={wave_file}", "--exit-on-stdin-eof"]
         base += [f"--log-level={level}", "--log-format=vllm"]
         base += [] if wave_coordination else ["--no-wave-coordination"]
 
@@ -434,6 +435,7 @@ def _supervise(
                 command,
                 lambda endpoints: [*command(endpoints), "--standby"],
                 on_endpoints=report,
+                heartbeat_path=wave_file,
             )
         finally:
             _remove_socket_files(list(bound))
