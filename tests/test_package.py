@@ -540,10 +540,6 @@ NOUN_EXEMPT = (f"{ROOT}.protocol", f"{ROOT}.sim")
 """Where an engine keeps vLLM's name, its DP rank: the wire's fields, a simulated engine
 process (docs/api.md)."""
 
-NOUN_NOT_YET = frozenset({"HandshakeState", "RequestTable", "SilenceWatch"})
-"""Handles still naming engines ``rank``: the engine client's sans-IO tables in
-:mod:`trio_dpcoord.core` (their ``rank`` parameters and ``rank_of``/``busy_ranks``)."""
-
 STEMS = {
     "choose": {"choose", "route", "pick", "select"},
     "observe": {"observe", "note", "pin", "pinned"},
@@ -636,7 +632,7 @@ def test_every_handle_that_does_an_act_uses_its_verb() -> None:
 
 def test_no_public_handle_has_a_synonym() -> None:
     """No synonym of the table, no other name made of an act's word, and no engine called
-    a rank outside :data:`NOUN_EXEMPT` (and the handles :data:`NOUN_NOT_YET` lists)."""
+    a rank outside :data:`NOUN_EXEMPT`."""
     synonyms = {synonym for act in verb_table() for synonym in act.synonyms}
     nouns = {"rank", "ranks"}
     found = []
@@ -648,7 +644,7 @@ def test_no_public_handle_has_a_synonym() -> None:
             for verb, stems in STEMS.items():
                 if words & stems and attribute != verb:
                     found.append(f"{front}.{name}.{attribute}: say {verb!r}")
-            if words & nouns and front not in NOUN_EXEMPT and name not in NOUN_NOT_YET:
+            if words & nouns and front not in NOUN_EXEMPT:
                 found.append(f"{front}.{name}.{attribute}: an engine is engine_index")
     assert not found, "names against docs/api.md:\n" + "\n".join(found)
 

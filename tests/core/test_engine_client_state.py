@@ -84,7 +84,7 @@ def test_request_table_fails_only_the_dead_ranks_work() -> None:
     other_call = table.new_call(1)
     with pytest.raises(ValueError):
         table.add("a", 1)
-    assert table.fail_rank(0) == (["a", "c"], [call])
+    assert table.fail_engine(0) == (["a", "c"], [call])
     assert table.in_flight() == ["b"]
     assert table.pending_calls() == [other_call]
     assert table.finish("b", RequestState.ABORTED)
@@ -127,7 +127,7 @@ class RequestTableMachine(RuleBasedStateMachine):
 
     @rule(rank=st.integers(0, 2))
     def fail(self, rank: int) -> None:
-        requests, calls = self.table.fail_rank(rank)
+        requests, calls = self.table.fail_engine(rank)
         assert set(requests) == {r for r, k in self.model.items() if k == rank}
         assert set(calls) == {c for c, k in self.calls.items() if k == rank}
         self.model = {r: k for r, k in self.model.items() if k != rank}
@@ -137,7 +137,7 @@ class RequestTableMachine(RuleBasedStateMachine):
     def agrees(self) -> None:
         assert set(self.table.in_flight()) == set(self.model)
         for rid, rank in self.model.items():
-            assert self.table.rank_of(rid) == rank
+            assert self.table.engine_index_of(rid) == rank
         assert set(self.table.pending_calls()) == set(self.calls)
 
 
@@ -168,10 +168,10 @@ def test_dead_rank_is_remembered_and_its_work_returned() -> None:
     table = RequestTable()
     table.add("a", 1)
     table.add("b", 0)
-    assert table.busy_ranks() == {0, 1}
+    assert table.busy_engines() == {0, 1}
     assert table.mark_dead(1) == (["a"], [])
     assert table.dead == {1}
-    assert table.busy_ranks() == {0}
+    assert table.busy_engines() == {0}
 
 
 def test_wire_messages() -> None:
@@ -218,7 +218,7 @@ def test_engine_frames_and_utility_outputs_decode() -> None:
         decode_engine_frames([b"\xc1"])
 
 
-def test_silence_watch_only_times_out_busy_ranks() -> None:
+def test_silence_watch_only_times_out_busy_engines() -> None:
     watch = SilenceWatch(10.0)
     watch.sent(0, now=0.0, idle_before=True)
     assert watch.overdue(5.0, busy=[0]) == []

@@ -214,7 +214,7 @@ class EngineClient:
         finish reason ``abort`` (the engine sends nothing for an aborted request, as
         vLLM's own front-end knows: it ends the request itself); nothing happens for an
         unknown id."""
-        rank = self._table.rank_of(request_id)
+        rank = self._table.engine_index_of(request_id)
         if rank is None:
             return
         stream = self._streams.get(request_id)
@@ -300,9 +300,9 @@ class EngineClient:
         if self._closed:
             raise EngineClientClosedError("the engine client has stopped")
 
-    def _busy_ranks(self) -> set[int]:
-        """Ranks with requests or utility calls in flight."""
-        return set(self._table.busy_ranks()) | self._calls.ranks()
+    def _busy_engines(self) -> set[int]:
+        """Engines with requests or utility calls in flight."""
+        return set(self._table.busy_engines()) | self._calls.ranks()
 
     def _work_for(self, rank: int) -> None:
         """Work (a request, a call) is about to be recorded and sent to ``rank``: a rank
@@ -375,7 +375,7 @@ class EngineClient:
 
     def _release(self, stream: RequestStream) -> None:
         """The caller left the stream: abort the request if it is still live."""
-        rank = self._table.rank_of(stream.request_id)
+        rank = self._table.engine_index_of(stream.request_id)
         if rank is None:
             return
         self._table.finish(stream.request_id, RequestState.ABORTED)
@@ -482,10 +482,10 @@ class EngineClient:
             return
         while True:
             now = trio.current_time()
-            busy = self._busy_ranks() - self._table.dead
+            busy = self._busy_engines() - self._table.dead
             for rank in watch.overdue(now, busy):
                 self._rank_dead(rank, f"silent for {watch.timeout:g} s with work in flight")
-            busy = self._busy_ranks() - self._table.dead
+            busy = self._busy_engines() - self._table.dead
             self._work_sent = trio.Event()
             with trio.move_on_at(watch.next_check(now, busy) + 0.01):
                 await self._work_sent.wait()
