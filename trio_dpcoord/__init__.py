@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from ._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from ._compiled import hot_path_build as hot_path_build
     from ._errors import CoordinatorClosedError as CoordinatorClosedError
     from ._errors import CoordinatorError as CoordinatorError
     from ._errors import EngineClientClosedError as EngineClientClosedError
@@ -110,6 +111,7 @@ __all__ = [
     "UtilityCallError",
     "WaveSnapshot",
     "WaveStartCause",
+    "hot_path_build",
     "open_connection_monitor",
     "open_coordinator",
     "open_engine_client",
@@ -117,6 +119,7 @@ __all__ = [
 ]
 
 _EXPORTS: dict[str, str] = {
+    "hot_path_build": "._compiled",
     "ChooserStatistics": ".routing._chooser",
     "Completion": "._shell.request_stream",
     "ConnectionMonitor": "._shell.monitor",

@@ -21,6 +21,7 @@ __all__ = [
     "PURE_PYTHON_ENV",
     "accelerate",
     "build_description",
+    "hot_path_build",
     "kernels_in_use",
     "log_build",
     "pure_forced",
@@ -90,6 +91,12 @@ def build_description() -> str:
         return f"pure-Python hot path in use ({PURE_PYTHON_ENV} is set)"
     missing = ", ".join(name.rsplit(".", 1)[-1] for name, on in used.items() if not on)
     return f"pure-Python hot path in use (not built: {missing})"
+
+
+def hot_path_build() -> str:
+    """``"compiled"`` where every compiled twin runs in this process, else ``"pure"``
+    (forced, not built, or only some built): what a benchmark record calls its build."""
+    return "compiled" if all(kernels_in_use().values()) else "pure"
 
 
 def log_build() -> None:

@@ -89,11 +89,11 @@ def commit() -> tuple[str, bool]:
 
 
 def build() -> str:
-    """Which build of trio_dpcoord runs: the package's own answer (``trio_dpcoord.BUILD``)
-    when it has one, else :data:`PURE_BUILD` (no compiled modules exist yet)."""
+    """Which build of trio_dpcoord runs here: ``"compiled"`` or :data:`PURE_BUILD`
+    (:func:`trio_dpcoord.hot_path_build`)."""
     import trio_dpcoord
 
-    return str(getattr(trio_dpcoord, "BUILD", PURE_BUILD))
+    return trio_dpcoord.hot_path_build()
 
 
 def run_meta(

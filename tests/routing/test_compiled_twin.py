@@ -13,10 +13,14 @@ runs it both ways.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -287,3 +291,30 @@ def test_choosers_choose_the_same(
         ]
         now = float(number)
         assert fast.choose(loads, prompt, now=now) == pure.choose(loads, prompt, now=now)
+
+
+@pytest.mark.parametrize("forced_pure", [False, True])
+def test_the_build_a_process_names_is_the_one_it_runs(forced_pure: bool) -> None:
+    """``hot_path_build()`` (what benchmark records call their build) says "pure" where
+    TRIO_DPCOORD_PURE_PYTHON is set, and otherwise "compiled" exactly where every
+    kernel took over: a fresh process, so the environment decides as at start-up."""
+    env = {k: v for k, v in os.environ.items() if k != "TRIO_DPCOORD_PURE_PYTHON"}
+    if forced_pure:
+        env["TRIO_DPCOORD_PURE_PYTHON"] = "1"
+    script = (
+        "import json, trio_dpcoord\n"
+        "from trio_dpcoord.routing import block_keys\n"
+        "print(json.dumps([trio_dpcoord.hot_path_build(),"
+        " type(block_keys).__name__]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    build, keys_type = json.loads(result.stdout)
+    # the compiled block_keys is a Cython function, the pure one a Python function
+    assert build == ("compiled" if keys_type == "cython_function_or_method" else "pure")
+    if forced_pure:
+        assert build == "pure"
+    elif REQUIRE_COMPILED:
+        assert build == "compiled"
