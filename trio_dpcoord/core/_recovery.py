@@ -31,7 +31,11 @@ What is not covered: a process killed after it *read* two engine reports and bef
 applied them, rank 0's ``wave_complete(W)`` and a ``start_wave(W + 1)``, leaves a floor
 of W; the wake at W is stale for the engines, and the engine that woke itself waits for
 its peers until a request reaches one of them (its ``start_wave(W + 1)`` is accepted)
-or its collective times out (``tests/test_model_check.py`` shows the trace).
+or its collective times out. The load-report rule above does not close it: vLLM's
+engines report counts only when they change, so the waiting engine's one report of its
+work was in the lost batch; and when only a ``start_wave(W + 1)`` was lost, rank 0's
+reports of W, read after it, settle the wave, and a report of work is then a load only
+(docs/protocol.md §16.4; ``tests/test_model_check.py`` shows both traces).
 
 Loads are published again as soon as the gate is open (at once when it was carried
 over), within one publish interval.
