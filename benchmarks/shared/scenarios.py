@@ -43,7 +43,6 @@ from benchmarks.shared.util import (
 )
 from benchmarks.shared.wake_probe import WakeProbe
 from trio_dpcoord import PrivateIpcDirectory, open_coordinator, protocol
-from trio_dpcoord._compiled import PURE_PYTHON_ENV
 from trio_dpcoord.core import CoordinatorCore, Publish
 from trio_dpcoord.testing import connect_engines, serve_command
 
@@ -54,6 +53,7 @@ STANDALONE = "standalone"
 STANDALONE_PURE = "standalone-pure"
 """``trio-dpcoord serve`` with ``TRIO_DPCOORD_PURE_PYTHON=1``: the pure-Python twins of
 every compiled module (measured beside ``standalone`` when that one runs compiled)."""
+PURE_PYTHON_ENV = "TRIO_DPCOORD_PURE_PYTHON"
 STANDALONE_MSGPACK = "standalone-msgpack"
 """``trio-dpcoord serve`` with msgspec unimportable: a machine without the ``fast`` extra."""
 TRIO_FLOOR = "trio-floor"
@@ -131,7 +131,7 @@ def serving(
         argv = procs("coordinator", *sockets, "--front", front if with_front else "")
     elif kind in (STANDALONE, STANDALONE_PURE):
         if kind == STANDALONE_PURE:
-            child_env = {**os.environ, PURE_PYTHON_ENV: "1"}
+            child_env = {**os.environ, PURE_PYTHON_ENV: "1"}  # docs/vllm.md's switch
         argv = with_death_signal(
             serve_command(
                 *sockets,
