@@ -68,8 +68,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILED_STARTS: Final = 5
-"""Workers in a row that die before they served: the supervisor gives up at this many."""
+MAX_FAILED_STARTS: Final = 3
+"""Workers in a row that die before they served: the supervisor gives up at this many.
+Three, as many as the standbys ready: a start that cannot succeed (a blocked address)
+is named within tens of milliseconds, not after cold starts of a second each (vLLM's own
+shutdown then takes about 9 s more: measured, docs/failures.md)."""
 QUICK_DEATH: Final = 0.25
 """Seconds: a worker that dies sooner after it began to serve doubles the next pause.
 (A quarter of a second of serving is its engines' first reports and publishes handled: a
