@@ -463,13 +463,6 @@ class CoordinatorCore:
             return _NOTHING
         self._tally.unconfirmed_expiries += 1
         if self._recovery is not None and (probe := self._recovery.unanswered(self._wave, wave)):
-            logger.warning(
-                "no engine answered the recovery wake of wave %d within %.1f s: the engines "
-                "are past it; waking every engine at wave %d",
-                wave,
-                self._wake_deadlines.timeout,
-                probe.wave,
-            )
             return self._recovered(probe, now)
         logger.warning(
             "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused engines "

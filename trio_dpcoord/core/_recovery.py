@@ -48,12 +48,15 @@ over), within one publish interval.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..protocol import EngineLoad, StatsReport
 from ._wave import LoadTable, WaveStart, WaveState
 
 __all__ = ["Recovery", "RecoveryRules"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,12 @@ class RecoveryRules:
         if not self._probe_owed or wave != self._woke_at:
             return None
         self._probe_owed = False
+        logger.warning(
+            "no engine answered the recovery wake of wave %d: the engines are past it; "
+            "waking every engine at wave %d",
+            wave,
+            wave + 1,
+        )
         return wave_state.recovery_start(wave + 1)
 
     def stats(self, wave_state: WaveState, report: StatsReport) -> WaveStart | bool:
