@@ -162,8 +162,9 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
     import trio
     import zmq
 
-    from trio_dpcoord import protocol
+    from trio_dpcoord import hot_path_build, protocol
     from trio_dpcoord.core import CoordinatorCore
+    from trio_dpcoord.protocol import _output_decoder
     from trio_dpcoord.trio_zmq import open_context, open_socket
 
     frames = fleet_stream(8, messages)
@@ -200,6 +201,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
         decode = {
             "msgpack": protocol.ingest_stats_with_msgpack,
             "msgspec": protocol.ingest_stats_with_msgspec,
+            "core": _output_decoder.decode_ingest_stats,
         }[path]
 
         def loop() -> None:  # our decoder's hot path, recv with the multipart check
@@ -216,6 +218,9 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
         "recv + msgpack.unpackb (the forwarder)": loop_unpackb,
         "recv (frame) + our ingest decode, msgpack path": loop_ingest_decode("msgpack"),
         "recv (frame) + our ingest decode, msgspec path": loop_ingest_decode("msgspec"),
+        f"recv (frame) + our ingest decode as the core calls it ({hot_path_build()} build)": (
+            loop_ingest_decode("core")
+        ),
     }
     with contextlib.suppress(ImportError):
         import msgspec

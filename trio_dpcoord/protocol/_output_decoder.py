@@ -35,6 +35,7 @@ from typing import Annotated, Any, Final
 
 from msgpack import unpackb as _unpackb
 
+from .._compiled import accelerate
 from ._codec import MAX_DATA_FRAME_BYTES, ProtocolError, unpack
 from ._msgspec_views import fits_view, load_msgspec, outputs_views, view_readers
 from ._outputs import (
@@ -288,3 +289,5 @@ the frame and the frame is in the shape engines send (the narrow view, or the ms
 path's field-by-field check); None for every other frame, valid or not, which
 :func:`decode_coordinator_output` then judges. Never raises. No named tuples are built
 (the load table builds an :class:`EngineLoad` only for each engine's newest report)."""
+
+accelerate(globals(), "trio_dpcoord.protocol._output_decoder_kernel")  # the compiled twin, if built
