@@ -200,6 +200,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
     def loop_ingest_decode(path: str) -> Callable[[], None]:
         decode = {
             "msgpack": protocol.ingest_stats_with_msgpack,
+            "layouts": protocol.ingest_stats_with_layouts,
             "msgspec": protocol.ingest_stats_with_msgspec,
             "core": _output_decoder.decode_ingest_stats,
         }[path]
@@ -217,6 +218,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
         "recv (frame, bytes, more: multipart checked)": loop_recv_frame,
         "recv + msgpack.unpackb (the forwarder)": loop_unpackb,
         "recv (frame) + our ingest decode, msgpack path": loop_ingest_decode("msgpack"),
+        "recv (frame) + our ingest decode, layouts path": loop_ingest_decode("layouts"),
         "recv (frame) + our ingest decode, msgspec path": loop_ingest_decode("msgspec"),
         f"recv (frame) + our ingest decode as the core calls it ({hot_path_build()} build)": (
             loop_ingest_decode("core")

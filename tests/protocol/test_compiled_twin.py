@@ -34,6 +34,7 @@ from fuzz.fuzz_codec import frames as fuzz_frames
 from tests.protocol.decoder_contract import (
     REAL_STATS_FRAME,
     VECTORS,
+    calls_of,
     coordinator_frames,
     real_stats,
 )
@@ -90,6 +91,10 @@ def assert_twins_agree(frame: bytes) -> tuple[Any, ...] | None:
     for record in (spec, pure):
         if record is not None:
             assert pure_final == as_decoded(record), frame.hex()
+    # the pure path without msgspec: read against a learnt layout (the second time at
+    # least), the msgpack path's answer
+    for _ in range(2):
+        assert PURE.ingest_with_layouts(frame) == spec, frame.hex()
     return fast  # type: ignore[no-any-return]
 
 
@@ -304,6 +309,41 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
         if not data:
             break
     return bytes(data)
+
+
+@st.composite
+def values_in_place(draw: st.DrawFn) -> bytes:
+    """A report engines send with other bytes where its read values and its timestamp
+    are (the bytes a learnt layout reads, some no longer in the layout's encoding)."""
+    data = bytearray(draw(st.sampled_from([REAL_STATS_FRAME, *fleet_stream(2, 4)])))
+    starts = [1, len(data) - 13]  # the engine index, the timestamp's float64
+    for key in READ_KEYS:  # a value's tag, and its bytes after a tag
+        starts += [data.index(key.encode()) + len(key) + skip for skip in (0, 1)]
+    for start in draw(st.lists(st.sampled_from(starts), min_size=1, max_size=4)):
+        width = draw(st.sampled_from([1, 1, 2, 4, 8, 9]))
+        data[start : start + width] = draw(st.binary(min_size=width, max_size=width))
+    return bytes(data)
+
+
+@SETTINGS
+@given(values_in_place())
+def test_the_twins_agree_on_values_in_place(frame: bytes) -> None:
+    for base in (REAL_STATS_FRAME, *fleet_stream(2, 4)):
+        assert_twins_agree(base)  # their layouts learnt
+    assert_twins_agree(frame)
+
+
+def test_the_layouts_path_reads_reports_by_their_layout() -> None:
+    """Once a layout is learnt, the reports that fit it never reach the msgpack path."""
+    frames = fleet_stream(8, 64)
+    expected = [PURE.ingest_with_msgpack(frame) for frame in frames]
+    assert PURE.ingest_with_layouts(frames[0]) == expected[0]
+    count = PURE._layout_count
+    with calls_of(PURE.ingest_with_msgpack) as msgpack_path:
+        read = [PURE.ingest_with_layouts(frame) for frame in frames]
+    assert read == expected
+    assert msgpack_path == []
+    assert PURE._layout_count == count
 
 
 @SETTINGS

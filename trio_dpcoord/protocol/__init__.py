@@ -37,9 +37,12 @@ outputs and the utility answer, :data:`ClientOutput`) has the same two paths
 (:data:`CLIENT_OUTPUT_DECODER`, :func:`decode_client_output_with_msgspec`,
 :func:`decode_client_output_with_msgpack`) under the same contract with
 :func:`decode_engine_core_outputs`. The coordinator's hot path reads a stats report
-with one of two ingest paths likewise, public as :func:`ingest_stats_with_msgpack` and
-:func:`ingest_stats_with_msgspec` (the report's fields as a flat tuple, or None for a
-frame left to :func:`decode_coordinator_output`).
+with one of the ingest paths likewise, public as :func:`ingest_stats_with_msgspec`,
+:func:`ingest_stats_with_layouts` (without msgspec: reports read against the layouts of
+earlier ones, else :func:`ingest_stats_with_msgpack`) and :func:`ingest_stats_with_msgpack`
+(the report's fields as a flat tuple, or None for a frame left to
+:func:`decode_coordinator_output`); where the compiled twin was built (``setup.py``), it
+reads them instead (``_output_decoder_kernel.pyx``, the same answers or None).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ from ._output_decoder import Decoded as CoordinatorOutput
 from ._output_decoder import decode_coordinator_output
 from ._output_decoder import decode_with_msgpack as decode_coordinator_output_with_msgpack
 from ._output_decoder import decode_with_msgspec as decode_coordinator_output_with_msgspec
+from ._output_decoder import ingest_with_layouts as ingest_stats_with_layouts
 from ._output_decoder import ingest_with_msgpack as ingest_stats_with_msgpack
 from ._output_decoder import ingest_with_msgspec as ingest_stats_with_msgspec
 from ._outputs import (
@@ -232,6 +236,7 @@ __all__ = [
     "encode_utility",
     "encode_utility_output",
     "engine_identity",
+    "ingest_stats_with_layouts",
     "ingest_stats_with_msgpack",
     "ingest_stats_with_msgspec",
     "rank_of_identity",
