@@ -27,6 +27,7 @@ KERNEL_SOURCES = {  # as trio_dpcoord/_compiled.py names them (setup.py imports 
     "trio_dpcoord.protocol._output_decoder_kernel": (
         "trio_dpcoord/protocol/_output_decoder_kernel.pyx"
     ),
+    "trio_dpcoord.trio_zmq._socket_kernel": "trio_dpcoord/trio_zmq/_socket_kernel.pyx",
 }
 
 SKIP_ENV = "TRIO_DPCOORD_NO_COMPILE"

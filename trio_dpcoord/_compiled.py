@@ -38,6 +38,7 @@ KERNEL_SOURCES: dict[str, str] = {
     "trio_dpcoord.protocol._output_decoder_kernel": (
         "trio_dpcoord/protocol/_output_decoder_kernel.pyx"
     ),
+    "trio_dpcoord.trio_zmq._socket_kernel": "trio_dpcoord/trio_zmq/_socket_kernel.pyx",
 }
 """Each compiled twin's module -> its source (read by ``setup.py``)."""
 
