@@ -32,6 +32,19 @@ def compiled_twins() -> dict[str, tuple[bool, bool]]:
     }
 
 
+def kernel_state(module: str) -> tuple[bool, bool]:
+    """(built here, in use in this process) of the compiled twin of the package's module
+    ``module`` (relative to ``trio_dpcoord``; its kernel is the module's name with
+    ``_kernel``)."""
+    return compiled_twins()[f"trio_dpcoord.{module}_kernel"]
+
+
+def package_module(module: str) -> ModuleType:
+    """The package's own module ``module`` (relative to ``trio_dpcoord``): accelerated
+    where its compiled twin runs."""
+    return importlib.import_module(f"trio_dpcoord.{module}")
+
+
 def pure_twin_modules(names: Sequence[str]) -> dict[str, ModuleType]:
     """The pure twins of the package's modules ``names`` (relative to ``trio_dpcoord``,
     each after those it imports; the same copies on every call)."""

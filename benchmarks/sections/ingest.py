@@ -164,7 +164,6 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
 
     from trio_dpcoord import hot_path_build, protocol
     from trio_dpcoord.core import CoordinatorCore
-    from trio_dpcoord.protocol import _output_decoder
     from trio_dpcoord.trio_zmq import open_context, open_socket
 
     frames = fleet_stream(8, messages)
@@ -202,7 +201,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
             "msgpack": protocol.ingest_stats_with_msgpack,
             "layouts": protocol.ingest_stats_with_layouts,
             "msgspec": protocol.ingest_stats_with_msgspec,
-            "core": _output_decoder.decode_ingest_stats,
+            "core": protocol.decode_ingest_stats,
         }[path]
 
         def loop() -> None:  # our decoder's hot path, recv with the multipart check

@@ -15,7 +15,6 @@ both sides are pure and this checks the loader and the switch; CI runs it both w
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import struct
@@ -39,19 +38,18 @@ from tests.protocol.decoder_contract import (
     real_stats,
 )
 from tests.protocol.wire import eco_strategy
-from tests.pure_twin import PURE_TWIN_PACKAGE, compiled_twins, pure_twin_modules
+from tests.pure_twin import PURE_TWIN_PACKAGE, kernel_state, package_module, pure_twin_modules
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import EngineLoad, OutputKind, ProtocolError, StatsReport
 
 MODULE = "protocol._output_decoder"
-KERNEL = "trio_dpcoord.protocol._output_decoder_kernel"
-FAST = importlib.import_module(f"trio_dpcoord.{MODULE}")
+FAST = package_module(MODULE)
 PURE = pure_twin_modules([MODULE])[MODULE]
 
 PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
 REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
 """CI sets it on the default install: a build that silently fell back fails here."""
-BUILT, IN_USE = compiled_twins()[KERNEL]
+BUILT, IN_USE = kernel_state(MODULE)
 
 SETTINGS = settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 U64 = 2**64 - 1
@@ -107,9 +105,8 @@ def test_the_build_asked_for_runs() -> None:
     assert FAST.decode_ingest_stats.__module__.endswith("_kernel") == IN_USE
     assert PURE.decode_ingest_stats.__module__.startswith(PURE_TWIN_PACKAGE)
     assert PURE.decode_ingest_stats is not FAST.decode_ingest_stats
-    # the core reads the accelerated name
-    core_ingest = importlib.import_module("trio_dpcoord.core._ingest")
-    assert core_ingest.decode_ingest_stats is FAST.decode_ingest_stats
+    # what the coordinator's ingest calls, public
+    assert protocol.decode_ingest_stats is FAST.decode_ingest_stats
 
 
 @pytest.mark.parametrize("forced_pure", [False, True])
@@ -122,7 +119,7 @@ def test_a_fresh_process_runs_the_build_it_names(forced_pure: bool) -> None:
     script = (
         "import json\n"
         "from trio_dpcoord._compiled import build_description\n"
-        "from trio_dpcoord.protocol._output_decoder import decode_ingest_stats\n"
+        "from trio_dpcoord.protocol import decode_ingest_stats\n"
         "print(json.dumps([build_description(), decode_ingest_stats.__module__]))"
     )
     result = subprocess.run(
@@ -137,7 +134,7 @@ def test_a_fresh_process_runs_the_build_it_names(forced_pure: bool) -> None:
         assert "TRIO_DPCOORD_PURE_PYTHON is set" in line
     elif BUILT:
         assert compiled
-        assert "_output_decoder_kernel" in line
+        assert MODULE.split(".")[-1] + "_kernel" in line
 
 
 # ------------------------------------------------------------------ what engines send

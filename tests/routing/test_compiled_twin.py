@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.routing.pure_twin import PURE_TWIN_PACKAGE, compiled_twins, hot_path
+from tests.pure_twin import kernel_state
+from tests.routing.pure_twin import PURE_TWIN_PACKAGE, hot_path
 from trio_dpcoord import EngineLoad
 from trio_dpcoord.protocol import (
     AllBlocksCleared,
@@ -58,7 +59,7 @@ def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
 def test_the_build_asked_for_runs() -> None:
     """Forced pure: the pure names; else the compiled ones wherever the twin was built
     (and CI's default install must have built it)."""
-    built, in_use = compiled_twins()["trio_dpcoord.routing._keys_kernel"]
+    built, in_use = kernel_state("routing._keys")
     if REQUIRE_COMPILED and not PURE_PYTHON:
         assert built, "the compiled twin was not built"
     assert in_use == (built and not PURE_PYTHON)

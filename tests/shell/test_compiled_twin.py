@@ -13,7 +13,6 @@ runs it both ways.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,17 +23,16 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.pure_twin import PURE_TWIN_PACKAGE, compiled_twins, pure_twin_modules
+from tests.pure_twin import PURE_TWIN_PACKAGE, kernel_state, package_module, pure_twin_modules
 
 MODULE = "trio_zmq._socket"
-KERNEL = "trio_dpcoord.trio_zmq._socket_kernel"
-FAST = importlib.import_module(f"trio_dpcoord.{MODULE}")
+FAST = package_module(MODULE)
 PURE = pure_twin_modules([MODULE])[MODULE]
 
 PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
 REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
 """CI sets it on the default install: a build that silently fell back fails here."""
-BUILT, IN_USE = compiled_twins()[KERNEL]
+BUILT, IN_USE = kernel_state(MODULE)
 
 Receive = Callable[[Any, list[list[bytes]], int], None]
 
