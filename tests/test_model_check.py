@@ -84,6 +84,11 @@ def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
     core._wave = rule
 
 
+def wake_deadline(core: CoordinatorCore) -> float:
+    """The clock reading of ``core``'s earliest pending wake-confirmation deadline."""
+    return core._wake_deadlines.next_due()
+
+
 def replace_recovery_rules(core: CoordinatorCore, rules: type[RecoveryRules]) -> None:
     """Make a recovering ``core`` follow ``rules`` (a subclass of
     :class:`~trio_dpcoord.core.RecoveryRules` with the same slots, a model checker's mutant
@@ -417,13 +422,14 @@ def successors(config: Config, world: World) -> Iterator[Step]:
     if steps or not world.deadlines:
         yield from steps
         return
-    # every deadline was armed at clock 0 with the same timeout: they pass together
+    # every deadline pending was armed at the same clock reading (0, or the last passing,
+    # where a recovery probe is armed) with the same timeout: they pass together
     waves = " ".join(str(wave) for wave in world.deadlines)
     yield _coordinator_step(
         config,
         world,
         f"the wake-confirmation deadline of wave(s) {waves} passes",
-        lambda core: core.tick(core.wake_confirm_timeout),
+        lambda core: core.tick(wake_deadline(core)),
         deadlines=(),
         repeats_allowed=world.repeats_allowed + len(world.deadlines),
     )
@@ -1074,23 +1080,25 @@ def test_without_the_dead_coordinators_wave_a_restart_rewinds() -> None:
 
 @pytest.mark.slow
 def test_a_restart_that_never_applied_what_it_read_can_leave_an_engine_waiting() -> None:
-    """The known gap (docs/protocol.md §16): a process killed after reading, and before
-    applying, both rank 0's wave_complete(W) and a start_wave(W + 1) hands its successor
-    a floor of W; the recovery wake for W is stale for engines at W + 1, and the engine
-    that woke itself waits for its peers until a request reaches one of them (whose
-    start_wave(W + 1) is accepted) or its collective times out. Load reports as vLLM's
-    engines send them do not close it: the engine's one report of its work was in the
-    batch the dead process read, and an engine waiting in its step's collective changes
-    no count, so it reports nothing more (the new process never hears of wave W + 1).
-    Anything less lost (what was read was applied, as in place, or only one of the two)
-    is covered above."""
+    """The gap left (docs/protocol.md §16.4). The form the recovery probe closed (the dead
+    process read rank 0's wave_complete(W) and engine 1's start_wave(W + 1), applied
+    neither: the recovery wake at W goes unanswered, and the probe at W + 1 joins engine
+    1's peers to it) is no longer found; what is: the dead process read only engine 1's
+    start_wave(W + 1) and its load report. Rank 0's leftover start_wave(W) (its mirror of
+    an earlier start) reaches the new one first and is taken as a start at W (so the
+    recovery wake is not needed, and nothing goes unanswered), rank 0's wave_complete(W)
+    then settles the restart at W + 1, paused, while engine 1 runs W + 1 alone and, as
+    vLLM's engines report counts only when they change, reports nothing more. A request
+    reaching engine 0 wakes it (its start_wave(W + 1) is accepted)."""
     config = Config(2, 2, (PUBLISH,), REPORT_EVERY_WAKE, restarts=1, lost_applied=False, stats=True)
     trace = explore(config).counterexample
     assert trace is not None
     print("\n" + trace)
-    assert "report(s) of engine 0 read, never applied" in trace, trace
-    assert "reports wave_complete(0)" in trace and "reports start_wave(1)" in trace, trace
-    assert "request(s) never served" in trace, trace
+    assert "report(s) of engine 1 read, never applied" in trace, trace
+    assert "report(s) of engine 0 read" not in trace, trace
+    assert "coordinator handles start_wave(0) from engine 0" in trace, trace
+    assert "handles wave_complete(0) from engine 0  [wave 0 -> 1]" in trace, trace
+    assert "request(s) never served on engine(s) [1]" in trace, trace
 
 
 @pytest.mark.slow

@@ -35,12 +35,16 @@ compiled twins were built."""
 
 KERNEL_SOURCES: dict[str, str] = {
     "trio_dpcoord.routing._keys_kernel": "trio_dpcoord/routing/_keys_kernel.pyx",
+    "trio_dpcoord.protocol._output_decoder_kernel": (
+        "trio_dpcoord/protocol/_output_decoder_kernel.pyx"
+    ),
+    "trio_dpcoord.trio_zmq._socket_kernel": "trio_dpcoord/trio_zmq/_socket_kernel.pyx",
 }
 """Each compiled twin's module -> its source (read by ``setup.py``)."""
 
 PURE_TWIN_FLAG = "__trio_dpcoord_pure_twin__"
 """A module namespace holding this (true) is never accelerated: the pure twin that the
-differential tests load beside the accelerated module (``tests/_pure_twin.py``)."""
+differential tests load beside the accelerated module (``tests/pure_twin.py``)."""
 
 _used: dict[str, bool] = {}
 """Kernel -> whether an accelerated module took its names (in this process)."""

@@ -68,12 +68,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILED_STARTS: Final = 5
-"""Workers in a row that die before they served: the supervisor gives up at this many."""
-QUICK_DEATH: Final = 0.5
+MAX_FAILED_STARTS: Final = 3
+"""Workers in a row that die before they served: the supervisor gives up at this many.
+Three, as many as the standbys ready: a start that cannot succeed (a blocked address)
+is named within tens of milliseconds, not after cold starts of a second each (vLLM's own
+shutdown then takes about 9 s more: measured, docs/failures.md)."""
+QUICK_DEATH: Final = 0.25
 """Seconds: a worker that dies sooner after it began to serve doubles the next pause.
-(Half a second of serving is its engines reconnected and several reports and publishes
-handled: a death after that is not its start's doing.)"""
+(A quarter of a second of serving is its engines' first reports and publishes handled: a
+worker that a bug kills at its first input dies well within it, and one killed from
+outside a second after its predecessor, which serves about half a second on a loaded
+2-core machine, is not paused for: the pause would add to its successor's recovery.)"""
 FIRST_PAUSE: Final = 0.1
 MAX_PAUSE: Final = 1.0
 """The longest pause before starting the next worker (the pause doubles from 0)."""
@@ -92,10 +97,10 @@ RULE: Final = (
     f"{SILENCE_DEADLINE:g} s (hung) is killed and replaced"
 )
 """The rule in one sentence, for ``--help`` and the docs."""
-SPARES: Final = 2
-"""Standby workers kept ready (imports done, about 35 MB each). Two, so that in a storm of
-deaths a second apart the one that goes has had two seconds for its imports (about one
-on a busy 2-core machine), not one."""
+SPARES: Final = 3
+"""Standby workers kept ready (imports done, about 35 MB each). Three, so that in a storm
+of deaths a second apart the one that goes has had three seconds for its imports (about
+one on a busy 2-core machine, 1.7 s measured under a load of 10), not one."""
 _TICK: Final = 0.1
 """Seconds between two looks at the heartbeat."""
 _TAIL: Final = 20
@@ -523,7 +528,12 @@ def supervise_worker(
         if heartbeat_fd is not None:
             os.close(heartbeat_fd)
         for spare in spares:
-            _end(None, spare)  # its stdin closes: a standby exits at once
+            # A standby has bound nothing: killed, not asked (one still importing reads
+            # its stdin only once its imports are done, which would hold up our exit,
+            # and with it the caller's word that the coordinator is gone, by a second).
+            if spare.process.poll() is None:
+                spare.process.kill()
+            _end(None, spare)
         if worker is not None and worker.process.poll() is None:  # ours failed: no orphan
             worker.process.kill()
             worker.close()

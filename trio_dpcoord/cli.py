@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import NoReturn
 from urllib.parse import urlsplit
 
@@ -325,6 +326,10 @@ GATE_PROGRESS_INTERVAL = 1.0
 """Seconds between two start-up gate progress lines at most (the opening is always told)."""
 
 
+def _gate_is_open(coordinator: Coordinator) -> bool:
+    return coordinator.subscriptions().gate_open
+
+
 async def _log_gate_progress(coordinator: Coordinator, engine_count: int) -> None:
     """Say how far the start-up gate got until READY: the first subscription change, then
     the newest count at most once per :data:`GATE_PROGRESS_INTERVAL`, so that thousands of
@@ -404,7 +409,10 @@ async def _serve(args: argparse.Namespace) -> int:
                     nursery.start_soon(_log_gate_progress, coordinator, args.engines)
                     if args.wave_file is not None:  # supervised: the watchdog reads it
                         nursery.start_soon(
-                            keep_heartbeat,
+                            partial(
+                                keep_heartbeat,
+                                wait_gate_open=partial(coordinator.wait_for, _gate_is_open),
+                            ),
                             args.wave_file,
                             lambda: coordinator.subscriptions().gate_open,
                             coordinator.restarts().process_restarts == 0,

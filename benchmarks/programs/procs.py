@@ -24,6 +24,8 @@
 * ``serve-msgpack``: ``trio-dpcoord serve`` with msgspec made unimportable, as on a
   machine without the ``fast`` extra (the decoder's msgpack path, msgpack-python's
   encoder for front publishes).
+* ``serve-pure``: the same with ``TRIO_DPCOORD_PURE_PYTHON=1``: the default install's
+  pure-Python twin (no compiled module runs).
 """
 
 from __future__ import annotations
@@ -332,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner.add_argument("command", nargs=argparse.REMAINDER)
     serve_msgpack = roles.add_parser("serve-msgpack")
     serve_msgpack.add_argument("options", nargs=argparse.REMAINDER)
+    serve_pure = roles.add_parser("serve-pure")
+    serve_pure.add_argument("options", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
@@ -348,7 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _forwarder_main(args)
         elif args.role == "pusher":
             _pusher_main(args)
-        elif args.role == "serve-msgpack":
+        elif args.role in ("serve-msgpack", "serve-pure"):
+            if args.role == "serve-pure":
+                os.environ["TRIO_DPCOORD_PURE_PYTHON"] = "1"  # read at trio_dpcoord's import
             sys.modules["msgspec"] = None  # type: ignore[assignment]  # import fails
             from trio_dpcoord import cli
 

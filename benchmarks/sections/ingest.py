@@ -162,7 +162,7 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
     import trio
     import zmq
 
-    from trio_dpcoord import protocol
+    from trio_dpcoord import hot_path_build, protocol
     from trio_dpcoord.core import CoordinatorCore
     from trio_dpcoord.trio_zmq import open_context, open_socket
 
@@ -199,7 +199,9 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
     def loop_ingest_decode(path: str) -> Callable[[], None]:
         decode = {
             "msgpack": protocol.ingest_stats_with_msgpack,
+            "layouts": protocol.ingest_stats_with_layouts,
             "msgspec": protocol.ingest_stats_with_msgspec,
+            "core": protocol.decode_ingest_stats,
         }[path]
 
         def loop() -> None:  # our decoder's hot path, recv with the multipart check
@@ -215,7 +217,11 @@ def floor(messages: int = 100_000, repeat: int = 5) -> dict[str, float]:
         "recv (frame, bytes, more: multipart checked)": loop_recv_frame,
         "recv + msgpack.unpackb (the forwarder)": loop_unpackb,
         "recv (frame) + our ingest decode, msgpack path": loop_ingest_decode("msgpack"),
+        "recv (frame) + our ingest decode, layouts path": loop_ingest_decode("layouts"),
         "recv (frame) + our ingest decode, msgspec path": loop_ingest_decode("msgspec"),
+        f"recv (frame) + our ingest decode as the core calls it ({hot_path_build()} build)": (
+            loop_ingest_decode("core")
+        ),
     }
     with contextlib.suppress(ImportError):
         import msgspec
@@ -414,14 +420,25 @@ def run_section(suite: Suite) -> None:
     suite.guarded("1 ingest", "ingest vs vLLM", lambda: ingest_vs_vllm(suite))
 
 
+INGEST_TARGETS = {sc.STANDALONE_MSGPACK: 3.0, sc.STANDALONE_PURE: 1.5}
+"""Issue 45's goals, as ratios to vLLM's coordinator in the same run: the default install
+(the compiled twins, no ``fast`` extra) 3x, its pure-Python twin 1.5x."""
+
+_INGEST_NOTES = {
+    "standalone": "the fast extra (msgspec) and the compiled twins; ",
+    sc.STANDALONE_MSGPACK: "the default install: compiled twins, no fast extra; ",
+    sc.STANDALONE_PURE: "the pure-Python twin (TRIO_DPCOORD_PURE_PYTHON=1), no fast extra; ",
+    "forwarder": "Python's PULL+unpackb limit; ",
+}
+
+
 def ingest_vs_vllm(suite: Suite) -> None:
     """A fleet's stream queued in advance, timed by start_wave markers
     (``benchmarks/sections/ingest.py``); interleaved rounds, best of each."""
     s = suite.sizes
-    figures = [
-        f"ingest vs vLLM, {kind} (fleet of {INGEST_ENGINES}, queued)"
-        for kind in ("standalone", sc.STANDALONE_MSGPACK, "inproc")
-    ]
+    ours = ("standalone", sc.STANDALONE_MSGPACK, sc.STANDALONE_PURE)
+    figures = [f"ingest vs vLLM, {kind} (fleet of {INGEST_ENGINES}, queued)" for kind in ours]
+    figures.append(f"ingest vs vLLM, inproc (fleet of {INGEST_ENGINES}, queued)")
     figures.append(f"ingest vs vLLM, forwarder (fleet of {INGEST_ENGINES}, queued)")
     if suite.vllm_reason:
         for figure in figures:
@@ -429,7 +446,7 @@ def ingest_vs_vllm(suite: Suite) -> None:
         return
     kinds = [sc.VLLM, "forwarder", "inproc"]
     if not suite.standalone_reason:
-        kinds[1:1] = ["standalone", sc.STANDALONE_MSGPACK]
+        kinds[1:1] = ours
     runs: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(s.ingest_rounds):
@@ -440,7 +457,7 @@ def ingest_vs_vllm(suite: Suite) -> None:
     suite.details["ingest_vs_vllm_rounds"] = runs
     suite.details["ingest_vs_vllm_cpu_main_us"] = cpu
     base = max(runs[sc.VLLM])
-    for kind in ("standalone", sc.STANDALONE_MSGPACK, "inproc", "forwarder"):
+    for kind in (*ours, "inproc", "forwarder"):
         figure = f"ingest vs vLLM, {kind} (fleet of {INGEST_ENGINES}, queued)"
         if kind not in runs:
             suite.skipped("1 ingest", figure, suite.standalone_reason or "")
@@ -454,23 +471,15 @@ def ingest_vs_vllm(suite: Suite) -> None:
             "msg/s",
             base,
             VLLM_LABEL,
-            note=f"rounds: {rates}; main-thread CPU us/msg: {cpus}",
+            note=f"{_INGEST_NOTES.get(kind, '')}rounds: {rates}; main-thread CPU us/msg: {cpus}",
         )
-        # The ingest targets, as ratios to vLLM's coordinator in the same run: with
-        # the fast extra (msgspec) 3x
-        if kind == "standalone":
-            row.target = ">= 3x"
-            row.met = row.ratio is not None and row.ratio >= 3.0
-        elif kind == sc.STANDALONE_MSGPACK:  # and without it 1.5x
-            row.target = ">= 1.5x"
-            row.met = row.ratio is not None and row.ratio >= 1.5
-            row.note = "msgspec unimportable (no fast extra); " + row.note
-        elif kind == "forwarder":
-            row.note = "Python's PULL+unpackb limit; " + row.note
+        if kind in INGEST_TARGETS:
+            row.target = f">= {INGEST_TARGETS[kind]:g}x"
+            row.met = row.ratio is not None and row.ratio >= INGEST_TARGETS[kind]
         suite.rows.append(row)
     # The same targets on CPU per message (main thread, least of the rounds): what the
     # rate is when nothing else runs, steadier than the rate on a shared machine.
-    for kind, target in (("standalone", 3.0), (sc.STANDALONE_MSGPACK, 1.5)):
+    for kind, target in INGEST_TARGETS.items():
         if kind in cpu:
             row = Row(
                 "1 ingest",
@@ -488,7 +497,7 @@ def ingest_vs_vllm(suite: Suite) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sections.ingest")
-    parser.add_argument("--only", default="vllm,standalone,standalone-msgpack")
+    parser.add_argument("--only", default="vllm,standalone,standalone-msgpack,standalone-pure")
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=1)

@@ -56,6 +56,8 @@ every compiled module (measured beside ``standalone`` when that one runs compile
 PURE_PYTHON_ENV = "TRIO_DPCOORD_PURE_PYTHON"
 STANDALONE_MSGPACK = "standalone-msgpack"
 """``trio-dpcoord serve`` with msgspec unimportable: a machine without the ``fast`` extra."""
+STANDALONE_PURE = "standalone-pure"
+"""The same with ``TRIO_DPCOORD_PURE_PYTHON=1``: the default install's pure-Python twin."""
 TRIO_FLOOR = "trio-floor"
 TRIO_FLOOR_RAW = "trio-floor-raw"
 TRIO_FLOORS = (TRIO_FLOOR, TRIO_FLOOR_RAW)
@@ -141,8 +143,9 @@ def serving(
                 "WARNING",
             )
         )
-    elif kind == STANDALONE_MSGPACK:
-        argv = procs("serve-msgpack", "--", *sockets, "--front", front, "--log-level", "WARNING")
+    elif kind in (STANDALONE_MSGPACK, STANDALONE_PURE):
+        role = "serve-msgpack" if kind == STANDALONE_MSGPACK else "serve-pure"
+        argv = procs(role, "--", *sockets, "--front", front, "--log-level", "WARNING")
     elif kind in TRIO_FLOORS:
         argv = procs(
             "trio-floor",

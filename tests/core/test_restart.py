@@ -162,8 +162,12 @@ def test_a_step_past_zero_is_running_and_a_newer_idle_wave_is_adopted() -> None:
     assert published_waves(effects) == [(3, True)]
 
 
-def test_a_recovery_wake_no_engine_confirms_is_taken_back() -> None:
-    """Paused engines (or engines already past the wave) drop it: not latched running."""
+def test_an_unanswered_recovery_wake_is_followed_by_one_probe_of_the_next_wave() -> None:
+    """Paused engines at the wave drop it, engines past it ignore it: no engine answers.
+    The gap of docs/protocol.md §16.4: the dead process read rank 0's wave_complete(9)
+    and engine 1's start_wave(10) and applied neither; engine 1 runs wave 10 alone and
+    reports nothing more. The one probe wakes everyone at 10; unanswered too, it is
+    taken back (paused engines at 10 dropped it), and no further probe follows."""
     core = restarted_core(Recovery(wave=9), wake_confirm_timeout=5.0)
     open_gate(core, 1.0)
     assert core.snapshot() == WaveSnapshot(9, True)
@@ -171,13 +175,45 @@ def test_a_recovery_wake_no_engine_confirms_is_taken_back() -> None:
     core.tick(1.0)  # the first timed publish
     assert core.next_deadline() == 6.0  # the wake's deadline comes before the heartbeat
     effects = core.tick(6.0)
-    assert published_waves(effects)[0] == (9, False)
-    assert core.snapshot() == WaveSnapshot(9, False)
+    assert starts(effects) == [(10, None, RECOVERY)]  # nobody excluded
+    assert set(published_waves(effects)) == {(10, True)}  # never back to 9
+    assert core.snapshot() == WaveSnapshot(10, True)
     assert core.counters().unconfirmed_expiries == 1
+    assert core.next_deadline() == 11.0
+    effects = core.tick(11.0)
+    assert starts(effects) == [] and published_waves(effects)[0] == (10, False)
+    assert core.snapshot() == WaveSnapshot(10, False)
+    assert core.counters().unconfirmed_expiries == 2
     # an engine's start_wave for the wave is then a start of its own
-    assert starts(core.receive_engine_output(output(1, start_wave=9), 7.0)) == [
-        (9, 1, "engine_start_wave")
+    assert starts(core.receive_engine_output(output(1, start_wave=10), 12.0)) == [
+        (10, 1, "engine_start_wave")
     ]
+
+
+def test_the_probe_is_answered_and_the_lone_engines_wave_ends() -> None:
+    core = restarted_core(Recovery(wave=9), wake_confirm_timeout=5.0)
+    open_gate(core, 1.0)
+    core.tick(1.0)
+    assert starts(core.tick(6.0)) == [(10, None, RECOVERY)]
+    # rank 0 joins the lone engine's wave 10 and mirrors it, then ends it
+    assert core.receive_engine_output(output(0, start_wave=10), 6.1) == ()
+    effects = core.receive_engine_output(output(0, wave_complete=10), 6.5)
+    assert published_waves(effects) == [(11, False)] and starts(effects) == []
+    assert starts(core.tick(20.0)) == []  # answered: no probe of 11
+    assert core.snapshot() == WaveSnapshot(11, False)
+    assert core.counters().unconfirmed_expiries == 1
+
+
+def test_a_taken_back_first_request_start_is_no_probes_cue() -> None:
+    """Only the recovery wake's silence is a cue: a start an engine's report settled the
+    recovery with is not probed."""
+    core = restarted_core(Recovery(wave=4), wake_confirm_timeout=5.0)
+    open_gate(core, 1.0)
+    core.receive_engine_output(output(0, start_wave=4), 1.5)  # answered
+    core.receive_engine_output(output(0, wave_complete=4), 2.0)  # [wave 4 -> 5], settled
+    assert core.snapshot() == WaveSnapshot(5, False)
+    assert starts(core.tick(30.0)) == []
+    assert core.snapshot() == WaveSnapshot(5, False)
 
 
 def test_a_confirmed_wake_is_not_taken_back() -> None:

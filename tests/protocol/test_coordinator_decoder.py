@@ -39,10 +39,11 @@ from trio_dpcoord.protocol import (
 )
 
 INGEST_PATHS = {
+    "layouts": protocol.ingest_stats_with_layouts,
     "msgpack": protocol.ingest_stats_with_msgpack,
     "msgspec": protocol.ingest_stats_with_msgspec,
 }
-"""The coordinator's two ingest paths of a stats report."""
+"""The coordinator's pure-Python ingest paths of a stats report."""
 
 
 def _reference(frame: bytes) -> object:

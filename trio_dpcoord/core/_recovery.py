@@ -27,15 +27,20 @@ rules (docs/protocol.md §16):
 * **The engines settle it.** The first ``wave_complete`` or ``start_wave`` not older than
   the coordinator's wave ends the load-report rule: from then on §5.5 alone applies.
 
-What is not covered: a process killed after it *read* two engine reports and before it
-applied them, rank 0's ``wave_complete(W)`` and a ``start_wave(W + 1)``, leaves a floor
-of W; the wake at W is stale for the engines, and the engine that woke itself waits for
-its peers until a request reaches one of them (its ``start_wave(W + 1)`` is accepted)
-or its collective times out. The load-report rule above does not close it: vLLM's
-engines report counts only when they change, so the waiting engine's one report of its
-work was in the lost batch; and when only a ``start_wave(W + 1)`` was lost, rank 0's
-reports of W, read after it, settle the wave, and a report of work is then a load only
-(docs/protocol.md §16.4; ``tests/test_model_check.py`` shows both traces).
+* **An unanswered wake is a probe's cue.** A process killed after it *read* rank 0's
+  ``wave_complete(W)`` and a ``start_wave(W + 1)`` and before it applied them leaves a
+  floor of W, and the engines are at W + 1: the recovery wake at W is stale for all of
+  them (none answers), while the engine a request woke runs W + 1 alone, waiting for its
+  peers, and reports nothing more (vLLM's engines report counts only when they change).
+  So when the recovery wake's confirmation deadline passes unanswered (rank 0 mirrors
+  every start it joins), the core wakes everyone once more at W + 1, nobody excluded
+  (:meth:`RecoveryRules.unanswered`): at most one more wake, only after a silence.
+
+What is still not covered (docs/protocol.md §16.4; ``tests/test_model_check.py`` shows
+the trace): when only engine 1's ``start_wave(W + 1)`` was read and lost, rank 0's
+leftover reports of W, read after it, settle the wave (no wake goes unanswered), and the
+engine running W + 1 alone reports nothing more; a further request reaching any other
+engine wakes it.
 
 Loads are published again as soon as the gate is open (at once when it was carried
 over), within one publish interval.
@@ -43,12 +48,15 @@ over), within one publish interval.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..protocol import EngineLoad, StatsReport
 from ._wave import LoadTable, WaveStart, WaveState
 
 __all__ = ["Recovery", "RecoveryRules"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,7 @@ class RecoveryRules:
     from a :class:`Recovery`; returns the starts the core broadcasts with cause
     ``recovery``."""
 
-    __slots__ = ("_settled", "_wake_owed", "_waves")
+    __slots__ = ("_probe_owed", "_settled", "_wake_owed", "_waves", "_woke_at")
 
     def __init__(
         self, recovery: Recovery, wave_state: WaveState, loads: LoadTable, *, waves: bool
@@ -96,6 +104,9 @@ class RecoveryRules:
         self._waves = waves
         self._wake_owed = waves and recovery.wave is not None
         self._settled = False
+        self._woke_at: int | None = None
+        """The wave of the recovery wake, once it went out."""
+        self._probe_owed = self._wake_owed
 
     @property
     def wake_owed(self) -> bool:
@@ -117,7 +128,31 @@ class RecoveryRules:
         if not self._wake_owed:
             return False
         self._wake_owed = False
-        return wave_state.recovery_start(wave_state.snapshot.current_wave) or False
+        start = wave_state.recovery_start(wave_state.snapshot.current_wave)
+        if start is None:
+            return False
+        self._woke_at = start.wave
+        return start
+
+    def unanswered(self, wave_state: WaveState, wave: int) -> WaveStart | None:
+        """The recovery wake at ``wave`` passed its confirmation deadline with no engine's
+        word (the core has just taken it back): every engine ignored it, so every engine
+        is past ``wave``, paused, or one runs ``wave + 1`` alone, woken by a request whose
+        ``start_wave(wave + 1)`` the dead process read with rank 0's
+        ``wave_complete(wave)`` and never applied. The one probe: ``wave + 1`` to
+        everyone, nobody excluded (paused peers join the lone engine; if none is alone,
+        they run one wave of dummy steps and end it). None when this is not the recovery
+        wake's deadline or the probe already went."""
+        if not self._probe_owed or wave != self._woke_at:
+            return None
+        self._probe_owed = False
+        logger.warning(
+            "no engine answered the recovery wake of wave %d: the engines are past it; "
+            "waking every engine at wave %d",
+            wave,
+            wave + 1,
+        )
+        return wave_state.recovery_start(wave + 1)
 
     def stats(self, wave_state: WaveState, report: StatsReport) -> WaveStart | bool:
         """An engine's load report: an engine with work, or past step 0, runs its wave

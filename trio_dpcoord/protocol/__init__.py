@@ -36,10 +36,14 @@ to one contract (the same :data:`CoordinatorOutput` or the same :class:`Protocol
 outputs and the utility answer, :data:`ClientOutput`) has the same two paths
 (:data:`CLIENT_OUTPUT_DECODER`, :func:`decode_client_output_with_msgspec`,
 :func:`decode_client_output_with_msgpack`) under the same contract with
-:func:`decode_engine_core_outputs`. The coordinator's hot path reads a stats report
-with one of two ingest paths likewise, public as :func:`ingest_stats_with_msgpack` and
-:func:`ingest_stats_with_msgspec` (the report's fields as a flat tuple, or None for a
-frame left to :func:`decode_coordinator_output`).
+:func:`decode_engine_core_outputs`. The coordinator's hot path reads a stats report with
+:func:`decode_ingest_stats`: one of the ingest paths, public as
+:func:`ingest_stats_with_msgspec`, :func:`ingest_stats_with_layouts` (without msgspec:
+reports read against the layouts of earlier ones, else the next) and
+:func:`ingest_stats_with_msgpack` (the report's fields as a flat tuple, or None for a
+frame left to :func:`decode_coordinator_output`); where the compiled twin was built
+(``setup.py``), it reads them itself (``_output_decoder_kernel.pyx``, the same answers
+or None).
 """
 
 from __future__ import annotations
@@ -121,9 +125,10 @@ from ._kv_events import (
 )
 from ._output_decoder import DECODER as COORDINATOR_OUTPUT_DECODER
 from ._output_decoder import Decoded as CoordinatorOutput
-from ._output_decoder import decode_coordinator_output
+from ._output_decoder import decode_coordinator_output, decode_ingest_stats
 from ._output_decoder import decode_with_msgpack as decode_coordinator_output_with_msgpack
 from ._output_decoder import decode_with_msgspec as decode_coordinator_output_with_msgspec
+from ._output_decoder import ingest_with_layouts as ingest_stats_with_layouts
 from ._output_decoder import ingest_with_msgpack as ingest_stats_with_msgpack
 from ._output_decoder import ingest_with_msgspec as ingest_stats_with_msgspec
 from ._outputs import (
@@ -205,6 +210,7 @@ __all__ = [
     "decode_front_publish",
     "decode_handshake",
     "decode_handshake_metadata",
+    "decode_ingest_stats",
     "decode_kv_event_frames",
     "decode_peer_route",
     "decode_ready_response",
@@ -232,6 +238,7 @@ __all__ = [
     "encode_utility",
     "encode_utility_output",
     "engine_identity",
+    "ingest_stats_with_layouts",
     "ingest_stats_with_msgpack",
     "ingest_stats_with_msgspec",
     "rank_of_identity",

@@ -30,11 +30,15 @@ flat tuple (no named tuples per message); any other frame goes through
 """
 
 import math
+import struct
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Annotated, Any, Final
 
+from msgpack import Unpacker as _Unpacker
 from msgpack import unpackb as _unpackb
 
+from .._compiled import accelerate
 from ._codec import MAX_DATA_FRAME_BYTES, ProtocolError, unpack
 from ._msgspec_views import fits_view, load_msgspec, outputs_views, view_readers
 from ._outputs import (
@@ -55,6 +59,7 @@ __all__ = [
     "decode_ingest_stats",
     "decode_with_msgpack",
     "decode_with_msgspec",
+    "ingest_with_layouts",
     "ingest_with_msgpack",
     "ingest_with_msgspec",
 ]
@@ -249,6 +254,139 @@ def ingest_with_msgpack(frame: bytes) -> IngestStats | None:
     return None
 
 
+# ------------------------------------------------------------------ the layouts path
+# An engine's stats reports differ from one another in a few bytes: the values of the
+# engine index, the four counts, the KV usage and the timestamp; the rest (18 keys, the
+# nested maps, the tags and widths of those values) repeats byte for byte. A *layout* is
+# one report's bytes with those values cut out: a frame equal to it everywhere else is
+# the same msgpack document with other values in the same encodings, so it decodes to
+# what the layout's frame decoded to, with its own values (each checked as the msgpack
+# path checks it). One struct call reads a frame against a layout.
+
+
+class _Layout:
+    """A stats report's bytes with its values' bytes cut out. ``unpack`` reads a frame of
+    ``length`` bytes as the layout's constant pieces and its values; the frame fits when
+    ``pick_pieces`` of that are ``pieces``, and ``pick`` gives its record (engine index,
+    waiting, running, KV usage, wave, step). A fixint is read as a signed byte: a byte
+    that is no longer a fixint reads negative, refused as the negative counts are."""
+
+    __slots__ = ("length", "pick", "pick_pieces", "pieces", "unpack")
+
+    def __init__(self, frame: bytes, fields: list[tuple[int, int, str]]) -> None:
+        """``fields``: ``(start, end, struct code)`` of each value in the record's order,
+        then the timestamp's (code ``"x"``: any bytes, never read)."""
+        fmt, at, item = [">"], 0, 0
+        pieces: list[tuple[int, bytes]] = []
+        items: dict[int, int] = {}
+        for start, end, code, role in sorted((*f, role) for role, f in enumerate(fields)):
+            if start > at:
+                fmt.append(f"{start - at}s")
+                pieces.append((item, frame[at:start]))
+                item += 1
+            if code == "x":
+                fmt.append(f"{end - start}x")
+            else:
+                fmt.append(code)
+                items[role] = item
+                item += 1
+            at = end
+        if at < len(frame):
+            fmt.append(f"{len(frame) - at}s")
+            pieces.append((item, frame[at:]))
+        self.length = len(frame)
+        self.unpack = struct.Struct("".join(fmt)).unpack
+        self.pick = itemgetter(*(items[role] for role in range(6)))
+        self.pick_pieces = itemgetter(*(index for index, _ in pieces))
+        self.pieces = tuple(piece for _, piece in pieces)
+
+
+_INT_CODES: Final = {0xCC: "B", 0xCD: "H", 0xCE: "I", 0xCF: "Q"}
+_RECORD_KEYS: Final = (
+    "num_waiting_reqs",
+    "num_running_reqs",
+    "kv_cache_usage",
+    "current_wave",
+    "step_counter",
+)
+"""The stats keys of a record, in its order (after the engine index)."""
+
+MAX_LAYOUTS: Final = 64
+"""Layouts kept (a fleet's reports take a few: the counts' widths change as they grow);
+past it no new one is learnt, and other reports take the msgpack path."""
+
+
+def _learn_layout(frame: bytes) -> _Layout | None:
+    """The layout of a frame the msgpack path read as a stats report, or None where one of
+    its values is not in a plain encoding (a signed int width) or a read key is left out
+    or repeated."""
+    unpacker = _Unpacker(raw=False)
+    unpacker.feed(frame)
+    spans: dict[str, tuple[int, int, str]] = {}
+
+    def value_span(name: str, is_float: bool) -> None:
+        start = unpacker.tell()
+        unpacker.skip()
+        end, tag = unpacker.tell(), frame[start]
+        if is_float and tag in (0xCA, 0xCB):
+            spans[name] = (start + 1, end, "f" if tag == 0xCA else "d")
+        elif not is_float and tag < 0x80:
+            spans[name] = (start, end, "b")
+        elif not is_float and tag in _INT_CODES:
+            spans[name] = (start + 1, end, _INT_CODES[tag])
+
+    try:
+        unpacker.read_array_header()
+        value_span("engine", False)
+        unpacker.skip()  # outputs: []
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in _RECORD_KEYS:
+                if key in spans:
+                    return None
+                value_span(key, key == "kv_cache_usage")
+            else:
+                unpacker.skip()
+        value_span("timestamp", True)
+    except Exception:  # the msgpack path read it; never here
+        return None
+    if len(spans) != 7:
+        return None
+    ts_start, ts_end, _ = spans["timestamp"]
+    fields = [spans[key] for key in ("engine", *_RECORD_KEYS)]
+    return _Layout(frame, [*fields, (ts_start, ts_end, "x")])
+
+
+_layouts: dict[int, list[_Layout]] = {}
+"""Frame length -> the layouts learnt of that length (newest first)."""
+_layout_count = 0
+
+
+def ingest_with_layouts(frame: bytes) -> IngestStats | None:
+    """:data:`decode_ingest_stats`'s pure-Python path without msgspec: a frame that fits
+    a layout learnt from an earlier report is read by one struct call; any other frame
+    takes :func:`ingest_with_msgpack`, and a report that it reads gives its layout for
+    the next ones. The same answer as :func:`ingest_with_msgpack`, for every frame."""
+    global _layout_count
+    fitted = False
+    if type(frame) is bytes:
+        for layout in _layouts.get(len(frame), ()):
+            values = layout.unpack(frame)
+            if layout.pick_pieces(values) == layout.pieces:
+                record: IngestStats = layout.pick(values)
+                if min(record) >= 0 and record[3] - record[3] == 0.0:
+                    return record
+                fitted = True  # odd values (a byte no longer a fixint, a negative KV
+                break  # usage): the msgpack path says what the frame is
+    judged = ingest_with_msgpack(frame)
+    if judged is not None and not fitted and _layout_count < MAX_LAYOUTS:
+        learnt = _learn_layout(frame)
+        if learnt is not None:
+            _layouts.setdefault(len(frame), []).insert(0, learnt)
+            _layout_count += 1
+    return judged
+
+
 _msgspec_decoders: Final = _build_msgspec_decoders()
 _msgspec_decoder: Final = None if _msgspec_decoders is None else _msgspec_decoders[0]
 
@@ -279,7 +417,7 @@ decode_coordinator_output: Final[Callable[[bytes], Decoded]] = (
 path when msgspec is installed, else the msgpack path; ProtocolError for bad input."""
 
 decode_ingest_stats: Final[Callable[[bytes], IngestStats | None]] = (
-    ingest_with_msgpack if _msgspec_decoders is None else _msgspec_decoders[1]
+    ingest_with_layouts if _msgspec_decoders is None else _msgspec_decoders[1]
 )
 """The coordinator's hot path: a stats-only message's fields as one flat tuple,
 :data:`IngestStats`, when :func:`decode_coordinator_output` would return
@@ -288,3 +426,5 @@ the frame and the frame is in the shape engines send (the narrow view, or the ms
 path's field-by-field check); None for every other frame, valid or not, which
 :func:`decode_coordinator_output` then judges. Never raises. No named tuples are built
 (the load table builds an :class:`EngineLoad` only for each engine's newest report)."""
+
+accelerate(globals(), "trio_dpcoord.protocol._output_decoder_kernel")  # the compiled twin, if built

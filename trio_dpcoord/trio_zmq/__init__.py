@@ -2,9 +2,10 @@
 
 :func:`open_context` and :func:`open_socket` give :class:`AsyncSocket`, a zmq socket whose
 sends and receives are trio checkpoints (``_socket.py`` says how it waits on libzmq's
-edge-triggered FD, shared by several tasks); :func:`open_monitor` runs libzmq's socket
-monitor for a block (``_monitor.py``); :func:`curve_client_options` makes a socket a
-CURVE client.
+edge-triggered FD, shared by several tasks; its compiled twin ``_socket_kernel.pyx``,
+where built, takes a batch of queued messages through libzmq itself);
+:func:`open_monitor` runs libzmq's socket monitor for a block (``_monitor.py``);
+:func:`curve_client_options` makes a socket a CURVE client.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ from typing import TypeVar, cast
 import trio
 import zmq
 
+from .._compiled import accelerate
+
 __all__ = ["AsyncSocket", "curve_client_options", "open_context", "open_socket"]
 
 logger = logging.getLogger(__name__)
@@ -490,19 +492,8 @@ class AsyncSocket:
         return parts
 
     def _recv_messages(self, batch: list[list[bytes]], count: int) -> None:
-        """:meth:`_recv_message` ``count`` times onto ``batch``, the single-frame case
-        inline (a call per message less: the engine-output listener's hot loop)."""
-        recv, append = self._sock.recv, batch.append
-        for _ in range(count):
-            frame = recv(_NOBLOCK, copy=False)
-            if frame.more:
-                parts = [frame.bytes]
-                while frame.more:
-                    frame = recv(_NOBLOCK, copy=False)
-                    parts.append(frame.bytes)
-                append(parts)
-            else:
-                append([frame.bytes])
+        """:meth:`_recv_message` ``count`` times onto ``batch``: :func:`receive_queued`."""
+        receive_queued(self._sock, batch, count)
 
     async def recv_multipart_batch(self, max_messages: int = 1000) -> list[list[bytes]]:
         """Like :meth:`recv_batch`, for multipart messages."""
@@ -545,6 +536,26 @@ class AsyncSocket:
         return f"<AsyncSocket {name} {'closed' if self.closed else f'fd={self._fd}'}>"
 
 
+def receive_queued(sock: zmq.Socket[bytes], batch: list[list[bytes]], count: int) -> None:
+    """Append up to ``count`` queued messages of ``sock`` (each a list of its frames'
+    bytes) to ``batch``, without waiting; ``zmq.Again`` once drained, as any other
+    ``zmq.ZMQError``, with the messages taken so far on ``batch``. The engine-output
+    listener's hot loop: the single-frame case inline, ``Frame.more`` where pyzmq's
+    ``getsockopt(RCVMORE)`` costs more (0.8 us). Its compiled twin
+    (``_socket_kernel.pyx``) calls libzmq itself, without a ``zmq.Frame`` per message."""
+    recv, append = sock.recv, batch.append
+    for _ in range(count):
+        frame = recv(_NOBLOCK, copy=False)
+        if frame.more:
+            parts = [frame.bytes]
+            while frame.more:
+                frame = recv(_NOBLOCK, copy=False)
+                parts.append(frame.bytes)
+            append(parts)
+        else:
+            append([frame.bytes])
+
+
 def curve_client_options(server_key: bytes | None) -> dict[int, int | bytes]:
     """Socket options that make a socket a CURVE client of ``server_key``, with a fresh
     key pair; no options when ``server_key`` is None."""
@@ -556,3 +567,6 @@ def curve_client_options(server_key: bytes | None) -> dict[int, int | bytes]:
         zmq.CURVE_PUBLICKEY: public,
         zmq.CURVE_SECRETKEY: secret,
     }
+
+
+accelerate(globals(), "trio_dpcoord.trio_zmq._socket_kernel")  # the compiled twin, if built

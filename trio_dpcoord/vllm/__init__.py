@@ -518,5 +518,10 @@ def _remove_socket_files(addresses: list[str | None]) -> None:
     use them once we are gone."""
     for address in addresses:
         if address and address.startswith("ipc://") and not address.startswith("ipc://@"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address.removeprefix("ipc://"))
+            path = address.removeprefix("ipc://")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # e.g. something else took the path: not ours to remove
+                logger.warning("could not remove the socket file %s: %s", path, exc)

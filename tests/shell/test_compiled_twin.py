@@ -1,0 +1,125 @@
+"""The compiled twin of the shim's batch receive against its pure-Python spec.
+
+``trio_zmq/_socket.py`` takes ``receive_queued`` (the engine-output listener's batch
+receive) from its compiled twin (``trio_zmq/_socket_kernel.pyx``, libzmq called
+directly) where it was built. Here the pure function (loaded from source by
+:func:`tests.pure_twin.pure_twin_modules`) and the package's own read the same queued
+messages from real sockets (inproc and ipc, single and multipart, empty and large
+frames) in batches of random sizes: the same batches, the same ``zmq.Again`` when
+drained, the same error on a closed socket. With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
+compiler at install) both sides are pure and this checks the loader and the switch; CI
+runs it both ways.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.pure_twin import PURE_TWIN_PACKAGE, kernel_state, package_module, pure_twin_modules
+
+MODULE = "trio_zmq._socket"
+FAST = package_module(MODULE)
+PURE = pure_twin_modules([MODULE])[MODULE]
+
+PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
+REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
+"""CI sets it on the default install: a build that silently fell back fails here."""
+BUILT, IN_USE = kernel_state(MODULE)
+
+Receive = Callable[[Any, list[list[bytes]], int], None]
+
+
+def test_the_build_asked_for_runs() -> None:
+    if REQUIRE_COMPILED and not PURE_PYTHON:
+        assert BUILT, "the compiled twin was not built"
+    assert (BUILT and not PURE_PYTHON) == IN_USE
+    assert FAST.receive_queued.__module__.endswith("_kernel") == IN_USE
+    assert PURE.receive_queued.__module__.startswith(PURE_TWIN_PACKAGE)
+
+
+@pytest.fixture(params=["inproc", "ipc"])
+def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """A PUSH socket connected to a PULL one (no high-water marks)."""
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    address = "inproc://twin" if request.param == "inproc" else f"ipc://{tmp_path}/twin"
+    pull.bind(address)
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(address)
+    try:
+        yield push, pull
+    finally:
+        context.destroy(linger=0)
+
+
+def read_all(receive: Receive, pull: Any, sizes: list[int], expected: int) -> list[Any]:
+    """Batches of ``sizes`` (cycled) until ``expected`` messages are taken; what each
+    call gave: its batch, and the error it ended with."""
+    calls: list[Any] = []
+    taken = 0
+    turn = 0
+    while taken < expected:
+        batch: list[list[bytes]] = []
+        try:
+            receive(pull, batch, sizes[turn % len(sizes)])
+            error = None
+        except zmq.Again:
+            error = "Again"
+            if not batch:
+                pull.poll(5000)  # the ipc transport still moving bytes
+                continue
+        calls.append((batch, error))
+        taken += len(batch)
+        turn += 1
+    return calls
+
+
+frames_st = st.binary(max_size=40) | st.sampled_from([b"", bytes(70_000)])
+messages_st = st.lists(st.lists(frames_st, min_size=1, max_size=4), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=messages_st, sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4))
+def test_the_twins_take_the_same_batches(
+    pair: tuple[Any, Any], messages: list[list[bytes]], sizes: list[int]
+) -> None:
+    push, pull = pair
+    results = []
+    for receive in (FAST.receive_queued, PURE.receive_queued):
+        for message in messages:
+            push.send_multipart(message)
+        calls = read_all(receive, pull, sizes, len(messages))
+        assert [m for batch, _ in calls for m in batch] == messages
+        assert all(type(f) is bytes for batch, _ in calls for m in batch for f in m)
+        results.append(calls)
+        drained: list[list[bytes]] = []
+        with pytest.raises(zmq.Again):
+            receive(pull, drained, 5)
+        assert drained == []
+    assert results[0] == results[1] or "ipc" in pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def test_a_closed_socket_raises_the_same_error() -> None:
+    context = zmq.Context()
+    try:
+        outcomes = []
+        for receive in (FAST.receive_queued, PURE.receive_queued):
+            pull = context.socket(zmq.PULL)
+            pull.close()
+            batch: list[list[bytes]] = []
+            with pytest.raises(zmq.ZMQError) as caught:
+                receive(pull, batch, 3)
+            outcomes.append((type(caught.value), caught.value.errno, batch))
+        assert outcomes[0] == outcomes[1]
+    finally:
+        context.term()

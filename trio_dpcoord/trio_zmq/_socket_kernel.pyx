@@ -1,0 +1,156 @@
+# cython: language_level=3
+"""The compiled twin of :func:`trio_dpcoord.trio_zmq._socket.receive_queued`: the batch
+receive of the engine-output listener, calling libzmq itself.
+
+:mod:`._socket` (pure Python, pyzmq) is the spec: up to ``count`` queued messages, each
+the list of its frames' bytes, appended to the batch; ``zmq.Again`` once drained, any
+other error as pyzmq's ``zmq.ZMQError``, the messages taken so far kept. pyzmq makes a
+``zmq.Frame`` per message to say whether more frames follow (its ``getsockopt(RCVMORE)``
+costs more); here ``zmq_msg_recv`` fills a ``zmq_msg_t`` on the stack and its bytes are
+copied into the one ``bytes`` object the message needs, as ``recv(copy=True)`` does.
+
+libzmq is the copy pyzmq loaded (found in ``/proc/self/maps``, opened again by ctypes:
+the same library, so the same socket objects); where it cannot be found (not Linux, a
+pyzmq without a shared libzmq) this module does not import and the pure function runs,
+as where it was not built. ``tests/shell/test_compiled_twin.py`` checks both over real
+sockets.
+"""
+
+import ctypes
+import errno as _errno
+
+import zmq
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport uintptr_t
+
+
+cdef extern from *:
+    """
+    #include <stddef.h>
+    typedef struct { unsigned char _[64]; } __attribute__((aligned(8))) tdc_zmq_msg_t;
+    typedef int (*tdc_msg_init_t)(tdc_zmq_msg_t *);
+    typedef int (*tdc_msg_recv_t)(tdc_zmq_msg_t *, void *, int);
+    typedef int (*tdc_msg_close_t)(tdc_zmq_msg_t *);
+    typedef void *(*tdc_msg_data_t)(tdc_zmq_msg_t *);
+    typedef size_t (*tdc_msg_size_t)(const tdc_zmq_msg_t *);
+    typedef int (*tdc_msg_more_t)(const tdc_zmq_msg_t *);
+    typedef int (*tdc_errno_t)(void);
+    """
+    ctypedef struct tdc_zmq_msg_t:
+        pass
+    ctypedef int (*tdc_msg_init_t)(tdc_zmq_msg_t *)
+    ctypedef int (*tdc_msg_recv_t)(tdc_zmq_msg_t *, void *, int)
+    ctypedef int (*tdc_msg_close_t)(tdc_zmq_msg_t *)
+    ctypedef void *(*tdc_msg_data_t)(tdc_zmq_msg_t *)
+    ctypedef size_t (*tdc_msg_size_t)(const tdc_zmq_msg_t *)
+    ctypedef int (*tdc_msg_more_t)(const tdc_zmq_msg_t *)
+    ctypedef int (*tdc_errno_t)()
+
+
+cdef tdc_msg_init_t _msg_init
+cdef tdc_msg_recv_t _msg_recv
+cdef tdc_msg_close_t _msg_close
+cdef tdc_msg_data_t _msg_data
+cdef tdc_msg_size_t _msg_size
+cdef tdc_msg_more_t _msg_more
+cdef tdc_errno_t _zmq_errno
+
+cdef int _DONTWAIT = zmq.NOBLOCK
+cdef int _EAGAIN = _errno.EAGAIN
+
+
+def _loaded_libzmq():
+    """The path of the libzmq pyzmq loaded in this process, or None."""
+    import zmq.backend  # noqa: F401  (loads libzmq)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ")[-1]
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith("libzmq") and ".so" in name:
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _bind():
+    """Point the function pointers at libzmq's (ImportError where it cannot)."""
+    path = _loaded_libzmq()
+    if path is None:
+        raise ImportError("the libzmq pyzmq uses was not found in /proc/self/maps")
+    library = ctypes.CDLL(path)
+    major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    library.zmq_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
+    if (major.value, minor.value, patch.value) != zmq.zmq_version_info():
+        raise ImportError("the libzmq found is not the one pyzmq uses")
+    names = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_close", "zmq_msg_data",
+             "zmq_msg_size", "zmq_msg_more", "zmq_errno")
+    a = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names]
+    _set(a[0], a[1], a[2], a[3], a[4], a[5], a[6])
+
+
+cdef void _set(uintptr_t init, uintptr_t recv, uintptr_t close, uintptr_t data,
+               uintptr_t size, uintptr_t more, uintptr_t error):
+    global _msg_init, _msg_recv, _msg_close, _msg_data, _msg_size, _msg_more, _zmq_errno
+    _msg_init = <tdc_msg_init_t>init
+    _msg_recv = <tdc_msg_recv_t>recv
+    _msg_close = <tdc_msg_close_t>close
+    _msg_data = <tdc_msg_data_t>data
+    _msg_size = <tdc_msg_size_t>size
+    _msg_more = <tdc_msg_more_t>more
+    _zmq_errno = <tdc_errno_t>error
+
+
+_bind()
+
+
+cdef object _received(tdc_zmq_msg_t *msg):
+    """The message's bytes (then closed)."""
+    data = PyBytes_FromStringAndSize(<char *>_msg_data(msg), <Py_ssize_t>_msg_size(msg))
+    return data
+
+
+cdef int _recv(void *handle, tdc_zmq_msg_t *msg) except -1:
+    """One frame into ``msg`` (initialised here); raises as pyzmq does on failure."""
+    _msg_init(msg)
+    if _msg_recv(msg, handle, _DONTWAIT) < 0:
+        code = _zmq_errno()
+        _msg_close(msg)
+        if code == _EAGAIN:
+            raise zmq.Again()
+        raise zmq.ZMQError(code)
+    return 0
+
+
+def receive_queued(sock, list batch, Py_ssize_t count):
+    """:func:`._socket.receive_queued`, compiled: the same messages, the same errors."""
+    cdef tdc_zmq_msg_t msg
+    cdef Py_ssize_t i
+    cdef void *handle = <void *><uintptr_t>sock.underlying
+    cdef int more
+    if handle == NULL:
+        raise zmq.ZMQError(_errno.ENOTSOCK)
+    for i in range(count):
+        _recv(handle, &msg)
+        more = _msg_more(&msg)
+        frame = _received(&msg)
+        _msg_close(&msg)
+        if not more:
+            batch.append([frame])
+            continue
+        parts = [frame]
+        while more:
+            # the rest of a multipart message is delivered atomically with its first part
+            _recv(handle, &msg)
+            more = _msg_more(&msg)
+            parts.append(_received(&msg))
+            _msg_close(&msg)
+        batch.append(parts)
+
+
+def accelerate(namespace):
+    """The replacements for the pure module's names (``namespace``: its globals)."""
+    return {"receive_queued": receive_queued}
