@@ -5,7 +5,7 @@ compile the decision kernel and say why you chose").
 The same keys of 4,096-token prompts (256 blocks of 16 tokens), three builds alternated
 in one process, best and median of 7 passes of 2,000 calls:
 
-- ``pure``: :func:`trio_dpcoord.routing._keys.block_keys` from its ``.py`` source (the
+- ``pure``: ``block_keys`` of ``trio_dpcoord/routing/_keys.py`` from its source (the
   pure twin: ``zip`` groups the tokens, ``map(hash, ...)``, ``accumulate(xor)``, all
   C-level bulk calls already);
 - ``cython``: the package's kernel (``routing/_keys_kernel.pyx``), CPython's tuple hash
@@ -72,12 +72,12 @@ def build_mypyc(directory: Path) -> Callable[[list[int], int, list[int]], list[i
 
 
 def main() -> None:
+    from tests.pure_twin import package_module
     from tests.routing.pure_twin import hot_path
-    from trio_dpcoord.routing import _keys
 
     pure = hot_path(True).block_keys
     compiled = hot_path(False).block_keys
-    salts = _keys._salts(TOKENS)
+    salts = package_module("routing._keys")._salts(TOKENS)
     rng = random.Random(45)
     prompts = [[rng.getrandbits(15) for _ in range(TOKENS)] for _ in range(50)]
     with tempfile.TemporaryDirectory(prefix="mypyc-keys-") as directory:
