@@ -9,11 +9,13 @@
   XPUB loop in one thread, no trio: it turns every ``start_wave`` into START_DP_WAVE.
   With ``--ingest N`` it also times how fast it took in the last 95% of N messages.
 * ``trio-floor``: the least a trio program does per wave in the coordinator's shape: the
-  engine-output socket read by one task, a memory channel, a second task that sends
-  START_DP_WAVE and the front publishes; READY once ``--engines`` have subscribed. No
-  validation, no load table, no counters: what is left is trio's run loop, the task hop
-  and the socket waits. ``--raw`` waits with ``trio.lowlevel.wait_readable`` on the
-  socket's FD directly instead of through our shim (``trio_zmq``, an exclusive socket).
+  engine-output socket read by one task, the wave state under a ``threading.Lock``, a
+  memory channel, a second task that sends START_DP_WAVE and the front publishes, a
+  third waiting on the front socket as the command receiver does; READY once
+  ``--engines`` have subscribed. No validation, no load table, no counters: what is left
+  is trio's run loop, the task hop and the socket waits. ``--raw`` waits with
+  ``trio.lowlevel.wait_readable`` on the engine-output socket's FD directly instead of
+  through our shim (``trio_zmq``, an exclusive socket).
 * ``pusher``: one engine's PUSH socket sending pre-encoded stats-only frames, as fast
   as it can (``--count``, optionally between two ``start_wave`` markers: ``--markers``)
   or paced (``--rate``) until SIGTERM. ``--fleet N``: the ``--count`` frames are a
@@ -34,6 +36,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import FrameType
@@ -186,18 +189,26 @@ async def _trio_floor_main(args: argparse.Namespace) -> None:
         packb = msgpack.packb
         wave = 0
         running = False
+        lock = threading.Lock()  # the snapshot's, as the card's shape has it
 
         def apply(frame: bytes) -> None:
             # EngineCoreOutputs as an array: [6] wave_complete, [7] start_wave
             nonlocal wave, running
             message = unpackb(frame)
-            if message[6] is not None:
-                wave, running = message[6] + 1, False
-                to_broadcaster.send_nowait((-1, packb((None, wave, False))))
-            elif message[7] is not None and not running:
-                running = True
-                to_broadcaster.send_nowait((message[7], packb((message[7], message[0]))))
-                to_broadcaster.send_nowait((-1, packb((None, wave, True))))
+            with lock:
+                if message[6] is not None:
+                    wave, running = message[6] + 1, False
+                    to_broadcaster.send_nowait((-1, packb((None, wave, False))))
+                elif message[7] is not None and not running:
+                    running = True
+                    to_broadcaster.send_nowait((message[7], packb((message[7], message[0]))))
+                    to_broadcaster.send_nowait((-1, packb((None, wave, True))))
+
+        async def command_receiver() -> None:
+            # the front socket's reader (front-ends' subscriptions and commands): its wait
+            # is why each send on that socket re-reads EVENTS (the shim's rule)
+            while True:
+                await front.recv_batch()
 
         def send(item: tuple[int, bytes]) -> None:
             if item[0] >= 0:
@@ -216,6 +227,7 @@ async def _trio_floor_main(args: argparse.Namespace) -> None:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(broadcaster)
+            nursery.start_soon(command_receiver)
             if args.raw:
                 pull = back_out.zmq_socket
                 fd = cast(int, pull.getsockopt(zmq.FD))

@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import signal
 import subprocess
 import threading
@@ -49,6 +50,10 @@ COORDINATOR_KINDS = ("inproc", "standalone")
 VLLM = "vllm"
 """vLLM 0.33.0's real ``DPCoordinatorProc`` (tests/vllm_reference), torch-free."""
 STANDALONE = "standalone"
+STANDALONE_PURE = "standalone-pure"
+"""``trio-dpcoord serve`` with ``TRIO_DPCOORD_PURE_PYTHON=1``: the pure-Python twins of
+every compiled module (measured beside ``standalone`` when that one runs compiled)."""
+PURE_PYTHON_ENV = "TRIO_DPCOORD_PURE_PYTHON"
 STANDALONE_MSGPACK = "standalone-msgpack"
 """``trio-dpcoord serve`` with msgspec unimportable: a machine without the ``fast`` extra."""
 STANDALONE_PURE = "standalone-pure"
@@ -123,9 +128,12 @@ def serving(
     # py-spy loses a process that execs: profiled, the subject is py-spy's own child
     with_death_signal = list if env.profile_dir is not None else _with_death_signal
     sockets = ("--engines", str(engines), "--back-pub", back_pub, "--back-out", back_out)
+    child_env: dict[str, str] | None = None
     if kind == "inproc":
         argv = procs("coordinator", *sockets, "--front", front if with_front else "")
-    elif kind == STANDALONE:
+    elif kind in (STANDALONE, STANDALONE_PURE):
+        if kind == STANDALONE_PURE:
+            child_env = {**os.environ, PURE_PYTHON_ENV: "1"}  # docs/vllm.md's switch
         argv = with_death_signal(
             serve_command(
                 *sockets,
@@ -188,7 +196,9 @@ def serving(
             bound_front, bound_out, bound_pub = child.read_marked(ADDRESSES_MARKER, 60)
             yield child, {"front": bound_front, "back_pub": bound_pub, "back_out": bound_out}
         return
-    with spawn(name, argv, env.log_dir, eof_grace=3.0, stop_signal=stop_signal) as child:
+    with spawn(
+        name, argv, env.log_dir, eof_grace=3.0, env=child_env, stop_signal=stop_signal
+    ) as child:
         info = child.read_json(60)
         yield child, info
 
@@ -323,7 +333,8 @@ def wake_compare(
     subject to the same background noise of a shared machine. With ``load_rate``,
     paced pushers send that many stats messages per second to every non-forwarder
     subject (split between them) for the whole measurement.
-    Returns p50/p99/max in microseconds per ``"kind trigger"``.
+    Returns p50/p99/max in microseconds per ``"kind trigger"``, and ``cpu_per_wave_us``:
+    the subject process's CPU (all its threads) over its own chunks, per wave.
     """
     with contextlib.ExitStack() as stack:
         subjects: list[_Subject] = []
@@ -355,17 +366,23 @@ def wake_compare(
         latencies: dict[str, list[int]] = {
             f"{s.kind} {t}": [] for s in subjects for t in s.triggers
         }
+        cpu: dict[str, int] = dict.fromkeys(latencies, 0)
         done = 0
         while done < waves:
             size = min(chunk, waves - done)
             for subject in subjects:
                 for trigger in subject.triggers:
-                    latencies[f"{subject.kind} {trigger}"] += _chunk(subject, trigger, size, gap_s)
+                    label = f"{subject.kind} {trigger}"
+                    cpu0 = cpu_ns(subject.child.pid)
+                    latencies[label] += _chunk(subject, trigger, size, gap_s)
+                    cpu[label] += cpu_ns(subject.child.pid) - cpu0
             done += size
         achieved = _stop_paced(paced) if paced else 0.0
     results: dict[str, dict[str, Any]] = {}
     for label, values in latencies.items():
         results[label] = dict(summarize_us(values))
+        # the subject's CPU (every thread) over its own chunks, gaps between waves included
+        results[label]["cpu_per_wave_us"] = cpu[label] / max(len(values), 1) / 1000
         if load_rate > 0 and not label.startswith("forwarder"):
             results[label]["load_rate_target"] = load_rate
             results[label]["load_rate_achieved"] = achieved / max(len(loaded), 1)

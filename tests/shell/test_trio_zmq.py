@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import subprocess
 import sys
@@ -141,6 +142,40 @@ async def test_a_receive_says_whether_it_had_to_wait(ctx: Context) -> None:
                 await trio.testing.wait_all_tasks_blocked()  # it waits on the FD
                 await push.send(b"late")
             assert pull.receive_waited
+
+
+@pytest.mark.parametrize("exclusive", [True, False])
+async def test_a_wake_with_nothing_queued_waits_again(
+    ctx: Context, tmp_path: Path, exclusive: bool
+) -> None:
+    """Woken by the FD, a receive makes its attempt at once (no EVENTS read first). A peer
+    connecting or leaving wakes it with nothing queued (a command in the socket's
+    mailbox, not a message): the attempt fails and it waits again, spinning never (else
+    ``wait_all_tasks_blocked`` would not return) and losing nothing."""
+    address = f"ipc://{tmp_path}/wake.ipc"
+    got: list[list[bytes]] = []
+    to_test, received = trio.open_memory_channel[list[list[bytes]]](math.inf)
+    async with open_socket(ctx, zmq.PULL, bind=address, exclusive=exclusive) as pull:
+
+        async def receiver() -> None:
+            while True:
+                batch = await pull.recv_multipart_batch(10)
+                assert pull.receive_waited
+                to_test.send_nowait(batch)
+
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receiver)
+                for n in range(3):
+                    async with open_socket(ctx, zmq.PUSH, connect=address) as push:
+                        await trio.sleep(0.05)  # the connection's commands reach the PULL
+                        await trio.testing.wait_all_tasks_blocked()
+                        await push.send(b"%d" % n)
+                        got.extend(await received.receive())
+                    await trio.sleep(0.05)  # the peer's departure reaches the PULL
+                    await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+    assert got == [[b"0"], [b"1"], [b"2"]]
 
 
 def _random_message(rng: random.Random, tag: bytes, seq: int) -> list[bytes]:

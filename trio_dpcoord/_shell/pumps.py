@@ -150,17 +150,18 @@ class Pumps:
         if self.drained:
             self.drained.unpark_all()
         with self.lock:
+            for _ in range(publishes):
+                self.core.publish_sent()
+            if not sent_broadcasts:  # a publish alone: no clock reading, nobody to wake
+                return
             now = trio.current_time()
             for broadcast in sent_broadcasts:
                 self.core.broadcast_sent(broadcast, now)
-            for _ in range(publishes):
-                self.core.publish_sent()
-            ready = sent_broadcasts and not self.ready.is_set() and self.core.ready_sent()
+            ready = not self.ready.is_set() and self.core.ready_sent()
         if ready:
             logger.info("READY sent to %d engines", self.core.subscriptions().current)
             self.ready.set()
-        if sent_broadcasts:
-            self.changed()
+        self.changed()
 
     async def timer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The one timer: sleeps until the core's next deadline (timed publishes, wake

@@ -52,6 +52,9 @@ _NOBLOCK_SNDMORE = _NOBLOCK | _SNDMORE
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _EVENTS = int(zmq.EVENTS)
+_get_option: Callable[[zmq.Socket[bytes], int], int] = zmq.Socket.getsockopt  # type: ignore[assignment]
+"""``getsockopt`` for the int options (EVENTS), called unbound: typed ``int`` without a
+``typing.cast`` call per read (pyzmq's stubs say ``int | bytes`` for every option)."""
 
 _Received = TypeVar("_Received")
 
@@ -185,7 +188,7 @@ class AsyncSocket:
         ``events``: what EVENTS said, when that read was the call (it becomes the hint)."""
         if self._waiting:
             if events is None:
-                events = cast(int, self._sock.getsockopt(_EVENTS))
+                events = _get_option(self._sock, _EVENTS)
             self._dispatch(events)
         self._events_hint = events
 
@@ -206,7 +209,7 @@ class AsyncSocket:
         try:
             if events is None:
                 self._events_hint = None
-                events = cast(int, self._sock.getsockopt(_EVENTS))
+                events = _get_option(self._sock, _EVENTS)
             if self._waiting > 1:
                 self._dispatch(events)
             deadline = math.inf
@@ -385,27 +388,34 @@ class AsyncSocket:
         right before waiting, it is also the re-check the edge-triggered FD needs. When
         the last zmq call on the socket *was* an EVENTS read (a batch receive ends with
         one), its value is used once instead: no call since can have eaten an edge, so
-        waiting on the FD is safe, and a hint used up cannot make the loop spin.
+        waiting on the FD is safe, and a hint used up cannot make the loop spin. After a
+        wait, the attempt comes first: the FD woke the task, so a message is most likely
+        queued (a wave report to an idle coordinator), and an EVENTS read before it would
+        be one zmq call more (a ``poll`` system call inside libzmq) on the wake path; a
+        spurious wake costs the ``zmq.Again`` instead, and ``_wait`` re-reads EVENTS.
 
         ``_try_sync`` checkpoints: cancellation is checked before the first attempt, and
         what ``take()`` returned is never lost to it; a receive that had to wait has passed
         a full checkpoint and returns without another.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        getsockopt = self._sock.getsockopt
+        sock = self._sock
         suspect = 0
         waited = False
         while True:
             self._check_open()
-            events = self._events_hint
-            if events is None:
-                events = cast(int, getsockopt(_EVENTS))
+            if not waited:
+                events = self._events_hint
+                if events is None:
+                    events = _get_option(sock, _EVENTS)
+                else:
+                    self._events_hint = None
+                if not events & _POLLIN:
+                    suspect = await self._wait(_POLLIN, suspect, events)
+                    waited = True
+                    continue
             else:
-                self._events_hint = None
-            if not events & _POLLIN:
-                suspect = await self._wait(_POLLIN, suspect, events)
-                waited = True
-                continue
+                self._events_hint = None  # another task's, from before our call
             try:
                 received = take()
             except zmq.Again:
@@ -435,7 +445,7 @@ class AsyncSocket:
         self._events_hint = None
         batch = [receive_one(_NOBLOCK)]
         if max_messages > 1:
-            events = cast(int, self._sock.getsockopt(_EVENTS))
+            events = _get_option(self._sock, _EVENTS)
             if not events & _POLLIN:
                 self._events_hint = events  # the last call: the next receive starts here
                 return batch
