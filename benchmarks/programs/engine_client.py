@@ -16,7 +16,7 @@ import trio
 
 
 async def _run(plan: dict[str, Any]) -> dict[str, Any]:
-    from trio_dpcoord import SamplingParams, open_engine_client
+    from trio_dpcoord import SamplingParams, hot_path_build, open_engine_client
 
     params = SamplingParams(max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True, seed=0)
     started = time.monotonic()
@@ -93,7 +93,12 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                 }
             )
         _stop_profile(profiler, plan)
-    return {"client": "trio_dpcoord open_engine_client", "startup_s": startup_s, "passes": passes}
+    return {
+        "client": "trio_dpcoord open_engine_client",
+        "build": hot_path_build(),  # "compiled" or "pure" (TRIO_DPCOORD_PURE_PYTHON=1)
+        "startup_s": startup_s,
+        "passes": passes,
+    }
 
 
 def _start_profile(plan: dict[str, Any]) -> Any:

@@ -1,0 +1,62 @@
+"""The engine-client benchmark's rows (benchmarks/sections/client.py): each figure is the
+median of a subject's passes (not its best), CPU per request counts vLLM's coordinator
+process beside its client, and the pure twin has rows of its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.sections.client import OURS, OURS_PURE, SUBJECTS, VLLM, client_rows
+
+
+def _pass(kind: str, seconds: float, cpu_s: float, ttft_s: float) -> dict[str, Any]:
+    return {
+        "client": "vLLM DPLBAsyncMPClient" if kind == VLLM else "trio_dpcoord",
+        "requests": 100,
+        "seconds": seconds,
+        "ttft_s": [ttft_s] * 100,
+        "cpu_s": cpu_s,
+        "coordinator_cpu_s": 0.01 if kind == VLLM else None,
+        "requests_by_rank": [50, 50],
+        "waves": 2,
+    }
+
+
+def _passes() -> dict[str, list[dict[str, Any]]]:
+    # five passes each, one of them far faster and cheaper than the rest (a lucky pass)
+    cpus = {OURS: [0.02, 0.03, 0.01, 0.04, 0.05], OURS_PURE: [0.06, 0.04, 0.05, 0.07, 0.08]}
+    cpus[VLLM] = [0.03, 0.02, 0.04, 0.05, 0.06]
+    seconds = [2.0, 4.0, 1.0, 5.0, 8.0]
+    return {
+        kind: [
+            _pass(kind, s, c, t)
+            for s, c, t in zip(seconds, cpus[kind], [0.1, 0.2, 0.05, 0.3, 0.4], strict=True)
+        ]
+        for kind in SUBJECTS
+    }
+
+
+def test_every_figure_is_the_median_of_the_passes_with_the_best_in_the_note() -> None:
+    rows = {row.figure.split(" (")[0]: row for row in client_rows(_passes(), "a load")}
+    assert list(rows) == ["requests/s", "TTFT p99", "CPU per request, client + DP coordinator"]
+    rate = rows["requests/s"]
+    assert rate.value == rate.baseline == 100 / 4.0  # the median pass, not 100 / 1.0
+    assert "median of 5 passes: a load" in rate.figure
+    assert f"{OURS} best 100" in rate.note
+    cpu = rows["CPU per request, client + DP coordinator"]
+    assert cpu.value == 0.03 / 100 * 1000  # ours: the coordinator is inside the process
+    assert cpu.baseline == (0.04 + 0.01) / 100 * 1000  # vLLM's: client + coordinator
+    assert f"{OURS} best 0.1," in cpu.note
+    assert f"the client process alone, medians (ms): {OURS} 0.3," in cpu.note
+    assert f"{VLLM} 0.4" in cpu.note
+    assert rows["TTFT p99"].value == 200.0
+    assert f"TTFT p50 medians (ms): {OURS} 200," in rows["TTFT p99"].note
+
+
+def test_the_pure_twin_is_beside_vllm_in_every_note() -> None:
+    rows = {row.figure.split(" (")[0]: row for row in client_rows(_passes(), "a load")}
+    cpu = rows["CPU per request, client + DP coordinator"].note
+    assert cpu.startswith("pure twin (TRIO_DPCOORD_PURE_PYTHON=1) median 0.6 ms, 1.20x vLLM's;")
+    rate = rows["requests/s"].note
+    assert rate.startswith("pure twin (TRIO_DPCOORD_PURE_PYTHON=1) median 25 req/s, 1.00x")
+    assert f"{OURS_PURE} best" in rows["TTFT p99"].note
