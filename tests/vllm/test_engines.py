@@ -350,9 +350,13 @@ async def test_one_request_at_a_time_needs_the_wake(
     if kind == "ours":
         assert_healthy(result)
         assert_clean_counters(ours)
-        # every wave started on one engine: our START_DP_WAVE woke the other
+        # every wave started on one engine: our START_DP_WAVE woke the other. (Not one wave
+        # per burst: a request that follows the last one's end within the gap may find
+        # the wave still running, on a loaded machine, and join it.)
         assert ours.counters is not None
-        assert ours.counters["wave_starts"] >= len(scenario.bursts)
+        waves = result.engines[0]["current_wave"]
+        assert waves >= 1, waves
+        assert ours.counters["wave_starts"] >= waves
         return
     found = failures(result)
     assert any(f.startswith("collective: collective timeout") for f in found), found
