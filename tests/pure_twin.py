@@ -12,16 +12,41 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import trio_dpcoord
-from trio_dpcoord._compiled import PURE_TWIN_FLAG, kernels_in_use
+from trio_dpcoord._compiled import PURE_PYTHON_ENV, PURE_TWIN_FLAG, kernels_in_use, pure_forced
 
 PURE_TWIN_PACKAGE = "trio_dpcoord_pure_twin"
 """Where :func:`pure_twin_modules` loads the pure twin's modules."""
+
+PURE_PYTHON = pure_forced()
+"""This process runs the pure twin everywhere (``TRIO_DPCOORD_PURE_PYTHON``, read as the
+package reads it)."""
+REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
+"""CI sets it on the default install: a build that silently fell back fails the twins'
+build checks."""
+
+
+def run_fresh(script: str, *, forced_pure: bool) -> Any:
+    """Run ``script`` (which prints one JSON line) in a fresh interpreter, with
+    ``TRIO_DPCOORD_PURE_PYTHON=1`` or without it, so that the environment decides the
+    build as at start-up; its output, decoded (it must exit 0)."""
+    env = {k: v for k, v in os.environ.items() if k != PURE_PYTHON_ENV}
+    if forced_pure:
+        env[PURE_PYTHON_ENV] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def compiled_twins() -> dict[str, tuple[bool, bool]]:

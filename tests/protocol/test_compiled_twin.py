@@ -15,11 +15,7 @@ both sides are pure and this checks the loader and the switch; CI runs it both w
 
 from __future__ import annotations
 
-import json
-import os
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +34,15 @@ from tests.protocol.decoder_contract import (
     real_stats,
 )
 from tests.protocol.wire import eco_strategy
-from tests.pure_twin import PURE_TWIN_PACKAGE, kernel_state, package_module, pure_twin_modules
+from tests.pure_twin import (
+    PURE_PYTHON,
+    PURE_TWIN_PACKAGE,
+    REQUIRE_COMPILED,
+    kernel_state,
+    package_module,
+    pure_twin_modules,
+    run_fresh,
+)
 from trio_dpcoord import protocol
 from trio_dpcoord.protocol import EngineLoad, OutputKind, ProtocolError, StatsReport
 
@@ -46,9 +50,6 @@ MODULE = "protocol._output_decoder"
 FAST = package_module(MODULE)
 PURE = pure_twin_modules([MODULE])[MODULE]
 
-PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
-REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
-"""CI sets it on the default install: a build that silently fell back fails here."""
 BUILT, IN_USE = kernel_state(MODULE)
 
 SETTINGS = settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -113,20 +114,13 @@ def test_the_build_asked_for_runs() -> None:
 def test_a_fresh_process_runs_the_build_it_names(forced_pure: bool) -> None:
     """The start-up line (``build_description``) names the kernel exactly when the
     ingest decoder is the compiled one; TRIO_DPCOORD_PURE_PYTHON forces the pure one."""
-    env = {k: v for k, v in os.environ.items() if k != "TRIO_DPCOORD_PURE_PYTHON"}
-    if forced_pure:
-        env["TRIO_DPCOORD_PURE_PYTHON"] = "1"
     script = (
         "import json\n"
         "from trio_dpcoord._compiled import build_description\n"
         "from trio_dpcoord.protocol import decode_ingest_stats\n"
         "print(json.dumps([build_description(), decode_ingest_stats.__module__]))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    line, module = json.loads(result.stdout)
+    line, module = run_fresh(script, forced_pure=forced_pure)
     compiled = module.endswith("_kernel")
     assert line.startswith("compiled hot path in use") == (compiled and "_keys_kernel" in line)
     if forced_pure:

@@ -13,10 +13,6 @@ runs it both ways.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.pure_twin import kernel_state
+from tests.pure_twin import PURE_PYTHON, REQUIRE_COMPILED, kernel_state, run_fresh
 from tests.routing.pure_twin import PURE_TWIN_PACKAGE, hot_path
 from trio_dpcoord import EngineLoad
 from trio_dpcoord.protocol import (
@@ -39,10 +35,6 @@ from trio_dpcoord.routing import PrefixRouting
 
 FAST = hot_path(pure=False)
 PURE = hot_path(pure=True)
-
-PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
-REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
-"""CI sets it on the default install: a build that silently fell back fails here."""
 
 
 def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
@@ -299,9 +291,6 @@ def test_the_build_a_process_names_is_the_one_it_runs(forced_pure: bool) -> None
     """``hot_path_build()`` (what benchmark records call their build) says "pure" where
     TRIO_DPCOORD_PURE_PYTHON is set, and otherwise "compiled" exactly where every
     kernel took over: a fresh process, so the environment decides as at start-up."""
-    env = {k: v for k, v in os.environ.items() if k != "TRIO_DPCOORD_PURE_PYTHON"}
-    if forced_pure:
-        env["TRIO_DPCOORD_PURE_PYTHON"] = "1"
     script = (
         "import json, trio_dpcoord\n"
         "from trio_dpcoord._compiled import kernels_in_use\n"
@@ -309,11 +298,7 @@ def test_the_build_a_process_names_is_the_one_it_runs(forced_pure: bool) -> None
         "print(json.dumps([trio_dpcoord.hot_path_build(),"
         " type(block_keys).__name__, all(kernels_in_use().values())]))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    build, keys_type, every_kernel = json.loads(result.stdout)
+    build, keys_type, every_kernel = run_fresh(script, forced_pure=forced_pure)
     # the compiled block_keys is a Cython function, the pure one a Python function
     assert build == ("compiled" if every_kernel else "pure")
     if every_kernel:

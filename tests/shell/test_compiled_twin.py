@@ -13,7 +13,6 @@ runs it both ways.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,19 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.pure_twin import PURE_TWIN_PACKAGE, kernel_state, package_module, pure_twin_modules
+from tests.pure_twin import (
+    PURE_PYTHON,
+    PURE_TWIN_PACKAGE,
+    REQUIRE_COMPILED,
+    kernel_state,
+    package_module,
+    pure_twin_modules,
+)
 
 MODULE = "trio_zmq._socket"
 FAST = package_module(MODULE)
 PURE = pure_twin_modules([MODULE])[MODULE]
 
-PURE_PYTHON = os.environ.get("TRIO_DPCOORD_PURE_PYTHON", "").strip() not in ("", "0")
-REQUIRE_COMPILED = bool(os.environ.get("TRIO_DPCOORD_REQUIRE_COMPILED"))
-"""CI sets it on the default install: a build that silently fell back fails here."""
 BUILT, IN_USE = kernel_state(MODULE)
 
 Receive = Callable[[Any, list[list[bytes]], int], None]
