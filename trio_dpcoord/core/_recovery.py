@@ -92,7 +92,7 @@ class RecoveryRules:
     from a :class:`Recovery`; returns the starts the core broadcasts with cause
     ``recovery``."""
 
-    __slots__ = ("_probe_owed", "_settled", "_wake_owed", "_waves", "_woke_at")
+    __slots__ = ("_settled", "_wake_owed", "_waves", "_woke_at")
 
     def __init__(
         self, recovery: Recovery, wave_state: WaveState, loads: LoadTable, *, waves: bool
@@ -105,8 +105,7 @@ class RecoveryRules:
         self._wake_owed = waves and recovery.wave is not None
         self._settled = False
         self._woke_at: int | None = None
-        """The wave of the recovery wake, once it went out."""
-        self._probe_owed = self._wake_owed
+        """The wave of the recovery wake once it went out, until its probe went."""
 
     @property
     def wake_owed(self) -> bool:
@@ -143,9 +142,9 @@ class RecoveryRules:
         everyone, nobody excluded (paused peers join the lone engine; if none is alone,
         they run one wave of dummy steps and end it). None when this is not the recovery
         wake's deadline or the probe already went."""
-        if not self._probe_owed or wave != self._woke_at:
+        if wave != self._woke_at:  # (None: no wake went out, or its probe did)
             return None
-        self._probe_owed = False
+        self._woke_at = None
         logger.warning(
             "no engine answered the recovery wake of wave %d: the engines are past it; "
             "waking every engine at wave %d",
