@@ -414,7 +414,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                 wait_gate_open=partial(coordinator.wait_for, _gate_is_open),
                             ),
                             args.wave_file,
-                            lambda: coordinator.subscriptions().gate_open,
+                            partial(_gate_is_open, coordinator),
                             coordinator.restarts().process_restarts == 0,
                             lambda: inject_failure(coordinator._pumps, "engine_output"),
                         )
