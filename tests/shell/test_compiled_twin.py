@@ -1,12 +1,14 @@
-"""The compiled twin of the shim's batch receive against its pure-Python spec.
+"""The compiled twins of the shim's batch receive and send against their pure-Python spec.
 
 ``trio_zmq/_socket.py`` takes ``receive_queued`` (the engine-output listener's batch
-receive) from its compiled twin (``trio_zmq/_socket_kernel.pyx``, libzmq called
-directly) where it was built. Here the pure function (loaded from source by
-:func:`tests.pure_twin.pure_twin_modules`) and the package's own read the same queued
-messages from real sockets (inproc and ipc, single and multipart, empty and large
-frames) in batches of random sizes: the same batches, the same ``zmq.Again`` when
-drained, the same error on a closed socket. With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
+receive) and ``send_frames`` (the broadcaster's send of one message) from its compiled
+twin (``trio_zmq/_socket_kernel.pyx``, libzmq called directly) where it was built. Here
+the pure functions (loaded from source by :func:`tests.pure_twin.pure_twin_modules`)
+and the package's own work on real sockets (inproc and ipc, single and multipart, empty
+and large frames). The receive: the same queued messages in batches of random sizes,
+the same batches, the same ``zmq.Again`` when drained, the same error on a closed
+socket. The send: the same messages arrive, the same count taken before a full queue
+refuses, the same errors (closed socket, a ``str`` frame, no frames). With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
 compiler at install) both sides are pure and this checks the loader and the switch; CI
 runs it both ways.
 """
@@ -44,8 +46,9 @@ def test_the_build_asked_for_runs() -> None:
     if REQUIRE_COMPILED and not PURE_PYTHON:
         assert BUILT, "the compiled twin was not built"
     assert (BUILT and not PURE_PYTHON) == IN_USE
-    assert FAST.receive_queued.__module__.endswith("_kernel") == IN_USE
-    assert PURE.receive_queued.__module__.startswith(PURE_TWIN_PACKAGE)
+    for name in ("receive_queued", "send_frames"):
+        assert getattr(FAST, name).__module__.endswith("_kernel") == IN_USE
+        assert getattr(PURE, name).__module__.startswith(PURE_TWIN_PACKAGE)
 
 
 @pytest.fixture(params=["inproc", "ipc"])
@@ -123,6 +126,103 @@ def test_a_closed_socket_raises_the_same_error() -> None:
             with pytest.raises(zmq.ZMQError) as caught:
                 receive(pull, batch, 3)
             outcomes.append((type(caught.value), caught.value.errno, batch))
+        assert outcomes[0] == outcomes[1]
+    finally:
+        context.term()
+
+
+def receive_messages(pull: Any, count: int) -> list[list[bytes]]:
+    """``count`` messages from ``pull``, waiting up to 5 s for each."""
+    received = []
+    for _ in range(count):
+        assert pull.poll(5000), "a sent message did not arrive"
+        received.append(pull.recv_multipart(zmq.NOBLOCK))
+    return received
+
+
+buffers_st = frames_st.flatmap(
+    lambda frame: st.sampled_from([frame, bytearray(frame), memoryview(frame)])
+)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(st.lists(buffers_st, min_size=1, max_size=4), min_size=1, max_size=20))
+def test_the_twins_send_the_same_messages(pair: tuple[Any, Any], messages: list[list[Any]]) -> None:
+    push, pull = pair
+    expected = [[bytes(frame) for frame in message] for message in messages]
+    for send in (FAST.send_frames, PURE.send_frames):
+        taken = [send(push, message) for message in messages]
+        assert taken == [len(message) for message in messages]
+        assert receive_messages(pull, len(messages)) == expected
+        assert pull.poll(0) == 0
+
+
+@settings(max_examples=30)
+@given(messages=st.lists(st.lists(frames_st, min_size=1, max_size=3), min_size=1, max_size=8))
+def test_a_full_queue_refuses_the_same_message(messages: list[list[bytes]]) -> None:
+    """inproc's queue holds SNDHWM + RCVHWM messages: both twins fill it alike, then
+    take none of the next message's frames (0: nothing committed)."""
+    outcomes = []
+    for send in (FAST.send_frames, PURE.send_frames):
+        context = zmq.Context()
+        try:
+            pull = context.socket(zmq.PULL)
+            pull.setsockopt(zmq.RCVHWM, 2)
+            pull.bind("inproc://full")
+            push = context.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 2)
+            push.connect("inproc://full")
+            taken = [send(push, message) for message in messages * 5]
+            received = []
+            while pull.poll(0):
+                received.append(pull.recv_multipart(zmq.NOBLOCK))
+            outcomes.append((taken, received))
+        finally:
+            context.destroy(linger=0)
+    assert outcomes[0] == outcomes[1]
+    taken, received = outcomes[0]
+    assert taken[len(received)] == 0
+    assert received == (messages * 5)[: len(received)]
+    assert 0 < len(received) < len(taken)
+
+
+def test_a_peerless_socket_refuses_the_message_alike() -> None:
+    context = zmq.Context()
+    try:
+        push = context.socket(zmq.PUSH)  # no peer: nothing can be queued
+        assert [send(push, [b"a", b"b"]) for send in (FAST.send_frames, PURE.send_frames)] == [0, 0]
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("frames", "error"),
+    [([], ValueError), (["text"], TypeError), ([b"a", "text"], TypeError), ([b"a", 3], TypeError)],
+)
+def test_the_twins_reject_the_same_frames(frames: list[Any], error: type[Exception]) -> None:
+    context = zmq.Context()
+    try:
+        pull = context.socket(zmq.PULL)
+        pull.bind("inproc://rejects")
+        push = context.socket(zmq.PUSH)
+        push.connect("inproc://rejects")
+        for send in (FAST.send_frames, PURE.send_frames):
+            with pytest.raises(error):
+                send(push, frames)
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_closed_socket_refuses_a_send_with_the_same_error() -> None:
+    context = zmq.Context()
+    try:
+        outcomes = []
+        for send in (FAST.send_frames, PURE.send_frames):
+            push = context.socket(zmq.PUSH)
+            push.close()
+            with pytest.raises(zmq.ZMQError) as caught:
+                send(push, [b"a"])
+            outcomes.append((type(caught.value), caught.value.errno))
         assert outcomes[0] == outcomes[1]
     finally:
         context.term()

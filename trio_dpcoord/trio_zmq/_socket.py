@@ -299,37 +299,23 @@ class AsyncSocket:
         self._events_hint = None
         if self._send_tail is not None and not self._flush_tail():
             return False
-        sock = self._sock
-        last = len(frames) - 1
-        if last == 0:
-            try:
-                sock.send(frames[0], _NOBLOCK)
-            except zmq.Again:
-                return False
+        sent = send_frames(self._sock, frames)
+        if sent == len(frames):
             return True
-        try:
-            sock.send(frames[0], _NOBLOCK_SNDMORE)
-        except zmq.Again:
+        if sent == 0:
             return False
-        for i in range(1, last + 1):
-            try:
-                sock.send(frames[i], _NOBLOCK_SNDMORE if i < last else _NOBLOCK)
-            except zmq.Again:
-                logger.warning("zmq refused a continuation frame; finishing it later")
-                self._send_tail = list(frames[i:])
-                return True
+        logger.warning("zmq refused a continuation frame; finishing it later")
+        self._send_tail = list(frames[sent:])
         return True
 
     def _flush_tail(self) -> bool:
         self._events_hint = None
         tail = self._send_tail
         assert tail is not None
-        while tail:
-            try:
-                self._sock.send(tail[0], _NOBLOCK_SNDMORE if len(tail) > 1 else _NOBLOCK)
-            except zmq.Again:
-                return False
-            del tail[0]
+        sent = send_frames(self._sock, tail)
+        if sent < len(tail):
+            del tail[:sent]
+            return False
         self._send_tail = None
         return True
 
@@ -432,28 +418,24 @@ class AsyncSocket:
             return received
 
     def _take_queued(
-        self,
-        receive_one: Callable[[int], _Received],
-        max_messages: int,
-        receive_more: Callable[[list[_Received], int], None] | None = None,
+        self, receive: Callable[[list[_Received], int], None], max_messages: int
     ) -> list[_Received]:
-        """One ``receive_one`` (``zmq.Again`` propagates), then whatever is already queued,
-        up to ``max_messages`` in all, without waiting (``receive_more(batch, n)`` appends
-        up to ``n`` more, ``receive_one`` in a loop by default). After the first message
-        EVENTS says whether more are queued: a lone message (every wave report) then ends
-        the batch without the ``zmq.Again`` a drained socket raises."""
+        """``receive(batch, 1)`` (``zmq.Again`` propagates: nothing queued), then whatever
+        is already queued, up to ``max_messages`` in all, without waiting
+        (``receive(batch, n)`` appends up to ``n``, raising ``zmq.Again`` once drained).
+        After the first message EVENTS says whether more are queued: a lone message
+        (every wave report) then ends the batch without the ``zmq.Again`` a drained socket
+        raises."""
         self._events_hint = None
-        batch = [receive_one(_NOBLOCK)]
+        batch: list[_Received] = []
+        receive(batch, 1)
         if max_messages > 1:
             events = _get_option(self._sock, _EVENTS)
             if not events & _POLLIN:
                 self._events_hint = events  # the last call: the next receive starts here
                 return batch
             try:
-                if receive_more is not None:
-                    receive_more(batch, max_messages - 1)
-                while len(batch) < max_messages:
-                    batch.append(receive_one(_NOBLOCK))
+                receive(batch, max_messages - 1)
             except zmq.ZMQError:
                 # Again: drained.  Any other error resurfaces on the next call; the frames
                 # already taken must not be lost.
@@ -476,32 +458,24 @@ class AsyncSocket:
         parts of a multipart message come back as separate items)."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        recv = self._sock.recv
-        return await self._receive(lambda: self._take_queued(recv, max_messages))
+        return await self._receive(lambda: self._take_queued(self._recv_frames, max_messages))
 
-    def _recv_message(self, flags: int) -> list[bytes]:
-        """``recv_multipart`` for the batch path: ``Frame.more`` costs less than pyzmq's
-        ``getsockopt(RCVMORE)`` per message (0.8 us), which shows in ingest profiles."""
-        recv = self._sock.recv
-        frame = recv(flags, copy=False)
-        parts = [frame.bytes]
-        while frame.more:
-            # the rest of a multipart message is delivered atomically with its first part
-            frame = recv(flags, copy=False)
-            parts.append(frame.bytes)
-        return parts
+    def _recv_frames(self, batch: list[bytes], count: int) -> None:
+        """Up to ``count`` queued frames onto ``batch`` (``zmq.Again`` once drained)."""
+        recv, append = self._sock.recv, batch.append
+        for _ in range(count):
+            append(recv(_NOBLOCK))
 
     def _recv_messages(self, batch: list[list[bytes]], count: int) -> None:
-        """:meth:`_recv_message` ``count`` times onto ``batch``: :func:`receive_queued`."""
+        """Up to ``count`` queued messages onto ``batch``: :func:`receive_queued` (compiled
+        where built: no pyzmq ``Frame`` per message, the first of a batch included)."""
         receive_queued(self._sock, batch, count)
 
     async def recv_multipart_batch(self, max_messages: int = 1000) -> list[list[bytes]]:
         """Like :meth:`recv_batch`, for multipart messages."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        return await self._receive(
-            lambda: self._take_queued(self._recv_message, max_messages, self._recv_messages)
-        )
+        return await self._receive(lambda: self._take_queued(self._recv_messages, max_messages))
 
     # -- closing ------------------------------------------------------------------------
 
@@ -534,6 +508,31 @@ class AsyncSocket:
         except ValueError:
             name = str(self._type)
         return f"<AsyncSocket {name} {'closed' if self.closed else f'fd={self._fd}'}>"
+
+
+def send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> int:
+    """Send ``frames`` as one message without waiting (``SNDMORE`` on all but the last);
+    how many of them zmq took: 0 when it refused the first (``zmq.Again``: nothing is
+    committed), ``len(frames)`` once all went, in between when it refused a continuation
+    frame (libzmq counts its high-water mark in whole messages, so that should never
+    happen; the caller keeps the rest). Any other error raises as pyzmq's. The
+    broadcaster's send (START_DP_WAVE to every engine is one message: the XPUB copies it
+    to each). Its compiled twin (``_socket_kernel.pyx``) calls libzmq's ``zmq_send``
+    itself: no pyzmq ``send`` (a Python method) per frame."""
+    if not frames:
+        raise ValueError("a zmq message needs at least one frame")
+    send = sock.send
+    last = len(frames) - 1
+    for index in range(last):
+        try:
+            send(frames[index], _NOBLOCK_SNDMORE)
+        except zmq.Again:
+            return index
+    try:
+        send(frames[last], _NOBLOCK)
+    except zmq.Again:
+        return last
+    return last + 1
 
 
 def receive_queued(sock: zmq.Socket[bytes], batch: list[list[bytes]], count: int) -> None:

@@ -1,6 +1,7 @@
 # cython: language_level=3
-"""The compiled twin of :func:`trio_dpcoord.trio_zmq._socket.receive_queued`: the batch
-receive of the engine-output listener, calling libzmq itself.
+"""The compiled twins of :func:`trio_dpcoord.trio_zmq._socket.receive_queued` (the batch
+receive of the engine-output listener) and :func:`~trio_dpcoord.trio_zmq._socket.send_frames`
+(the broadcaster's send of one message), calling libzmq itself.
 
 :mod:`._socket` (pure Python, pyzmq) is the spec: up to ``count`` queued messages, each
 the list of its frames' bytes, appended to the batch; ``zmq.Again`` once drained, any
@@ -8,6 +9,9 @@ other error as pyzmq's ``zmq.ZMQError``, the messages taken so far kept. pyzmq m
 ``zmq.Frame`` per message to say whether more frames follow (its ``getsockopt(RCVMORE)``
 costs more); here ``zmq_msg_recv`` fills a ``zmq_msg_t`` on the stack and its bytes are
 copied into the one ``bytes`` object the message needs, as ``recv(copy=True)`` does.
+A send goes frame by frame to ``zmq_send`` (libzmq's ``zmq_msg_init_size``, a copy and
+``zmq_msg_send``, as pyzmq's ``send(copy=True)``), from the frame's buffer, in one call
+for the whole message instead of pyzmq's Python ``send`` per frame.
 
 libzmq is the copy pyzmq loaded (found in ``/proc/self/maps``, opened again by ctypes:
 the same library, so the same socket objects); where it cannot be found (not Linux, a
@@ -21,6 +25,7 @@ import errno as _errno
 
 import zmq
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uintptr_t
 
@@ -36,6 +41,7 @@ cdef extern from *:
     typedef size_t (*tdc_msg_size_t)(const tdc_zmq_msg_t *);
     typedef int (*tdc_msg_more_t)(const tdc_zmq_msg_t *);
     typedef int (*tdc_errno_t)(void);
+    typedef int (*tdc_send_t)(void *, const void *, size_t, int);
     """
     ctypedef struct tdc_zmq_msg_t:
         pass
@@ -46,6 +52,7 @@ cdef extern from *:
     ctypedef size_t (*tdc_msg_size_t)(const tdc_zmq_msg_t *)
     ctypedef int (*tdc_msg_more_t)(const tdc_zmq_msg_t *)
     ctypedef int (*tdc_errno_t)()
+    ctypedef int (*tdc_send_t)(void *, const void *, size_t, int)
 
 
 cdef tdc_msg_init_t _msg_init
@@ -55,9 +62,12 @@ cdef tdc_msg_data_t _msg_data
 cdef tdc_msg_size_t _msg_size
 cdef tdc_msg_more_t _msg_more
 cdef tdc_errno_t _zmq_errno
+cdef tdc_send_t _send
 
 cdef int _DONTWAIT = zmq.NOBLOCK
+cdef int _SNDMORE = zmq.SNDMORE
 cdef int _EAGAIN = _errno.EAGAIN
+cdef int _EINTR = _errno.EINTR
 
 
 def _loaded_libzmq():
@@ -87,14 +97,16 @@ def _bind():
     if (major.value, minor.value, patch.value) != zmq.zmq_version_info():
         raise ImportError("the libzmq found is not the one pyzmq uses")
     names = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_close", "zmq_msg_data",
-             "zmq_msg_size", "zmq_msg_more", "zmq_errno")
+             "zmq_msg_size", "zmq_msg_more", "zmq_errno", "zmq_send")
     a = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names]
-    _set(a[0], a[1], a[2], a[3], a[4], a[5], a[6])
+    _set(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
 
 
 cdef void _set(uintptr_t init, uintptr_t recv, uintptr_t close, uintptr_t data,
-               uintptr_t size, uintptr_t more, uintptr_t error):
+               uintptr_t size, uintptr_t more, uintptr_t error, uintptr_t send):
     global _msg_init, _msg_recv, _msg_close, _msg_data, _msg_size, _msg_more, _zmq_errno
+    global _send
+    _send = <tdc_send_t>send
     _msg_init = <tdc_msg_init_t>init
     _msg_recv = <tdc_msg_recv_t>recv
     _msg_close = <tdc_msg_close_t>close
@@ -151,6 +163,47 @@ def receive_queued(sock, list batch, Py_ssize_t count):
         batch.append(parts)
 
 
+cdef bint _send_one(void *handle, object frame, int flags) except -1:
+    """One frame (any object with the buffer protocol, as pyzmq takes); False on
+    ``EAGAIN``, raises as pyzmq does on any other failure (``EINTR``: tried again)."""
+    cdef Py_buffer view
+    cdef int rc
+    cdef int code
+    if isinstance(frame, str):
+        raise TypeError("unicode not allowed, use send_string")
+    PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE)
+    try:
+        while True:
+            rc = _send(handle, view.buf, <size_t>view.len, flags)
+            if rc >= 0:
+                return True
+            code = _zmq_errno()
+            if code == _EAGAIN:
+                return False
+            if code != _EINTR:
+                raise zmq.ZMQError(code)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def send_frames(sock, frames):
+    """:func:`._socket.send_frames`, compiled: the same frames taken, the same errors."""
+    cdef Py_ssize_t last = len(frames) - 1
+    cdef Py_ssize_t index
+    cdef void *handle
+    if last < 0:
+        raise ValueError("a zmq message needs at least one frame")
+    handle = <void *><uintptr_t>sock.underlying
+    if handle == NULL:
+        raise zmq.ZMQError(_errno.ENOTSOCK)
+    for index in range(last):
+        if not _send_one(handle, frames[index], _DONTWAIT | _SNDMORE):
+            return index
+    if not _send_one(handle, frames[last], _DONTWAIT):
+        return last
+    return last + 1
+
+
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals)."""
-    return {"receive_queued": receive_queued}
+    return {"receive_queued": receive_queued, "send_frames": send_frames}
