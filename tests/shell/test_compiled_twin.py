@@ -8,13 +8,15 @@ and the package's own work on real sockets (inproc and ipc, single and multipart
 and large frames). The receive: the same queued messages in batches of random sizes,
 the same batches, the same ``zmq.Again`` when drained, the same error on a closed
 socket. The send: the same messages arrive, the same count taken before a full queue
-refuses, the same errors (closed socket, a ``str`` frame, no frames). With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
-compiler at install) both sides are pure and this checks the loader and the switch; CI
-runs it both ways.
+refuses, the same errors (closed socket, a ``str`` frame, no frames). ``read_events``
+(``zmq.EVENTS``): the same readiness after every step of random sends and receives.
+With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no compiler at install) both sides are pure and
+this checks the loader and the switch; CI runs it both ways.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ def test_the_build_asked_for_runs() -> None:
     if REQUIRE_COMPILED and not PURE_PYTHON:
         assert BUILT, "the compiled twin was not built"
     assert (BUILT and not PURE_PYTHON) == IN_USE
-    for name in ("receive_queued", "send_frames"):
+    for name in ("receive_queued", "send_frames", "read_events"):
         assert getattr(FAST, name).__module__.endswith("_kernel") == IN_USE
         assert getattr(PURE, name).__module__.startswith(PURE_TWIN_PACKAGE)
 
@@ -226,3 +228,39 @@ def test_a_closed_socket_refuses_a_send_with_the_same_error() -> None:
         assert outcomes[0] == outcomes[1]
     finally:
         context.term()
+
+
+@settings(max_examples=40)
+@given(steps=st.lists(st.sampled_from(["send", "receive", "fill"]), max_size=25))
+def test_the_twins_read_the_same_events(steps: list[str]) -> None:
+    """inproc (no I/O thread between the two reads): after each step both twins read
+    the same EVENTS on both ends, the receiver's POLLIN and the sender's POLLOUT."""
+    context = zmq.Context()
+    try:
+        pull = context.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 2)
+        pull.bind("inproc://events")
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 2)
+        push.connect("inproc://events")
+        for step in steps:
+            if step == "receive":
+                with contextlib.suppress(zmq.Again):
+                    pull.recv(zmq.NOBLOCK)
+            else:
+                for _ in range(5 if step == "fill" else 1):
+                    with contextlib.suppress(zmq.Again):
+                        push.send(b"x", zmq.NOBLOCK)
+            for sock in (pull, push):
+                fast, pure = FAST.read_events(sock), PURE.read_events(sock)
+                assert (fast, type(fast)) == (pure, int)
+        closed = context.socket(zmq.PULL)
+        closed.close()
+        errors = []
+        for read in (FAST.read_events, PURE.read_events):
+            with pytest.raises(zmq.ZMQError) as caught:
+                read(closed)
+            errors.append(caught.value.errno)
+        assert errors[0] == errors[1]
+    finally:
+        context.destroy(linger=0)

@@ -27,6 +27,7 @@ that had to wait has already passed a full checkpoint and returns without anothe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -188,7 +189,7 @@ class AsyncSocket:
         ``events``: what EVENTS said, when that read was the call (it becomes the hint)."""
         if self._waiting:
             if events is None:
-                events = _get_option(self._sock, _EVENTS)
+                events = read_events(self._sock)
             self._dispatch(events)
         self._events_hint = events
 
@@ -209,7 +210,7 @@ class AsyncSocket:
         try:
             if events is None:
                 self._events_hint = None
-                events = _get_option(self._sock, _EVENTS)
+                events = read_events(self._sock)
             if self._waiting > 1:
                 self._dispatch(events)
             deadline = math.inf
@@ -393,7 +394,7 @@ class AsyncSocket:
             if not waited:
                 events = self._events_hint
                 if events is None:
-                    events = _get_option(sock, _EVENTS)
+                    events = read_events(sock)
                 else:
                     self._events_hint = None
                 if not events & _POLLIN:
@@ -430,16 +431,14 @@ class AsyncSocket:
         batch: list[_Received] = []
         receive(batch, 1)
         if max_messages > 1:
-            events = _get_option(self._sock, _EVENTS)
+            events = read_events(self._sock)
             if not events & _POLLIN:
                 self._events_hint = events  # the last call: the next receive starts here
                 return batch
-            try:
+            # Again: drained.  Any other error resurfaces on the next call; the frames
+            # already taken must not be lost.
+            with contextlib.suppress(zmq.ZMQError):
                 receive(batch, max_messages - 1)
-            except zmq.ZMQError:
-                # Again: drained.  Any other error resurfaces on the next call; the frames
-                # already taken must not be lost.
-                pass
         return batch
 
     async def recv(self) -> bytes:
@@ -508,6 +507,14 @@ class AsyncSocket:
         except ValueError:
             name = str(self._type)
         return f"<AsyncSocket {name} {'closed' if self.closed else f'fd={self._fd}'}>"
+
+
+def read_events(sock: zmq.Socket[bytes]) -> int:
+    """``zmq.EVENTS`` of ``sock`` (``POLLIN`` / ``POLLOUT`` now; libzmq processes the
+    socket's pending commands first, which may consume the FD's edge: see the module's
+    docstring). A few per wave; its compiled twin (``_socket_kernel.pyx``) calls libzmq's
+    ``zmq_getsockopt`` itself, without pyzmq's option-type lookup."""
+    return _get_option(sock, _EVENTS)
 
 
 def send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> int:

@@ -42,6 +42,7 @@ cdef extern from *:
     typedef int (*tdc_msg_more_t)(const tdc_zmq_msg_t *);
     typedef int (*tdc_errno_t)(void);
     typedef int (*tdc_send_t)(void *, const void *, size_t, int);
+    typedef int (*tdc_getsockopt_t)(void *, int, void *, size_t *);
     """
     ctypedef struct tdc_zmq_msg_t:
         pass
@@ -53,6 +54,7 @@ cdef extern from *:
     ctypedef int (*tdc_msg_more_t)(const tdc_zmq_msg_t *)
     ctypedef int (*tdc_errno_t)()
     ctypedef int (*tdc_send_t)(void *, const void *, size_t, int)
+    ctypedef int (*tdc_getsockopt_t)(void *, int, void *, size_t *)
 
 
 cdef tdc_msg_init_t _msg_init
@@ -63,9 +65,11 @@ cdef tdc_msg_size_t _msg_size
 cdef tdc_msg_more_t _msg_more
 cdef tdc_errno_t _zmq_errno
 cdef tdc_send_t _send
+cdef tdc_getsockopt_t _getsockopt
 
 cdef int _DONTWAIT = zmq.NOBLOCK
 cdef int _SNDMORE = zmq.SNDMORE
+cdef int _EVENTS = zmq.EVENTS
 cdef int _EAGAIN = _errno.EAGAIN
 cdef int _EINTR = _errno.EINTR
 
@@ -97,16 +101,19 @@ def _bind():
     if (major.value, minor.value, patch.value) != zmq.zmq_version_info():
         raise ImportError("the libzmq found is not the one pyzmq uses")
     names = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_close", "zmq_msg_data",
-             "zmq_msg_size", "zmq_msg_more", "zmq_errno", "zmq_send")
+             "zmq_msg_size", "zmq_msg_more", "zmq_errno", "zmq_send",
+             "zmq_getsockopt")
     a = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names]
-    _set(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
+    _set(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
 
 
 cdef void _set(uintptr_t init, uintptr_t recv, uintptr_t close, uintptr_t data,
-               uintptr_t size, uintptr_t more, uintptr_t error, uintptr_t send):
+               uintptr_t size, uintptr_t more, uintptr_t error, uintptr_t send,
+               uintptr_t getsockopt):
     global _msg_init, _msg_recv, _msg_close, _msg_data, _msg_size, _msg_more, _zmq_errno
-    global _send
+    global _send, _getsockopt
     _send = <tdc_send_t>send
+    _getsockopt = <tdc_getsockopt_t>getsockopt
     _msg_init = <tdc_msg_init_t>init
     _msg_recv = <tdc_msg_recv_t>recv
     _msg_close = <tdc_msg_close_t>close
@@ -204,6 +211,25 @@ def send_frames(sock, frames):
     return last + 1
 
 
+def read_events(sock):
+    """:func:`._socket.read_events`, compiled: ``zmq_getsockopt(ZMQ_EVENTS)`` itself."""
+    cdef int events = 0
+    cdef size_t size = sizeof(int)
+    cdef int code
+    cdef void *handle = <void *><uintptr_t>sock.underlying
+    if handle == NULL:
+        raise zmq.ZMQError(_errno.ENOTSOCK)
+    while _getsockopt(handle, _EVENTS, &events, &size) < 0:
+        code = _zmq_errno()
+        if code != _EINTR:
+            raise zmq.ZMQError(code)
+    return events
+
+
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals)."""
-    return {"receive_queued": receive_queued, "send_frames": send_frames}
+    return {
+        "receive_queued": receive_queued,
+        "send_frames": send_frames,
+        "read_events": read_events,
+    }
