@@ -200,8 +200,6 @@ FIGURES = (
     "CPU per request, client process",
     "CPU per request, client + DP coordinator",
 )
-SHOWN = (FIGURES[0], FIGURES[2], FIGURES[4])
-"""The figures with rows of their own (the others in their notes)."""
 
 
 def run_section(suite: Suite) -> None:
@@ -211,7 +209,7 @@ def run_section(suite: Suite) -> None:
     sizes = CLIENT_QUICK if suite.env.quick else CLIENT_FULL
     reason = unavailable()
     if reason:
-        for figure in SHOWN:
+        for figure in FIGURES:
             suite.skipped("9 client", figure, reason)
         return
     passes = measure_all(sizes, suite.env.log_dir)
@@ -263,30 +261,16 @@ def client_rows(passes: dict[str, list[dict[str, Any]]], load: str) -> list[Row]
     count = min(len(passes[kind]) for kind in SUBJECTS)
     label = passes[VLLM][0]["client"]
     first = {kind: passes[kind][0] for kind in SUBJECTS}
-
-    def medians(figure: str) -> str:
-        return ", ".join(f"{kind} {mid(kind, figure):.3g}" for kind in SUBJECTS)
-
     rows = []
-    for figure in SHOWN:  # three rows: the page has room for no more
-        pure = mid(OURS_PURE, figure)
-        note = (
-            f"pure twin ({PURE_PYTHON_ENV}=1) median {pure:.3g} {_unit(figure)}, "
-            f"{pure / mid(VLLM, figure):.2f}x vLLM's; "
-            + "; ".join(each(kind, figure) for kind in SUBJECTS)
-        )
+    for figure in FIGURES:
+        note = "; ".join(each(kind, figure) for kind in SUBJECTS)
         if figure == FIGURES[0]:
             note = (
                 f"{note}; requests by rank (first pass): ours {first[OURS]['requests_by_rank']}, "
                 f"vLLM {first[VLLM]['requests_by_rank']}; waves: ours {first[OURS]['waves']}"
             )
-        if figure == FIGURES[2]:
-            note = f"{note}; TTFT p50 medians (ms): {medians(FIGURES[1])}"
         if figure == FIGURES[4]:
-            note = (
-                f"{note}; vLLM's coordinator is a process of its own, ours is inside; "
-                f"the client process alone, medians (ms): {medians(FIGURES[3])}"
-            )
+            note = f"{note}; vLLM's coordinator is a process of its own, ours is inside"
         shown = f"{figure} (median of {count} passes: {load})" if figure == FIGURES[0] else figure
         rows.append(
             Row(
@@ -297,6 +281,17 @@ def client_rows(passes: dict[str, list[dict[str, Any]]], load: str) -> list[Row]
                 mid(VLLM, figure),
                 label,
                 note=note,
+            )
+        )
+    for figure in (FIGURES[0], FIGURES[2], FIGURES[4]):
+        rows.append(
+            Row(
+                "9 client",
+                f"{figure}, pure twin ({PURE_PYTHON_ENV}=1)",
+                mid(OURS_PURE, figure),
+                _unit(figure),
+                mid(VLLM, figure),
+                label,
             )
         )
     return rows
