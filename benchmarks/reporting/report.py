@@ -300,11 +300,16 @@ def front_page(
     ]
     for guide in guides:
         record = newest.get(guide.key)
-        for figure in record.figures if record is not None else ():
+        figures = record.figures if record is not None else []
+        grouped = len({figure.get("section", "") for figure in figures}) > 1
+        for figure in figures:
             if not figure.get("target"):
                 continue
-            link = f"[{cell(guide.heading)}]({page_name(guide.key)})"
-            out.append(table_row([link, *figure_cells(figure)]))
+            # a record of several groups (ranks, say): each row names its group
+            name = figure.get("section", "") if grouped else guide.heading
+            out.append(
+                table_row([f"[{cell(name)}]({page_name(guide.key)})", *figure_cells(figure)])
+            )
     out += ["", " ".join(f"![{title}](results/plots/{name})" for name, title, _ in PLOTS)]
     return "\n".join(out) + "\n"
 
