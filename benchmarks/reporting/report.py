@@ -168,7 +168,7 @@ def history_tables(directory: Path) -> dict[str, HistoryTable]:
 
 GENERATED = [
     "<!-- Written by `python -m benchmarks report` from benchmarks/results/*.json: change",
-    "the records or benchmarks/reporting/report.py, not this page. -->",
+    "the records or benchmarks/reporting/ (report.py, guide.py), not this page. -->",
 ]
 
 
