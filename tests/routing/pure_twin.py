@@ -26,6 +26,7 @@ class HotPath(NamedTuple):
     block_keys: Callable[..., list[int]]
     chunk_hashes: Callable[..., Any]
     ChunkKeys: Any
+    RankPrefixIndex: Any
     PrefixRouter: Any
     EngineChooser: Any
 
@@ -41,6 +42,7 @@ def hot_path(pure: bool) -> HotPath:
         keys.block_keys,
         keys.chunk_hashes,
         keys.ChunkKeys,
+        modules["routing._prefix_index"].RankPrefixIndex,
         modules["routing._prefix_router"].PrefixRouter,
         modules["routing._chooser"].EngineChooser,
     )
