@@ -51,7 +51,7 @@ def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
 def test_the_build_asked_for_runs() -> None:
     """Forced pure: the pure names; else the compiled ones wherever the twin was built
     (and CI's default install must have built it)."""
-    for module in ("routing._keys", "routing._prefix_index"):
+    for module in ("routing._keys", "routing._prefix_index", "routing._walk"):
         built, in_use = kernel_state(module)
         if REQUIRE_COMPILED and not PURE_PYTHON:
             assert built, f"the compiled twin of {module} was not built"
@@ -163,6 +163,39 @@ def test_the_chunk_cache_gives_and_learns_the_same(
         assert list(mine.complete()) == list(theirs.complete())
         assert list(mine) == PURE.block_keys(prompt, block_size)
         assert fast._chunks == pure._chunks
+
+
+# --- the walk: bisecting the owners map ------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 300),
+    st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    st.integers(1, 20),
+    st.booleans(),
+    st.data(),
+)
+def test_the_walk_bisects_the_same(
+    count: int, depths: list[int], span: int, closed: bool, data: st.DataObject
+) -> None:
+    """Ranks holding prefixes of ``depths`` blocks (prefix-closed, as the walk assumes),
+    or any masks at all: the same groups from both builds."""
+    keys = [hash(("key", number)) for number in range(count)]
+    owners: dict[int, int] = {}
+    for number, key in enumerate(keys):
+        if closed:
+            mask = sum(1 << rank for rank, depth in enumerate(depths) if depth > number)
+        else:
+            mask = data.draw(st.integers(0, 2 ** len(depths) - 1))
+        if mask:
+            owners[key] = mask
+    chunks = [keys[at : at + span] for at in range(0, count, span)]
+    first = owners.get(keys[0], 0)
+    last = owners.get(keys[-1], 0) & first
+    assert FAST.bisect_holders(owners, chunks, span, count, first, last) == (
+        PURE.bisect_holders(owners, chunks, span, count, first, last)
+    )
 
 
 # --- one rank's chain-mode index: stores, evictions, expiry, removals ---------------------

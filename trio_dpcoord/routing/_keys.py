@@ -177,19 +177,24 @@ class ChunkedKeys(Sequence[int]):
     def complete(self) -> ChunkedKeys:
         """Compute the keys past the known chunks (the cache learns the prompt's new
         chunks then, as :meth:`ChunkKeys.__call__` does); a no-op once complete."""
-        rest = self._rest
-        if rest is None:
-            return self
-        self._rest = None
-        cache = rest.cache
-        tokens, start, parent = rest.tokens, rest.start, rest.parent
-        size = cache.block_size
-        computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
-        out = self.chunks
-        out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
-        self.known = self._length
-        cache._learn(tokens, out, rest.cached, rest.ids)
-        return self
+        return complete_keys(self)
+
+
+def complete_keys(keys: ChunkedKeys) -> ChunkedKeys:
+    """:meth:`ChunkedKeys.complete` (a function, which the compiled twin replaces)."""
+    rest = keys._rest
+    if rest is None:
+        return keys
+    keys._rest = None
+    cache = rest.cache
+    tokens, start, parent = rest.tokens, rest.start, rest.parent
+    size = cache.block_size
+    computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
+    out = keys.chunks
+    out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
+    keys.known = keys._length
+    cache._learn(tokens, out, rest.cached, rest.ids)
+    return keys
 
 
 class _Rest:

@@ -11,6 +11,7 @@ place. ``tests/routing/test_compiled_twin.py`` checks both against each other; t
 the pure module when it is not (or with ``TRIO_DPCOORD_PURE_PYTHON=1``).
 """
 
+cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.list cimport PyList_New, PyList_SET_ITEM
@@ -294,6 +295,49 @@ def lookup_chunks(cache, token_ids):
     return keys
 
 
+def complete_keys(keys):
+    """``_keys.complete_keys`` (``ChunkedKeys.complete``), with ``ChunkKeys._learn``
+    inline: the same steps, the new keys from the compiled :func:`block_keys`."""
+    rest = keys._rest
+    if rest is None:
+        return keys
+    keys._rest = None
+    cache = rest.cache
+    tokens, start, parent = rest.tokens, rest.start, rest.parent
+    size = cache.block_size
+    cdef list computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
+    cdef list out = keys.chunks
+    cdef Py_ssize_t count = len(computed), at
+    for at in range(0, count, _CHUNK_BLOCKS):
+        out.append(computed[at : at + _CHUNK_BLOCKS])
+    keys.known = keys._length
+    _learn(cache, tokens, out, rest.cached, rest.ids)
+    return keys
+
+
+@cython.boundscheck(True)  # (a prompt grown since its lookup: IndexError, as in Python)
+cdef _learn(cache, tokens, list out, Py_ssize_t cached, list ids):
+    """``ChunkKeys._learn``: remember the prompt's new full chunks (see there)."""
+    cdef dict chunks = cache._chunks
+    cdef Py_ssize_t whole = len(tokens) // cache._span
+    cdef Py_ssize_t learn = whole if cached else min(whole, 1)
+    cdef Py_ssize_t number
+    if learn > cached:
+        kept = out[:learn]  # the learnt chunks only: not the prompt's partial last one
+        for number in range(cached, learn):
+            chunks[ids[number]] = (kept, number + 1)
+    cdef Py_ssize_t excess = len(chunks) - cache.max_chunks
+    cdef list old
+    if excess > 0:
+        old = []
+        for key in chunks:
+            if len(old) >= excess:
+                break
+            old.append(key)
+        for key in old:
+            del chunks[key]
+
+
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals)."""
     global _salts, _pure_block_keys, _pure_chunk_hashes, _pure_lookup_chunks
@@ -310,5 +354,6 @@ def accelerate(namespace):
         "block_keys": block_keys,
         "chunk_hashes": chunk_hashes,
         "lookup_chunks": lookup_chunks,
+        "complete_keys": complete_keys,
     }
 
