@@ -18,9 +18,12 @@ process of its own, so that its CPU time is its own:
 Both run the plan: a warm-up, then ``passes`` times ``requests`` greedy requests
 (``ignore_eos``, ``max_tokens`` each) kept ``concurrency`` in flight by as many tasks,
 each awaiting its own request's outputs. The plan's ``shape`` says how a task awaits
-them: ``"first+done"`` (the default, and this section's), ours iterating the request's
-stream, vLLM's a future for the first token and one for the end, set by a task that
-demultiplexes ``get_output_async()``; ``"streams"``, every output to its request's task
+them: ``"first+done"`` (the default, and this section's), the task wakes for the first
+token and for the end: ours reads the stream up to its first token, then
+``RequestStream.rest()`` (the other outputs gathered as they come, one wake-up at the end;
+until 2026-12-07 ours iterated every output here, one wake-up each), vLLM's a future for
+the first token and one for the end, set by a task that demultiplexes
+``get_output_async()``; ``"streams"``, every output to its request's task
 (ours the same; vLLM's through a per-request collector, the shape of ``AsyncLLM``'s
 ``RequestOutputCollector``); ``"whole"``, the task wakes once, at the end (ours
 ``EngineClient.complete``; vLLM's the end future alone). Per pass they report requests
