@@ -175,6 +175,8 @@ class RequestStream:
 
         Afterwards :attr:`finish_reason` is set and the stream yields nothing more;
         raises as iteration does (:class:`EngineDeadError`, :class:`RequestAbortedError`).
+        Taken once: a cancelled call loses what it gathered (the request runs on until
+        the block is left).
         """
         if not self._entered:
             raise RuntimeError("enter the stream (async with) before reading it")
