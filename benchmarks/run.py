@@ -47,8 +47,8 @@ SUBCOMMANDS = {
 replays traces on a real ``vllm serve`` per policy; ``restart_real`` kills the DP
 coordinator of a real ``vllm serve`` under requests, ours and vLLM's; ``restart_fleet``
 kills ``serve --supervised``'s worker under a simulated fleet over tcp; ``report`` writes
-``benchmarks/README.md`` from the latest records under ``benchmarks/results/``; ``plot``
-draws their pictures."""
+``benchmarks/README.md`` and a page a section (``benchmarks/pages/``) from the latest
+records under ``benchmarks/results/``; ``plot`` draws their pictures."""
 
 
 def section_runner(name: str) -> Callable[[Suite], None]:
@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "routing: the lock-step prefix model); `routing_real --help`: policies on a real "
         "vllm serve, `restart_real --help`: coordinator kills on a real vllm serve, "
         "`restart_fleet --help`: coordinator kills under a simulated fleet (their own "
-        "options); `report`: benchmarks/README.md from benchmarks/results/; `plot`: its "
+        "options); `report`: benchmarks/README.md and benchmarks/pages/ from "
+        "benchmarks/results/; `plot`: their "
         "pictures",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs (< 2 min on 2 cores)")

@@ -76,6 +76,6 @@ def core_internals(core: CoordinatorCore) -> CoreInternals:
         tuple(core._gate.deferred_commands),
         loads.pending_snapshot,
         loads.stats_changed,
-        core._recovery is not None,
-        None if core._recovery is None else core._recovery.wake_owed,
+        core._rules.recovery is not None,
+        None if core._rules.recovery is None else core._rules.recovery.wake_owed,
     )

@@ -80,8 +80,9 @@ from trio_dpcoord.core import (
 def replace_wave_rule(core: CoordinatorCore, rule: WaveState) -> None:
     """Make ``rule`` ``core``'s wave rule, in place of the :class:`~trio_dpcoord.core.
     WaveState` it made itself: for a model checker's mutants (a subclass with a known bug
-    the checker must catch). Call it before the core's first input."""
-    core._wave = rule
+    the checker must catch). Call it before the core's first input. The core's wave rules
+    (``_wave_rules.py``) share its wave state, so they take the mutant too."""
+    core._wave = core._rules._wave = rule
 
 
 def wake_deadline(core: CoordinatorCore) -> float:
@@ -93,8 +94,8 @@ def replace_recovery_rules(core: CoordinatorCore, rules: type[RecoveryRules]) ->
     """Make a recovering ``core`` follow ``rules`` (a subclass of
     :class:`~trio_dpcoord.core.RecoveryRules` with the same slots, a model checker's mutant
     with a known bug) from now on; nothing when the core is not recovering."""
-    if core._recovery is not None:
-        core._recovery.__class__ = rules
+    if core._rules.recovery is not None:
+        core._rules.recovery.__class__ = rules
 
 
 def force_wave_state(

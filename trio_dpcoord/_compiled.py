@@ -35,6 +35,8 @@ compiled twins were built."""
 
 KERNEL_SOURCES: dict[str, str] = {
     "trio_dpcoord.routing._keys_kernel": "trio_dpcoord/routing/_keys_kernel.pyx",
+    "trio_dpcoord.routing._prefix_index_kernel": "trio_dpcoord/routing/_prefix_index_kernel.pyx",
+    "trio_dpcoord.routing._walk_kernel": "trio_dpcoord/routing/_walk_kernel.pyx",
     "trio_dpcoord.protocol._output_decoder_kernel": (
         "trio_dpcoord/protocol/_output_decoder_kernel.pyx"
     ),

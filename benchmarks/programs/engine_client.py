@@ -28,7 +28,9 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         startup_s = time.monotonic() - started
         by_rank = [0] * plan["engines"]
 
-        whole = plan.get("shape") == "whole"
+        shape = plan.get("shape", "first+done")
+        whole = shape == "whole"
+        first_and_done = shape == "first+done"
 
         async def one(prompt: list[int]) -> tuple[float, int]:
             sent = time.monotonic()
@@ -43,6 +45,11 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     if output.new_token_ids and ttft is None:
                         ttft = time.monotonic() - sent
                     count += len(output.new_token_ids)
+                    if first_and_done and ttft is not None:
+                        # the end, woken once: the first token and the end, as vLLM's
+                        # worker waits for its two futures
+                        count += len(await stream.rest())
+                        break
             if stream.engine_index is not None:
                 by_rank[stream.engine_index] += 1
             return (time.monotonic() - sent if ttft is None else ttft), count
@@ -70,6 +77,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
         for _ in range(plan["passes"]):
             by_rank[:] = [0] * plan["engines"]
             waves_before = client.coordinator.statistics().waves_completed
+            threads_before = _threads_cpu_s()
             cpu_before = time.process_time()
             main_before = time.thread_time()
             began = time.monotonic()
@@ -78,6 +86,7 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
             seconds = time.monotonic() - began
             cpu_s = time.process_time() - cpu_before
             main_cpu_s = time.thread_time() - main_before
+            threads_after = _threads_cpu_s()
             passes.append(
                 {
                     "main_thread_cpu_s": main_cpu_s,
@@ -90,6 +99,10 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
                     "coordinator_cpu_s": None,  # inside the client's process, in cpu_s
                     "requests_by_rank": list(by_rank),
                     "waves": client.coordinator.statistics().waves_completed - waves_before,
+                    "threads_cpu_s": {
+                        name: round(cpu - threads_before.get(name, 0.0), 6)
+                        for name, cpu in threads_after.items()
+                    },
                 }
             )
         _stop_profile(profiler, plan)
@@ -101,6 +114,21 @@ async def _run(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of each thread of this process by name (``comm``, with its id when
+    two share one): libzmq's I/O threads apart from the interpreter's."""
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            sched = (task / "sched").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        line = next(x for x in sched.splitlines() if x.startswith("se.sum_exec_runtime"))
+        out[f"{name}/{task.name}"] = float(line.split(":")[1]) / 1000
+    return out
+
+
 def _start_profile(plan: dict[str, Any]) -> Any:
     """A running cProfile profiler when the plan asks for one (``cprofile``: the path
     of its stats), else None."""
@@ -108,7 +136,9 @@ def _start_profile(plan: dict[str, Any]) -> Any:
         return None
     import cProfile
 
-    profiler = cProfile.Profile()
+    # CPU time of this thread: wall time would charge a preempted call the other
+    # processes' turns on a shared machine
+    profiler = cProfile.Profile(time.thread_time)
     profiler.enable()
     return profiler
 

@@ -1,2 +1,2 @@
-"""``python -m benchmarks report`` (benchmarks/README.md from the latest records) and
-``python -m benchmarks plot`` (its pictures)."""
+"""``python -m benchmarks report`` (benchmarks/README.md and benchmarks/pages/*.md from the
+latest records) and ``python -m benchmarks plot`` (their pictures)."""

@@ -26,11 +26,12 @@ The same workers as the ``client`` section, on the same kind of plan:
   guards against ranks launched with different settings, not the request path).
 
 Three shapes of caller (:data:`SHAPES`, the plan's ``shape``): ``first+done``, the
-``client`` section's pair (ours iterates each request's stream, one wake-up per output;
-vLLM's task waits for a first-token future and an end future set by one demultiplexing
-task: two wake-ups per request, none per output); ``streams``, both wake the request's
-task per output (vLLM's through a per-request collector, ``AsyncLLM``'s shape); ``whole``,
-both wake it once, at the end (ours ``EngineClient.complete``).
+``client`` section's pair (ours reads the stream to its first token, then
+``RequestStream.rest()``; vLLM's task waits for a first-token future and an end future set
+by one demultiplexing task: both two wake-ups per request, none per output);
+``streams``, both wake the request's task per output (vLLM's through a per-request
+collector, ``AsyncLLM``'s shape); ``whole``, both wake it once, at the end (ours
+``EngineClient.complete``).
 
 Each pass: ``requests`` requests of ``max_tokens`` greedy tokens, kept ``concurrency`` in
 flight; per pass the worker reports the wall time, its process's CPU seconds (all threads)

@@ -68,8 +68,6 @@ def wake_vs_vllm(suite: Suite, n: int, result: dict[str, dict[str, Any]]) -> Non
         if label not in result:
             continue
         stats = ["p50", "p99", "max"]
-        if label in floors or label == pure:
-            stats = ["p50", "p99"] if label in floors else ["p50"]  # the page's length
         if n == 8 and label != "inproc notify_first_request":
             stats.append("cpu_per_wave_us")
         for stat in stats:

@@ -1,6 +1,7 @@
 """``python -m benchmarks report`` and ``plot`` on the committed records
-(``benchmarks/results/``): the page carries, for every section, its latest record's date,
-commit and every figure, and each picture is drawn from the records it needs.
+(``benchmarks/results/``): each section's page carries its latest record's date, commit and
+every figure; the front page links every section's page and shows every goal row; the
+committed pages are the report's; each picture is drawn from the records it needs.
 
 Expectations come from the JSON files themselves, so the test holds whatever the latest
 run measured; speed is never asserted."""
@@ -13,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.reporting.report import GUIDE, MAX_LINES, PLOTS
+from benchmarks.reporting.guide import GUIDE
+from benchmarks.reporting.report import MAX_LINES, PAGES_DIR_NAME, PLOTS
 from benchmarks.shared.results import HISTORY_DIR, RESULTS_DIR, Record, latest, load_records
 from benchmarks.shared.suite import fmt
 
@@ -34,11 +36,10 @@ def run_benchmarks(*args: str) -> None:
     )
 
 
-def section_part(page: str, heading: str) -> str:
-    """The page's text under ``### HEADING (...)``, up to the next heading."""
-    start = page.index(f"\n### {heading} (")
-    end = page.find("\n### ", start + 1)
-    return page[start : end if end != -1 else len(page)]
+def written_pages(out: Path) -> dict[str, str]:
+    """Every page under ``out`` (``README.md`` and ``pages/*.md``), by its path there."""
+    paths = [out / "README.md", *sorted((out / PAGES_DIR_NAME).glob("*.md"))]
+    return {path.relative_to(out).as_posix(): path.read_text() for path in paths}
 
 
 def table_rows(part: str) -> list[str]:
@@ -69,16 +70,18 @@ def check_record(part: str, record: Record) -> None:
             assert escaped(figure["target"]) in row
 
 
-def test_the_page_shows_each_sections_latest_figures(tmp_path: Path) -> None:
-    out = tmp_path / "README.md"
-    run_benchmarks("report", "--out", str(out))
-    page = out.read_text()
-    assert page.count("\n") <= MAX_LINES
+def test_each_sections_page_shows_its_latest_figures(tmp_path: Path) -> None:
+    run_benchmarks("report", "--out", str(tmp_path))
+    pages = written_pages(tmp_path)
+    for name, text in pages.items():
+        assert text.count("\n") <= MAX_LINES, name
     newest = latest(load_records(RESULTS_DIR))
     assert newest, "no committed records under benchmarks/results/"
+    keys = [guide.key for guide in GUIDE] + sorted(set(newest) - {g.key for g in GUIDE})
+    assert set(pages) == {"README.md"} | {f"{PAGES_DIR_NAME}/{key}.md" for key in keys}
     for guide in GUIDE:
-        assert f"`{guide.command}`" in page
-        part = section_part(page, guide.heading)
+        part = pages[f"{PAGES_DIR_NAME}/{guide.key}.md"]
+        assert part.startswith(f"# {guide.heading} (`{guide.command}`)\n")
         record = newest.get(guide.key)
         if record is not None:
             check_record(part, record)
@@ -99,11 +102,39 @@ def test_the_page_shows_each_sections_latest_figures(tmp_path: Path) -> None:
             assert "| " + " | ".join(escaped(c) for c in cells) + " |" in part
 
 
-def test_the_committed_page_is_the_reports(tmp_path: Path) -> None:
-    """benchmarks/README.md is what ``report`` writes from the committed records."""
-    out = tmp_path / "README.md"
-    run_benchmarks("report", "--out", str(out))
-    assert (REPO / "benchmarks" / "README.md").read_text() == out.read_text()
+def test_the_front_page_links_every_section_and_shows_every_goal_row(tmp_path: Path) -> None:
+    run_benchmarks("report", "--out", str(tmp_path))
+    front = (tmp_path / "README.md").read_text()
+    assert front.count("\n") <= MAX_LINES // 2  # the page read first stays short
+    newest = latest(load_records(RESULTS_DIR))
+    for guide in GUIDE:
+        page = f"]({PAGES_DIR_NAME}/{guide.key}.md) | "
+        assert f"| [{escaped(guide.heading)}{page}`{guide.command}` |" in front
+        record = newest.get(guide.key)
+        goals = [f for f in record.figures if f.get("target")] if record is not None else []
+        rows = [line for line in front.splitlines() if line.startswith("| [") and page in line]
+        assert len(rows) == 1 + len(goals)  # its guide line, then one row a goal
+        for row, figure in zip(rows[1:], goals, strict=True):
+            assert f"| {escaped(figure['figure'])} |" in row
+            assert escaped(figure["target"]) in row
+            if figure["value"] is not None:
+                assert escaped(fmt(figure["value"], figure["unit"])) in row
+
+
+def test_the_committed_pages_are_the_reports(tmp_path: Path) -> None:
+    """benchmarks/README.md and benchmarks/pages/*.md are what ``report`` writes from the
+    committed records, and no other page is committed there."""
+    run_benchmarks("report", "--out", str(tmp_path))
+    assert written_pages(REPO / "benchmarks") == written_pages(tmp_path)
+
+
+def test_a_page_left_by_a_section_gone_is_removed(tmp_path: Path) -> None:
+    stale = tmp_path / PAGES_DIR_NAME / "a_section_gone.md"
+    stale.parent.mkdir()
+    stale.write_text("# gone\n")
+    run_benchmarks("report", "--out", str(tmp_path))
+    assert not stale.exists()
+    assert (tmp_path / PAGES_DIR_NAME / "wake.md").exists()
 
 
 def test_the_pictures_are_drawn_from_the_records(tmp_path: Path) -> None:
@@ -114,7 +145,7 @@ def test_the_pictures_are_drawn_from_the_records(tmp_path: Path) -> None:
         "routing_decision.png": {"routing_decision"},
         "restarts.png": {"restart_real", "restart_fleet"},
     }
-    assert set(needs) == {name for name, _ in PLOTS}
+    assert needs == {name: set(sections) for name, _, sections in PLOTS}
     for name, sections in needs.items():
         path = tmp_path / name
         if sections & set(newest):

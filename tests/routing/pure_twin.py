@@ -13,6 +13,7 @@ __all__ = ["PURE_TWIN_PACKAGE", "TWIN_MODULES", "HotPath", "compiled_twins", "ho
 
 TWIN_MODULES = (
     "routing._keys",
+    "routing._walk",
     "routing._prefix_index",
     "routing._prefix_router",
     "routing._chooser",
@@ -25,7 +26,9 @@ class HotPath(NamedTuple):
 
     block_keys: Callable[..., list[int]]
     chunk_hashes: Callable[..., Any]
+    bisect_holders: Callable[..., list[tuple[int, int]]]
     ChunkKeys: Any
+    RankPrefixIndex: Any
     PrefixRouter: Any
     EngineChooser: Any
 
@@ -40,7 +43,9 @@ def hot_path(pure: bool) -> HotPath:
     return HotPath(
         keys.block_keys,
         keys.chunk_hashes,
+        modules["routing._walk"].bisect_holders,
         keys.ChunkKeys,
+        modules["routing._prefix_index"].RankPrefixIndex,
         modules["routing._prefix_router"].PrefixRouter,
         modules["routing._chooser"].EngineChooser,
     )

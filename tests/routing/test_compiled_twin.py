@@ -51,15 +51,21 @@ def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
 def test_the_build_asked_for_runs() -> None:
     """Forced pure: the pure names; else the compiled ones wherever the twin was built
     (and CI's default install must have built it)."""
+    for module in ("routing._keys", "routing._prefix_index", "routing._walk"):
+        built, in_use = kernel_state(module)
+        if REQUIRE_COMPILED and not PURE_PYTHON:
+            assert built, f"the compiled twin of {module} was not built"
+        assert in_use == (built and not PURE_PYTHON)
     built, in_use = kernel_state("routing._keys")
-    if REQUIRE_COMPILED and not PURE_PYTHON:
-        assert built, "the compiled twin was not built"
-    assert in_use == (built and not PURE_PYTHON)
     assert FAST.block_keys is not PURE.block_keys
     assert FAST.block_keys.__module__.endswith("_kernel") == in_use
     assert FAST.chunk_hashes.__module__.endswith("_kernel") == in_use
     assert PURE.block_keys.__module__.startswith(PURE_TWIN_PACKAGE)
     assert PURE.PrefixRouter.__module__.startswith(PURE_TWIN_PACKAGE)
+    _, index_in_use = kernel_state("routing._prefix_index")
+    store = FAST.RankPrefixIndex._store_chain
+    assert store.__module__.endswith("_kernel") == index_in_use
+    assert PURE.RankPrefixIndex._store_chain.__module__.startswith(PURE_TWIN_PACKAGE)
 
 
 ints = st.one_of(
@@ -159,6 +165,84 @@ def test_the_chunk_cache_gives_and_learns_the_same(
         assert fast._chunks == pure._chunks
 
 
+# --- the walk: bisecting the owners map ------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 300),
+    st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    st.integers(1, 20),
+    st.booleans(),
+    st.data(),
+)
+def test_the_walk_bisects_the_same(
+    count: int, depths: list[int], span: int, closed: bool, data: st.DataObject
+) -> None:
+    """Ranks holding prefixes of ``depths`` blocks (prefix-closed, as the walk assumes),
+    or any masks at all: the same groups from both builds."""
+    keys = [hash(("key", number)) for number in range(count)]
+    owners: dict[int, int] = {}
+    for number, key in enumerate(keys):
+        if closed:
+            mask = sum(1 << rank for rank, depth in enumerate(depths) if depth > number)
+        else:
+            mask = data.draw(st.integers(0, 2 ** len(depths) - 1))
+        if mask:
+            owners[key] = mask
+    chunks = [keys[at : at + span] for at in range(0, count, span)]
+    first = owners.get(keys[0], 0)
+    last = owners.get(keys[-1], 0) & first
+    assert FAST.bisect_holders(owners, chunks, span, count, first, last) == (
+        PURE.bisect_holders(owners, chunks, span, count, first, last)
+    )
+
+
+# --- one rank's chain-mode index: stores, evictions, expiry, removals ---------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 90), st.integers(1, 3), st.data())
+def test_chain_mode_indexes_hold_the_same(capacity: int, ranks: int, data: st.DataObject) -> None:
+    """Indexes of each build in chain mode (one owners map per build, shared by its
+    ranks), fed the same chains (prefixes of a few documents' keys, some with new
+    tails), expiry and removals: the same blocks in the same order, the same owners."""
+    docs = [PURE.block_keys(doc, 2) for doc in DOCS]
+    built = []
+    for side in (FAST, PURE):
+        owners: dict[int, int] = {}
+        indexes = [
+            side.RankPrefixIndex(capacity, 4.0, bit=1 << rank, owners=owners)
+            for rank in range(ranks)
+        ]
+        for index in indexes:
+            index._chain_mode()
+        built.append((owners, indexes))
+    now = 0.0
+    for _ in range(data.draw(st.integers(1, 25))):
+        rank = data.draw(st.integers(0, ranks - 1))
+        step = data.draw(st.sampled_from(["store", "store", "store", "expire", "remove"]))
+        now += data.draw(st.sampled_from([0.0, 0.5, 3.0]))
+        doc = docs[data.draw(st.integers(0, len(docs) - 1))]
+        chain = doc[: data.draw(st.integers(0, len(doc)))]
+        chain += data.draw(st.lists(st.integers(0, 2**64), max_size=70))
+        gone = data.draw(st.lists(st.sampled_from(doc), max_size=5))
+        for _owners, indexes in built:
+            if step == "store":
+                indexes[rank].store(chain, now)
+            elif step == "expire":
+                indexes[rank].expire(now)
+            else:
+                indexes[rank].remove(gone)
+        (fast_owners, fast), (pure_owners, pure) = built
+        # the same order too (eviction's): the views as lists
+        assert [list(index.blocks().items()) for index in fast] == [
+            list(index.blocks().items()) for index in pure
+        ]
+        assert [len(index) for index in fast] == [len(index) for index in pure]
+        assert fast_owners == pure_owners
+
+
 # --- routers on each build: decisions, indexes, owners, counters --------------------------
 
 
@@ -246,8 +330,8 @@ class TwinRouters(RuleBasedStateMachine):
         if self.fast is None:
             return
         fast_indexes, pure_indexes = self.fast.indexes, self.pure.indexes
-        assert [index.blocks() for index in fast_indexes] == [
-            index.blocks() for index in pure_indexes
+        assert [list(index.blocks().items()) for index in fast_indexes] == [
+            list(index.blocks().items()) for index in pure_indexes
         ]
         assert [index.provisional_blocks() for index in fast_indexes] == [
             index.provisional_blocks() for index in pure_indexes

@@ -186,6 +186,30 @@ async def test_requests_stream_utility_calls_and_aborts() -> None:
 
 
 @pytest.mark.trio
+async def test_the_rest_of_a_stream_is_gathered_and_read_at_its_end() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with _fleet(2) as (client, _):
+            params = SamplingParams(max_tokens=6)
+            # buffer=1: a reader of every output one behind would be aborted; the rest is
+            # gathered as it comes, never buffered
+            async with client.generate([1], params, engine_index=1, buffer=1) as stream:
+                first = await stream.__anext__()
+                assert first.new_token_ids == (11,) and not first.finished
+                rest = await stream.rest()
+                assert rest == (11,) * 5 and stream.finish_reason == "length"
+                assert [output async for output in stream] == []
+                with pytest.raises(RuntimeError, match="taken once"):
+                    await stream.rest()
+            # the whole request through rest alone is what complete() returns
+            async with client.generate([1], params, engine_index=0) as whole:
+                assert await whole.rest() == (10,) * 6
+            with pytest.raises(RuntimeError, match="enter the stream"):
+                await client.generate([1], params).rest()
+            stats = client.statistics()
+            assert stats.requests_in_flight == stats.streams_open == stats.requests_aborted == 0
+
+
+@pytest.mark.trio
 async def test_prefix_routing_sends_a_conversation_back_to_its_rank() -> None:
     with trio.fail_after(TIMEOUT):
         async with _fleet(2, routing="prefix") as (client, _engines):

@@ -199,15 +199,10 @@ class EngineClient:
     ) -> Completion:
         """Send one request and wait for all of it (its token ids are gathered as they
         come, without waking the caller before the end)."""
-        stream = self.generate(prompt_token_ids, params, engine_index=engine_index)
-        tokens: list[int] = []
-        stream._collected = tokens
-        async with stream:
-            await stream._until_ended()
+        async with self.generate(prompt_token_ids, params, engine_index=engine_index) as stream:
+            tokens = await stream.rest()
         assert stream.finish_reason is not None and stream.engine_index is not None
-        return Completion(
-            stream.request_id, tuple(tokens), stream.finish_reason, stream.engine_index
-        )
+        return Completion(stream.request_id, tokens, stream.finish_reason, stream.engine_index)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in flight: its stream ends at once with a last output of

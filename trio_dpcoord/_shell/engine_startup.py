@@ -67,8 +67,8 @@ async def bind_client_sockets(
     input_address = input_socket.bind(free)
     outputs: list[tuple[AsyncSocket, AsyncSocket, str]] = []
     for _ in range(engine_count):
-        pull = await stack.enter_async_context(
-            open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, **tcp_options})
+        pull = await stack.enter_async_context(  # read by its rank's listener alone
+            open_socket(context, zmq.PULL, options={zmq.RCVHWM: 0, **tcp_options}, exclusive=True)
         )
         monitor = await stack.enter_async_context(
             open_monitor(context, pull, zmq.EVENT_DISCONNECTED)

@@ -166,16 +166,43 @@ class RequestStream:
             self.finish_reason = output.finish_reason
         return output
 
+    async def rest(self) -> tuple[int, ...]:
+        """The token ids of every output not read yet, once the request has ended: the
+        task wakes once, at the end, however many outputs come (they are gathered as
+        they arrive, no output object each). Read the first outputs with ``async for``
+        or ``anext`` (time to first token), then the rest with this: two wake-ups a
+        request, as a front-end that waits for the first token and the end has.
+
+        Afterwards :attr:`finish_reason` is set and the stream yields nothing more;
+        raises as iteration does (:class:`EngineDeadError`, :class:`RequestAbortedError`).
+        Taken once: a cancelled call loses what it gathered (the request runs on until
+        the block is left).
+        """
+        if not self._entered:
+            raise RuntimeError("enter the stream (async with) before reading it")
+        if self._collected is not None:
+            raise RuntimeError("the rest of a stream can be taken once")
+        tokens: list[int] = []
+        for output in self._buffer:  # arrived unread: theirs come first, in order
+            tokens += output.new_token_ids
+            if output.finish_reason is not None:
+                self.finish_reason = output.finish_reason
+        self._buffer.clear()
+        self._handed = 0
+        self._collected = tokens
+        await self._until_ended()
+        return tuple(tokens)
+
     async def _until_ended(self) -> None:
-        """:meth:`EngineClient.complete`'s wait: until the last output came (its tokens in
+        """:meth:`rest`'s wait: until the last output came (its tokens in
         ``_collected``), or the failure, raised."""
-        if self._ended:
+        if self._ended or self._left:
             await trio.lowlevel.checkpoint()
-        while not self._ended:
+        while not self._ended and not self._left:
             self._reader = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
         if self._error is not None:
-            raise self._error
+            raise self._error from None
 
     def _stop_waiting(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self._reader = None

@@ -14,6 +14,8 @@ behind it: ``_gate.py``), late subscriptions (their counts and log lines:
 wave-coordination mode, the load table and its lock-step snapshot, every bounds check on
 what peers send, the wake-confirmation rule (a first-request start no engine confirms
 goes back to paused; its deadlines: ``_wake.py``), publish timing, and the counters.
+What a wave decision sends (START_DP_WAVE, the wave's publish, behind the gate) is
+decided in ``_wave_rules.py``, beside the recovery's verdicts.
 Everything the core returns before the gate opens waits inside it and comes out behind
 READY, in the order it was decided.
 """
@@ -57,10 +59,10 @@ from ._wave import (
     PublishSchedule,
     StatsOutcome,
     WaveSnapshot,
-    WaveStart,
     WaveState,
     check_engine_index,
 )
+from ._wave_rules import READY_FRAMES, WaveRules
 
 __all__ = [
     "MAX_ENGINES",
@@ -91,7 +93,6 @@ _NOT_FOR_COORDINATOR: Final = {
     for kind in protocol.OutputKind
     if kind not in (_STATS, _WAVE_COMPLETE, _START_WAVE)
 }
-_READY_FRAMES: Final = [protocol.READY]
 
 
 @final
@@ -124,7 +125,7 @@ class CoordinatorCore:
         "_held",
         "_loads",
         "_publish_to_front_ends",
-        "_recovery",
+        "_rules",
         "_schedule",
         "_subscriptions",
         "_tally",
@@ -161,8 +162,16 @@ class CoordinatorCore:
         self._subscriptions = Subscriptions()
         self._backlog = IngestBacklog()
         self._tally = Tally()
-        self._recovery: RecoveryRules | None = None
         self._held = HeldStats(self._loads, self._tally, self._heard_from)
+        self._rules = WaveRules(
+            self._wave,
+            self._loads,
+            self._gate,
+            self._wake_deadlines,
+            self._tally,
+            wave_coordination=wave_coordination,
+            publish_to_front_ends=publish_to_front_ends,
+        )
 
     # --- reading it ------------------------------------------------------------------------
 
@@ -249,7 +258,7 @@ class CoordinatorCore:
         cause = (
             WaveStartCause.LEGACY_FIRST_REQUEST if command.legacy else WaveStartCause.FIRST_REQUEST
         )
-        return self._wave_start(start, cause, now)
+        return self._rules.start(start, cause, now)
 
     # --- inputs: the engine sockets ---------------------------------------------------------
 
@@ -277,11 +286,11 @@ class CoordinatorCore:
         self._tally.engine_messages += 1
         if len(frames) != 1:
             detail = f"{len(frames)}-frame message on the engine output socket"
-            return self._reject("multipart_engine_output", detail)
+            return self._tally.reject("multipart_engine_output", detail)
         try:
             kind, engine_index, value = decode_coordinator_output(frames[0])
         except protocol.ProtocolError as exc:
-            return self._reject("undecodable_engine_output", str(exc))
+            return self._tally.reject("undecodable_engine_output", str(exc))
         self._heard_from.add(engine_index)
         if kind is _STATS:
             assert isinstance(value, protocol.StatsReport)
@@ -291,13 +300,13 @@ class CoordinatorCore:
                 rejected = self._apply_stats(engine_index, value)
             if rejected:
                 return rejected
-            if self._recovery is None:
+            if (recovery := self._rules.recovery) is None:
                 return _NOTHING
-            return self._recovered(self._recovery.stats(self._wave, value), now)
+            return self._rules.recovered(recovery.stats(self._wave, value), now)
         if kind is _WAVE_COMPLETE or kind is _START_WAVE:
             assert isinstance(value, int)
-            return self._apply_wave_report(kind, engine_index, value, now)
-        return self._reject(
+            return self._rules.report(kind, engine_index, value, now)
+        return self._tally.reject(
             _NOT_FOR_COORDINATOR[kind],
             f"{kind.name} from engine {engine_index} is not for the coordinator",
         )
@@ -311,7 +320,7 @@ class CoordinatorCore:
         the end) and the effects. Stats reports take the hot path (``_ingest.py``)."""
         held = self._held
         # while recovering, every report takes the full path (the recovery reads it)
-        engines = self._loads.engine_count if self._recovery is None else 0
+        engines = self._loads.engine_count if self._rules.recovery is None else 0
         effects: list[Effect] = []
         index, end = start, len(messages)
         while (index := held.take(messages, index, engines)) < end:
@@ -345,7 +354,7 @@ class CoordinatorCore:
         """A frame the engine broadcast XPUB read: an engine (un)subscribed (§5.2)."""
         sub = protocol.decode_subscription(frame)
         if sub is None:
-            return self._reject(
+            return self._tally.reject(
                 "unexpected_broadcast_socket_frame",
                 f"{len(frame)}-byte upstream payload on the engine broadcast socket",
             )
@@ -354,22 +363,7 @@ class CoordinatorCore:
             subscriptions.engine_unsubscribed(now)
             return _NOTHING
         if self._gate.is_open:
-            level = subscriptions.late_engine_subscribed(now)
-            ready = Broadcast(_READY_FRAMES, None, now)
-            snap = self._wave.snapshot
-            if not (self._wave_coordination and snap.engines_running):
-                return (ready,)
-            # It missed this wave's START_DP_WAVE (a restart, a healed partition) and its
-            # peers wait for it in the collective: the current wave again, nobody excluded.
-            # Engines already running it ignore it (docs/protocol.md §6.4).
-            logger.log(
-                level,
-                "wave %d runs: START_DP_WAVE again for the late subscriber",
-                snap.current_wave,
-            )
-            start = WaveStart(snap.current_wave, None)
-            frames = protocol.encode_start_dp_wave(start.wave, None)
-            return (ready, Broadcast(frames, start, now, WaveStartCause.LATE_SUBSCRIPTION))
+            return self._rules.late_subscriber(subscriptions.late_engine_subscribed(now), now)
         current = subscriptions.engine_subscribed()
         if current < self._expected_engines:
             logger.debug("engine subscribed (%d of %d)", current, self._expected_engines)
@@ -407,10 +401,10 @@ class CoordinatorCore:
         try:
             message = protocol.decode_front_message(frame)
         except protocol.ProtocolError as exc:
-            return self._reject("undecodable_front_message", str(exc))
+            return self._tally.reject("undecodable_front_message", str(exc))
         if isinstance(message, protocol.ScaleElasticEP):
             if not 1 <= message.new_engine_count <= MAX_ENGINES:
-                return self._reject(
+                return self._tally.reject(
                     "bad_scale_request", f"SCALE_ELASTIC_EP to {message.new_engine_count}"
                 )
             return self.receive_command(ScaleRequest(message.new_engine_count), now)
@@ -439,7 +433,7 @@ class CoordinatorCore:
         """
         effects: list[Effect] = []
         for wave in self._wake_deadlines.passed(now):
-            effects.extend(self._wake_deadline_passed(wave, now))
+            effects.extend(self._rules.deadline_passed(wave, now))
         if self._subscriptions.summary_due() <= now:
             self.log_summaries(now)
         if (
@@ -458,21 +452,6 @@ class CoordinatorCore:
             protocol.encode_front_publish_trusted(counts, snap.current_wave, snap.engines_running)
         )
 
-    def _wake_deadline_passed(self, wave: int, now: float) -> Sequence[Effect]:
-        if not self._wave.expire_unconfirmed_start(wave):
-            return _NOTHING
-        self._tally.unconfirmed_expiries += 1
-        if self._recovery is not None and (probe := self._recovery.unanswered(self._wave, wave)):
-            return self._recovered(probe, now)
-        logger.warning(
-            "no engine confirmed wave %d within %.1f s of its START_DP_WAVE (paused engines "
-            "drop it): wave %d is paused again",
-            wave,
-            self._wake_deadlines.timeout,
-            wave,
-        )
-        return self._gate.emit(self._wave_publish())
-
     def ready_sent(self) -> bool:
         """Whether READY has been handed to ZeroMQ (see :meth:`broadcast_sent`)."""
         return self._tally.ready_broadcasts > 0
@@ -489,7 +468,7 @@ class CoordinatorCore:
         """The broadcaster sent one publish on the front socket."""
         self._tally.front_publishes += 1
 
-    # --- the rules ------------------------------------------------------------------------
+    # --- the load reports (wave reports: _wave_rules.py) ---------------------------------
 
     def _apply_stats(self, engine_index: int, report: protocol.StatsReport) -> Sequence[Effect]:
         outcome = self._loads.apply_stats(engine_index, report)
@@ -515,86 +494,32 @@ class CoordinatorCore:
         return tuple(self._unknown_engine_stats(e)[0] for e in dropped) if dropped else _NOTHING
 
     def _unknown_engine_stats(self, engine_index: int) -> tuple[Effect, ...]:
-        return self._reject(
+        return self._tally.reject(
             "unknown_engine_index",
             f"stats from engine {engine_index}, table has {self._loads.engine_count} engines",
         )
 
-    def _apply_wave_report(
-        self, kind: protocol.OutputKind, engine_index: int, wave: int, now: float
-    ) -> Sequence[Effect]:
-        if not self._wave_coordination:
-            return _NOTHING  # §5.7: wave fields are ignored without wave coordination
-        if engine_index >= self._loads.engine_count:
-            return self._reject(
-                "unknown_engine_index",
-                f"wave report from engine {engine_index}, table has "
-                f"{self._loads.engine_count} engines",
-            )
-        if self._recovery is not None and wave >= self._wave.snapshot.current_wave:
-            self._recovery = self._recovery.settled()  # the engines' word (_recovery.py)
-        if kind is _WAVE_COMPLETE:
-            if wave >= MAX_WAVE:
-                return self._reject(
-                    "wave_out_of_range",
-                    f"wave_complete({wave}) from engine {engine_index}: "
-                    "the next wave does not fit in uint64",
-                )
-            if not self._wave.wave_complete(wave):
-                return _NOTHING
-            self._tally.waves_completed += 1
-            return self._gate.emit(self._wave_publish())
-        start = self._wave.engine_start_wave(wave, engine_index)
-        if start is None:
-            return _NOTHING
-        return self._gate.emit(self._wave_start(start, WaveStartCause.ENGINE_START_WAVE, now))
-
-    def _wave_start(self, start: WaveStart, cause: str, now: float) -> list[Effect]:
-        frames = protocol.encode_start_dp_wave(start.wave, start.exclude)
-        return [Broadcast(frames, start, now, cause), *self._wave_publish()]
-
-    def _wave_publish(self) -> list[Effect]:
-        if not self._publish_to_front_ends:
-            return []
-        snap = self._wave.snapshot
-        # the wave is a checked uint64 and the table holds decoded loads: no re-validation
-        return [
-            Publish(
-                protocol.encode_front_publish_trusted(None, snap.current_wave, snap.engines_running)
-            )
-        ]
+    # --- the gate, and taking over from a core that died -----------------------------------
 
     def _open_gate(self, now: float) -> list[Effect]:
         deferred, commands = self._gate.open()
-        effects: list[Effect] = [Broadcast(_READY_FRAMES, None, now), *deferred]
+        effects: list[Effect] = [Broadcast(READY_FRAMES, None, now), *deferred]
         for command in commands:
             effects.extend(self.receive_command(command, now))
-        if self._recovery is not None:
-            effects.extend(self._recovered(self._recovery.wake(self._wave), now))
+        if (recovery := self._rules.recovery) is not None:
+            effects.extend(self._rules.recovered(recovery.wake(self._wave), now))
         return effects
 
     def restarted(self, recovery: Recovery, now: float) -> Sequence[Effect]:
         """Take over from a coordinator that died: a fresh core's first input (_recovery.py)."""
         fresh = self._subscriptions.subscribed == 0 and self._tally.engine_messages == 0
-        if self._recovery is not None or not fresh:
+        if self._rules.recovery is not None or not fresh:
             raise ValueError("restarted() must be the first input of a fresh core")
         rules = RecoveryRules(recovery, self._wave, self._loads, waves=self._wave_coordination)
-        self._recovery = rules
+        self._rules.recovery = rules
         if recovery.gate_open:
             self._gate.open()
         self._subscriptions.restored(recovery.subscriptions, recovery.front_ends)
         if not self._gate.is_open:
             return _NOTHING
-        return self._recovered(rules.wake(self._wave), now)
-
-    def _recovered(self, outcome: WaveStart | bool, now: float) -> Sequence[Effect]:
-        if outcome is False:
-            return _NOTHING
-        if outcome is True:  # the wave's state changed: the front-ends hear of it
-            return self._gate.emit(self._wave_publish())
-        self._wake_deadlines.started(outcome.wave, now)
-        return self._gate.emit(self._wave_start(outcome, WaveStartCause.RECOVERY, now))
-
-    def _reject(self, reason: str, detail: str) -> tuple[Effect, ...]:
-        self._tally.rejected[reason] += 1
-        return (Reject(reason, detail),)
+        return self._rules.recovered(rules.wake(self._wave), now)

@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Final, final
 
+from ._effects import Reject
+
 __all__ = ["WAKE_LATENCY_BOUNDS", "CoordinatorStatistics", "HistogramSnapshot", "SubscriptionView"]
 
 WAKE_LATENCY_BOUNDS: Final = (
@@ -164,3 +166,8 @@ class Tally:
             wake_latency=self.wake_latency.snapshot(),
             connections_lost=connections_lost,
         )
+
+    def reject(self, reason: str, detail: str) -> tuple[Reject]:
+        """Count a rejected input under ``reason``: the :class:`Reject` effect to return."""
+        self.rejected[reason] += 1
+        return (Reject(reason, detail),)

@@ -190,7 +190,11 @@ class EngineChooser:
         else:
             best_index = self._lowest(start)
         chosen = self._local[best_index]
-        self._local[best_index] = chosen._replace(waiting=chosen.waiting + self._client_count)
+        waiting = chosen.waiting + self._client_count
+        if type(chosen) is EngineLoad:  # its three fields: built directly, not by _replace
+            self._local[best_index] = EngineLoad(waiting, chosen.running, chosen.kv_cache_usage)
+        else:
+            self._local[best_index] = chosen._replace(waiting=waiting)
         self._inflight[best_index] += 1
         self._rescore(best_index)
         return best_index

@@ -177,19 +177,24 @@ class ChunkedKeys(Sequence[int]):
     def complete(self) -> ChunkedKeys:
         """Compute the keys past the known chunks (the cache learns the prompt's new
         chunks then, as :meth:`ChunkKeys.__call__` does); a no-op once complete."""
-        rest = self._rest
-        if rest is None:
-            return self
-        self._rest = None
-        cache = rest.cache
-        tokens, start, parent = rest.tokens, rest.start, rest.parent
-        size = cache.block_size
-        computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
-        out = self.chunks
-        out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
-        self.known = self._length
-        cache._learn(tokens, out, rest.cached, rest.ids)
-        return self
+        return complete_keys(self)
+
+
+def complete_keys(keys: ChunkedKeys) -> ChunkedKeys:
+    """:meth:`ChunkedKeys.complete` (a function, which the compiled twin replaces)."""
+    rest = keys._rest
+    if rest is None:
+        return keys
+    keys._rest = None
+    cache = rest.cache
+    tokens, start, parent = rest.tokens, rest.start, rest.parent
+    size = cache.block_size
+    computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
+    out = keys.chunks
+    out.extend(computed[at : at + CHUNK_BLOCKS] for at in range(0, len(computed), CHUNK_BLOCKS))
+    keys.known = keys._length
+    cache._learn(tokens, out, rest.cached, rest.ids)
+    return keys
 
 
 class _Rest:
@@ -263,38 +268,7 @@ class ChunkKeys:
     def lookup(self, token_ids: Sequence[int]) -> ChunkedKeys:
         """The keys of ``token_ids``' leading chunks that the cache knows, the rest to be
         computed on demand (see :class:`ChunkedKeys`)."""
-        span = self._span
-        total = len(token_ids)
-        chunks = self._chunks
-        keys = ChunkedKeys([], total // self.block_size)
-        # The full chunks' tuple hashes, lazily: the first alone, the others if it is known.
-        hashes = chunk_hashes(token_ids, span)
-        first = next(hashes, None)
-        ids: list[int] = []
-        found = 0
-        if first is not None:
-            salts = _salts(total // span)
-            ids.append(hash((first, salts[0])))
-            entry = chunks.pop(ids[0], None)
-            if entry is not None:
-                chunks[ids[0]] = entry  # most recently used: out last
-                # the others' ids at C level: each chunk's hash with its position's salt,
-                # chained by xor (as block keys are)
-                salted = map(hash, zip(hashes, islice(salts, 1, None), strict=False))
-                ids = list(accumulate(salted, xor, initial=ids[0]))
-                for deepest in range(len(ids) - 1, 0, -1):
-                    deeper = chunks.pop(ids[deepest], None)
-                    if deeper is not None:
-                        chunks[ids[deepest]] = entry = deeper
-                        break
-                lists, found = entry
-                keys.chunks = lists[:found]
-        start = found * span
-        if start < total:
-            keys.known = found * CHUNK_BLOCKS
-            parent = keys.chunks[-1][-1] if found else ROOT_KEY
-            keys._rest = _Rest(self, token_ids, start, parent, found, ids)
-        return keys
+        return lookup_chunks(self, token_ids)
 
     def _learn(
         self, token_ids: Sequence[int], out: list[list[int]], cached: int, ids: list[int]
@@ -315,6 +289,43 @@ class ChunkKeys:
         if excess > 0:
             for old in list(islice(chunks, excess)):
                 del chunks[old]
+
+
+def lookup_chunks(cache: ChunkKeys, token_ids: Sequence[int]) -> ChunkedKeys:
+    """:meth:`ChunkKeys.lookup` (a function, which the compiled twin replaces: it hashes
+    the chunks past the first several at a time, the same values)."""
+    span = cache._span
+    total = len(token_ids)
+    chunks = cache._chunks
+    keys = ChunkedKeys([], total // cache.block_size)
+    # The full chunks' tuple hashes, lazily: the first alone, the others if it is known.
+    hashes = chunk_hashes(token_ids, span)
+    first = next(hashes, None)
+    ids: list[int] = []
+    found = 0
+    if first is not None:
+        salts = _salts(total // span)
+        ids.append(hash((first, salts[0])))
+        entry = chunks.pop(ids[0], None)
+        if entry is not None:
+            chunks[ids[0]] = entry  # most recently used: out last
+            # the others' ids at C level: each chunk's hash with its position's salt,
+            # chained by xor (as block keys are)
+            salted = map(hash, zip(hashes, islice(salts, 1, None), strict=False))
+            ids = list(accumulate(salted, xor, initial=ids[0]))
+            for deepest in range(len(ids) - 1, 0, -1):
+                deeper = chunks.pop(ids[deepest], None)
+                if deeper is not None:
+                    chunks[ids[deepest]] = entry = deeper
+                    break
+            lists, found = entry
+            keys.chunks = lists[:found]
+    start = found * span
+    if start < total:
+        keys.known = found * CHUNK_BLOCKS
+        parent = keys.chunks[-1][-1] if found else ROOT_KEY
+        keys._rest = _Rest(cache, token_ids, start, parent, found, ids)
+    return keys
 
 
 accelerate(globals(), "trio_dpcoord.routing._keys_kernel")  # the compiled twin, if built

@@ -11,11 +11,13 @@ place. ``tests/routing/test_compiled_twin.py`` checks both against each other; t
 the pure module when it is not (or with ``TRIO_DPCOORD_PURE_PYTHON=1``).
 """
 
+cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_SIZE, PySequence_Fast_ITEMS
 from libc.stdint cimport int64_t
+from cpython.mem cimport PyMem_Malloc, PyMem_Free
 
 
 cdef extern from *:
@@ -76,8 +78,86 @@ cdef extern from *:
         if (acc == (Py_uhash_t)-1) return 1546275796;
         return (Py_hash_t)acc;
     }
+
+    /* The lane of an int of one digit, into *lane; 0 for anything else (hashed apart). */
+    static inline int tdc_compact(PyObject *o, Py_hash_t *lane) {
+        if (!PyLong_CheckExact(o)) return 0;
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) return 0;
+        Py_ssize_t value = PyUnstable_Long_CompactValue((PyLongObject *)o);
+    #else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size < -1 || size > 1) return 0;
+        Py_ssize_t value = size * (Py_ssize_t)((PyLongObject *)o)->ob_digit[0];
+    #endif
+        *lane = value == -1 ? -2 : value;
+        return 1;
+    }
+
+    #define TDC_ROUND(acc, lane) do { \
+        acc += (Py_uhash_t)(lane) * TDC_PRIME_2; acc = TDC_ROTATE(acc); acc *= TDC_PRIME_1; \
+    } while (0)
+    #define TDC_FINISH(acc, length) \
+        ((acc) + ((Py_uhash_t)(length) ^ (TDC_PRIME_5 ^ 3527539UL)) == (Py_uhash_t)-1 \
+         ? (Py_hash_t)1546275796 \
+         : (Py_hash_t)((acc) + ((Py_uhash_t)(length) ^ (TDC_PRIME_5 ^ 3527539UL))))
+
+    /* The tuple hashes of ``count`` chunks of ``span`` items from ``items`` on, into
+       ``out``, four chunks at a time (their rounds interleaved: four independent chains
+       where CPython's tuple hash runs one); the same values as tdc_tuple_hash. Returns
+       0, or 1 at the first chunk holding an item other than an int of one digit (the
+       caller hashes the prompt another way). */
+    static int tdc_chunk_hashes(PyObject **items, Py_ssize_t span, Py_ssize_t count,
+                                Py_hash_t *out) {
+        Py_ssize_t chunk = 0;
+        for (; chunk + 4 <= count; chunk += 4) {
+            PyObject **p0 = items + chunk * span, **p1 = p0 + span;
+            PyObject **p2 = p1 + span, **p3 = p2 + span;
+            Py_uhash_t a0 = TDC_PRIME_5, a1 = TDC_PRIME_5, a2 = TDC_PRIME_5, a3 = TDC_PRIME_5;
+            for (Py_ssize_t i = 0; i < span; i++) {
+                Py_hash_t l0, l1, l2, l3;
+                if (!(tdc_compact(p0[i], &l0) & tdc_compact(p1[i], &l1)
+                      & tdc_compact(p2[i], &l2) & tdc_compact(p3[i], &l3)))
+                    return 1;
+                TDC_ROUND(a0, l0); TDC_ROUND(a1, l1); TDC_ROUND(a2, l2); TDC_ROUND(a3, l3);
+            }
+            out[chunk] = TDC_FINISH(a0, span);
+            out[chunk + 1] = TDC_FINISH(a1, span);
+            out[chunk + 2] = TDC_FINISH(a2, span);
+            out[chunk + 3] = TDC_FINISH(a3, span);
+        }
+        for (; chunk < count; chunk++) {
+            PyObject **p = items + chunk * span;
+            Py_uhash_t acc = TDC_PRIME_5;
+            for (Py_ssize_t i = 0; i < span; i++) {
+                Py_hash_t lane;
+                if (!tdc_compact(p[i], &lane)) return 1;
+                TDC_ROUND(acc, lane);
+            }
+            out[chunk] = TDC_FINISH(acc, span);
+        }
+        return 0;
+    }
+
+    /* hash((int(a), int(b))) for two hash values read as ints (a chunk's tuple hash and
+       its position's salt's hash): hash(int(v)) is v modulo 2**61 - 1, sign kept, -1
+       being -2. */
+    static inline Py_hash_t tdc_int_hash(Py_hash_t v) {
+        Py_uhash_t magnitude = v < 0 ? (Py_uhash_t)0 - (Py_uhash_t)v : (Py_uhash_t)v;
+        magnitude %= (Py_uhash_t)_PyHASH_MODULUS;
+        Py_hash_t h = v < 0 ? -(Py_hash_t)magnitude : (Py_hash_t)magnitude;
+        return h == -1 ? -2 : h;
+    }
+    static inline Py_hash_t tdc_pair_hash(Py_hash_t a, Py_hash_t b) {
+        Py_uhash_t acc = TDC_PRIME_5;
+        TDC_ROUND(acc, tdc_int_hash(a));
+        TDC_ROUND(acc, b);
+        return TDC_FINISH(acc, 2);
+    }
     """
     Py_hash_t tdc_tuple_hash(PyObject **items, Py_ssize_t count, PyObject *extra) except? -1
+    int tdc_chunk_hashes(PyObject **items, Py_ssize_t span, Py_ssize_t count, Py_hash_t *out)
+    Py_hash_t tdc_pair_hash(Py_hash_t a, Py_hash_t b)
 
 
 cdef object _salts = None
@@ -85,6 +165,11 @@ cdef object _salts = None
 
 cdef object _pure_block_keys = None
 cdef object _pure_chunk_hashes = None
+cdef object _pure_lookup_chunks = None
+cdef object _ChunkedKeys = None
+cdef object _Rest = None
+cdef Py_ssize_t _CHUNK_BLOCKS = 16
+cdef object _ROOT_KEY = 0
 """The pure module's functions: what the C loops do not take (a ``parent`` outside 64
 bits, a size of 0 or less) goes there, errors and all."""
 
@@ -149,10 +234,126 @@ def chunk_hashes(token_ids, Py_ssize_t span):
     return hashes
 
 
+def lookup_chunks(cache, token_ids):
+    """``_keys.lookup_chunks`` (``ChunkKeys.lookup``): the chunks' tuple hashes computed
+    four at a time, the rest as the pure function does. A prompt with a token that is
+    not an int of one digit goes to the pure function (from the start: its only change
+    so far, the first prefix refreshed, it repeats to the same effect)."""
+    cdef Py_ssize_t span = cache._span
+    cdef Py_ssize_t total = len(token_ids)
+    cdef dict chunks = cache._chunks
+    keys = _ChunkedKeys([], total // cache.block_size)
+    cdef list ids = []
+    cdef Py_ssize_t found = 0
+    cdef Py_ssize_t whole = total // span if span > 0 else 0
+    cdef Py_hash_t first
+    cdef Py_hash_t *hashes
+    cdef Py_ssize_t number, deepest
+    cdef list salt_list
+    cdef PyObject **items
+    cdef Py_hash_t chained
+    if whole:
+        seq = PySequence_Fast(token_ids, "lookup: token_ids must be a sequence")
+        if PySequence_Fast_GET_SIZE(seq) != total:
+            return _pure_lookup_chunks(cache, token_ids)
+        items = PySequence_Fast_ITEMS(seq)
+        if tdc_chunk_hashes(items, span, 1, &first):
+            return _pure_lookup_chunks(cache, token_ids)
+        salt_list = _salts(whole)
+        chained = tdc_pair_hash(first, hash(salt_list[0]))
+        ids.append(chained)
+        entry = chunks.pop(ids[0], None)
+        if entry is not None:
+            chunks[ids[0]] = entry  # most recently used: out last
+            if whole > 1:
+                hashes = <Py_hash_t *>PyMem_Malloc((whole - 1) * sizeof(Py_hash_t))
+                if hashes == NULL:
+                    raise MemoryError()
+                try:
+                    if tdc_chunk_hashes(items + span, span, whole - 1, hashes):
+                        return _pure_lookup_chunks(cache, token_ids)
+                    for number in range(1, whole):
+                        chained ^= tdc_pair_hash(hashes[number - 1], hash(salt_list[number]))
+                        ids.append(chained)
+                finally:
+                    PyMem_Free(hashes)
+            for deepest in range(whole - 1, 0, -1):
+                deeper = chunks.pop(ids[deepest], None)
+                if deeper is not None:
+                    chunks[ids[deepest]] = entry = deeper
+                    break
+            lists, found = entry
+            keys.chunks = lists[:found]
+    cdef Py_ssize_t start = found * span
+    if start < total:
+        keys.known = found * _CHUNK_BLOCKS
+        parent = _ROOT_KEY
+        if found:
+            last = keys.chunks[found - 1]
+            parent = last[len(last) - 1]
+        keys._rest = _Rest(cache, token_ids, start, parent, found, ids)
+    return keys
+
+
+def complete_keys(keys):
+    """``_keys.complete_keys`` (``ChunkedKeys.complete``), with ``ChunkKeys._learn``
+    inline: the same steps, the new keys from the compiled :func:`block_keys`."""
+    rest = keys._rest
+    if rest is None:
+        return keys
+    keys._rest = None
+    cache = rest.cache
+    tokens, start, parent = rest.tokens, rest.start, rest.parent
+    size = cache.block_size
+    cdef list computed = block_keys(tokens[start:] if start else tokens, size, parent, start // size)
+    cdef list out = keys.chunks
+    cdef Py_ssize_t count = len(computed), at
+    for at in range(0, count, _CHUNK_BLOCKS):
+        out.append(computed[at : at + _CHUNK_BLOCKS])
+    keys.known = keys._length
+    _learn(cache, tokens, out, rest.cached, rest.ids)
+    return keys
+
+
+@cython.boundscheck(True)  # (a prompt grown since its lookup: IndexError, as in Python)
+cdef _learn(cache, tokens, list out, Py_ssize_t cached, list ids):
+    """``ChunkKeys._learn``: remember the prompt's new full chunks (see there)."""
+    cdef dict chunks = cache._chunks
+    cdef Py_ssize_t whole = len(tokens) // cache._span
+    cdef Py_ssize_t learn = whole if cached else min(whole, 1)
+    cdef Py_ssize_t number
+    if learn > cached:
+        kept = out[:learn]  # the learnt chunks only: not the prompt's partial last one
+        for number in range(cached, learn):
+            chunks[ids[number]] = (kept, number + 1)
+    cdef Py_ssize_t excess = len(chunks) - cache.max_chunks
+    cdef list old
+    if excess > 0:
+        old = []
+        for key in chunks:
+            if len(old) >= excess:
+                break
+            old.append(key)
+        for key in old:
+            del chunks[key]
+
+
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals)."""
-    global _salts, _pure_block_keys, _pure_chunk_hashes
+    global _salts, _pure_block_keys, _pure_chunk_hashes, _pure_lookup_chunks
+    global _ChunkedKeys, _Rest, _CHUNK_BLOCKS, _ROOT_KEY
     _salts = namespace["_salts"]
     _pure_block_keys = namespace["block_keys"]
     _pure_chunk_hashes = namespace["chunk_hashes"]
-    return {"block_keys": block_keys, "chunk_hashes": chunk_hashes}
+    _pure_lookup_chunks = namespace["lookup_chunks"]
+    _ChunkedKeys = namespace["ChunkedKeys"]
+    _Rest = namespace["_Rest"]
+    _CHUNK_BLOCKS = namespace["CHUNK_BLOCKS"]
+    _ROOT_KEY = namespace["ROOT_KEY"]
+    return {
+        "block_keys": block_keys,
+        "chunk_hashes": chunk_hashes,
+        "lookup_chunks": lookup_chunks,
+        "complete_keys": complete_keys,
+    }
+

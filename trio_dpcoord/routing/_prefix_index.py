@@ -24,9 +24,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from functools import partial
 from itertools import chain, compress, islice, repeat, takewhile
 from operator import and_, is_, itemgetter, or_
 
+from .._compiled import accelerate
 from ._keys import (
     CHUNK_BLOCKS,
     DEFAULT_BLOCK_SIZE,
@@ -186,7 +188,9 @@ class RankPrefixIndex:
         that repeats in ``keys`` ends where its first occurrence puts it.
         """
         if self._held is not None:
-            held = sum(1 for _ in takewhile(self.__contains__, keys))
+            # the leading keys this rank holds: its bit in their masks, at C level
+            masks = map(self._owners.get, keys, repeat(0))
+            held = len(list(takewhile(partial(and_, self._bit), masks)))
             self._store_chain(keys, held, now)
             return
         if self._displaced:
@@ -499,3 +503,6 @@ class RankPrefixIndex:
         not believed cached -> when last seen, oldest first; they come back as room
         returns. A copy."""
         return dict(self._displaced)
+
+
+accelerate(globals(), "trio_dpcoord.routing._prefix_index_kernel")  # the compiled twin, if built

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .._compiled import accelerate
+
 __all__ = ["bisect_holders"]
 
 
@@ -46,3 +48,6 @@ def bisect_holders(
     if last:
         groups.append((count, last))
     return groups
+
+
+accelerate(globals(), "trio_dpcoord.routing._walk_kernel")  # the compiled twin, if built
