@@ -35,24 +35,30 @@ def run_section(suite: Suite) -> None:
                     variants[sc.STANDALONE_PURE] = ("start_wave",)
         result = sc.wake_compare(suite.env, n, s.waves, variants)
         suite.details[f"wake_{n}"] = result
-        base = result["forwarder start_wave"]
-        for label, values in result.items():
-            if label.startswith(("forwarder", sc.VLLM, sc.STANDALONE_PURE, *sc.TRIO_FLOORS)):
-                continue
-            for stat, limit in (("p50", 2.0), ("p99", 3.0), ("max", None)):
-                row = Row(
-                    "2 wake",
-                    f"N={n} {label} {stat}",
-                    values[stat],
-                    "us",
-                    base[stat],
-                    "forwarder",
-                )
-                if n == 8 and limit is not None:
-                    row.target = f"<= {limit:g}x"
-                    row.met = row.ratio is not None and row.ratio <= limit
-                suite.rows.append(row)
-        wake_vs_vllm(suite, n, result)
+        wake_rows(suite, n, result)
+
+
+def wake_rows(suite: Suite, n: int, result: dict[str, dict[str, Any]]) -> None:
+    """The rows of one N's measurements (``result``: label -> statistics, as saved in
+    a record's details), so that a record's rows can be derived again from them."""
+    base = result["forwarder start_wave"]
+    for label, values in result.items():
+        if label.startswith(("forwarder", sc.VLLM, sc.STANDALONE_PURE, *sc.TRIO_FLOORS)):
+            continue
+        for stat, limit in (("p50", 2.0), ("p99", 3.0), ("max", None)):
+            row = Row(
+                "2 wake",
+                f"N={n} {label} {stat}",
+                values[stat],
+                "us",
+                base[stat],
+                "forwarder",
+            )
+            if n == 8 and limit is not None:
+                row.target = f"<= {limit:g}x"
+                row.met = row.ratio is not None and row.ratio <= limit
+            suite.rows.append(row)
+    wake_vs_vllm(suite, n, result)
 
 
 def wake_vs_vllm(suite: Suite, n: int, result: dict[str, dict[str, Any]]) -> None:
