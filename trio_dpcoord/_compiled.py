@@ -37,6 +37,10 @@ KERNEL_SOURCES: dict[str, str] = {
     "trio_dpcoord.routing._keys_kernel": "trio_dpcoord/routing/_keys_kernel.pyx",
     "trio_dpcoord.routing._prefix_index_kernel": "trio_dpcoord/routing/_prefix_index_kernel.pyx",
     "trio_dpcoord.routing._walk_kernel": "trio_dpcoord/routing/_walk_kernel.pyx",
+    "trio_dpcoord.routing._prefix_router_kernel": (
+        "trio_dpcoord/routing/_prefix_router_kernel.pyx"
+    ),
+    "trio_dpcoord.routing._chooser_kernel": "trio_dpcoord/routing/_chooser_kernel.pyx",
     "trio_dpcoord.protocol._output_decoder_kernel": (
         "trio_dpcoord/protocol/_output_decoder_kernel.pyx"
     ),

@@ -14,7 +14,8 @@ store, when the router has one: what the call does after the choice, timed apart
 
 ``--defer`` sets ``PrefixRouter.defer_store`` and times ``settle()`` apart (the parts
 done there are marked ``(settle)``); ``--no-reuse`` feeds fresh random prompts instead
-of follow-ups; ``--floor`` times the least parts instead (:func:`floor`).
+of follow-ups; ``--floor`` times the least parts instead (:func:`floor`), ``--tail``
+what the slow decisions are made of (:func:`tail`: collections, resizes).
 
 Works on the router before and after issue 37's cuts (it wraps whichever methods
 exist), so that ``cd OLD && PYTHONPATH=OLD:REPO python -m benchmarks.tools.decision_profile``
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -248,6 +251,75 @@ def floor(ranks: int, calls: int, passes: int, capacity_blocks: int) -> dict[str
     return {"ranks": ranks, "floor_p50_us": best}
 
 
+def tail(ranks: int, calls: int, passes: int, capacity_blocks: int) -> dict[str, Any]:
+    """What the slow decisions are made of: each plain decision (as :func:`profile`
+    times them) tagged by what happened inside it: a garbage collection (counted by
+    ``gc.callbacks``), a resize of the owners map, of the chunk cache or of a rank's
+    pieces (``sys.getsizeof`` changed); p50/p99 of all, of the untagged and of each tag
+    with its share, then the same decisions with the collector off (``gc.disable()``),
+    passes alternated."""
+    warm = warm_decision(ranks, capacity_blocks)
+    chooser, loads = warm.chooser, warm.loads
+    router = chooser.router
+    assert router is not None
+    now = warm.now
+    clock = time.perf_counter_ns
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def sizes() -> tuple[int, ...]:
+        pieces = sum(sys.getsizeof(index._pieces) for index in router._indexes)
+        return sys.getsizeof(router._owners), sys.getsizeof(router._keys._chunks), pieces
+
+    tagged: dict[str, list[float]] = {}
+    collector_off: list[float] = []
+    gc.callbacks.append(count)
+    try:
+        for _ in range(passes):
+            for prompt in follow_up_prompts(warm, calls):
+                before = sizes()
+                collections.clear()
+                t0 = clock()
+                chooser.choose(loads, prompt, now=now)
+                elapsed = (clock() - t0) / 1000
+                now += 1e-4
+                after = sizes()
+                tags = [f"gc gen{generation}" for generation in collections]
+                names = ("owners resized", "chunk cache resized", "pieces resized")
+                tags += [name for name, a, b in zip(names, before, after, strict=True) if a != b]
+                tagged.setdefault("all", []).append(elapsed)
+                for tag in tags or ["untagged"]:
+                    tagged.setdefault(tag, []).append(elapsed)
+            gc.disable()
+            try:
+                for prompt in follow_up_prompts(warm, calls):
+                    t0 = clock()
+                    chooser.choose(loads, prompt, now=now)
+                    collector_off.append((clock() - t0) / 1000)
+                    now += 1e-4
+            finally:
+                gc.enable()
+    finally:
+        gc.callbacks.remove(count)
+    total = len(tagged["all"])
+    found: dict[str, Any] = {
+        tag: {
+            "share_pct": 100 * len(values) / total,
+            "p50_us": statistics.median(values),
+            "p99_us": _percentile(values, 99),
+        }
+        for tag, values in tagged.items()
+    }
+    found["gc.disable()"] = {
+        "p50_us": statistics.median(collector_off),
+        "p99_us": _percentile(collector_off, 99),
+    }
+    return {"ranks": ranks, "tail": found, "gc_threshold": gc.get_threshold()}
+
+
 def _rounded(value: Any) -> Any:
     if isinstance(value, float):
         return round(value, 2)
@@ -273,8 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-reuse", action="store_true", help="fresh random prompts")
     parser.add_argument("--floor", action="store_true", help="the least parts (see floor())")
+    parser.add_argument("--tail", action="store_true", help="the slow decisions (see tail())")
     arguments = parser.parse_args(argv)
     for ranks in arguments.ranks:
+        if arguments.tail:
+            found = tail(ranks, arguments.calls, arguments.passes, arguments.capacity_blocks)
+            print(json.dumps(_rounded(found)), flush=True)
+            continue
         if arguments.floor:
             found = floor(ranks, arguments.calls, arguments.passes, arguments.capacity_blocks)
             print(json.dumps(_rounded(found)), flush=True)

@@ -14,6 +14,7 @@ runs it both ways.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import pytest
@@ -51,7 +52,13 @@ def outcome(call: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
 def test_the_build_asked_for_runs() -> None:
     """Forced pure: the pure names; else the compiled ones wherever the twin was built
     (and CI's default install must have built it)."""
-    for module in ("routing._keys", "routing._prefix_index", "routing._walk"):
+    for module in (
+        "routing._keys",
+        "routing._prefix_index",
+        "routing._walk",
+        "routing._prefix_router",
+        "routing._chooser",
+    ):
         built, in_use = kernel_state(module)
         if REQUIRE_COMPILED and not PURE_PYTHON:
             assert built, f"the compiled twin of {module} was not built"
@@ -66,6 +73,16 @@ def test_the_build_asked_for_runs() -> None:
     store = FAST.RankPrefixIndex._store_chain
     assert store.__module__.endswith("_kernel") == index_in_use
     assert PURE.RankPrefixIndex._store_chain.__module__.startswith(PURE_TWIN_PACKAGE)
+    _, router_in_use = kernel_state("routing._prefix_router")
+    for method in ("choose", "_decide", "_walk", "_bisect", "_pick", "settle"):
+        compiled = getattr(FAST.PrefixRouter, method).__module__.endswith("_kernel")
+        assert compiled == router_in_use
+        assert getattr(PURE.PrefixRouter, method).__module__.startswith(PURE_TWIN_PACKAGE)
+    _, chooser_in_use = kernel_state("routing._chooser")
+    for method in ("choose", "_choose_prefix", "_charge", "_rescore", "_clock"):
+        compiled = getattr(FAST.EngineChooser, method).__module__.endswith("_kernel")
+        assert compiled == chooser_in_use
+        assert getattr(PURE.EngineChooser, method).__module__.startswith(PURE_TWIN_PACKAGE)
 
 
 ints = st.one_of(
@@ -243,6 +260,63 @@ def test_chain_mode_indexes_hold_the_same(capacity: int, ranks: int, data: st.Da
         assert fast_owners == pure_owners
 
 
+# --- the pick over the ranks: random groups, loads and settings ---------------------------
+
+queued_values = st.one_of(
+    st.integers(0, 40),  # ties
+    st.floats(0.0, 1e4),
+    st.integers(-(2**62), 2**62),  # past 2**50: the pure method's own arithmetic
+    st.sampled_from([0.0, -0.0, 1.0, 4096.0, 2**50, -(2**50), float("inf"), float("nan")]),
+)
+
+
+def decision_or_error(router: Any, *args: Any) -> tuple[Any, ...]:
+    """A pick's decision and the router's state after it, or the error it raised."""
+    try:
+        decision = router._pick(*args)
+    except Exception as exc:
+        return ("raised", type(exc), str(exc))
+    return ("ok", decision, router._rotation, router.counters.guard_fallbacks)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 140), st.data())
+def test_the_pick_chooses_the_same(ranks: int, data: st.DataObject) -> None:
+    """``PrefixRouter._pick`` on each build, over groups as the walk gives them (depths
+    ascending, disjoint masks) of up to 140 ranks, loads with ties, infinities, NaNs and
+    ints past 2**50, every setting it weighs, unshared choices and rotations: the same
+    decisions, rotation and guard counts (or the same error)."""
+    held = data.draw(st.lists(st.integers(0, ranks - 1), unique=True, max_size=12))
+    by_depth: dict[int, int] = {}
+    for rank in held:
+        depth = data.draw(st.integers(1, 40))
+        by_depth[depth] = by_depth.get(depth, 0) | 1 << rank
+    groups = sorted(by_depth.items())
+    deepest = groups[-1][0] if groups else 0
+    keys = data.draw(st.sampled_from([[], list(range(7, 7 + deepest + 3))]))
+    routing = PrefixRouting(
+        reuse_weight=data.draw(st.floats(0.0, 10.0) | st.sampled_from([1, 3, float("inf")])),
+        imbalance_abs=data.draw(st.floats(0.0, 1e4) | st.sampled_from([4096.0, 0, 10])),
+        imbalance_rel=data.draw(st.floats(1.0, 10.0) | st.sampled_from([3.0, 1, 2])),
+        rendezvous_slack=data.draw(st.sampled_from([0.0, 0.0, 0.0, 0.5])),
+        rendezvous_home=data.draw(st.booleans()),
+    )
+    start = data.draw(st.integers(0, ranks - 1))
+    fast = FAST.PrefixRouter(ranks, routing, start=start)
+    pure = PURE.PrefixRouter(ranks, routing, start=start)
+    for _ in range(data.draw(st.integers(1, 3))):
+        queued: Sequence[float] = data.draw(st.lists(queued_values, min_size=ranks, max_size=ranks))
+        if data.draw(st.booleans()):
+            queued = tuple(queued)
+        prompt_len = data.draw(st.integers(0, 5000) | st.just(2**60))
+        unshared: Any = data.draw(st.none() | st.integers(-1, ranks))
+        if unshared is not None and data.draw(st.booleans()):
+            unshared = partial(int, unshared)  # a callable choice
+        mine = decision_or_error(fast, groups, keys, prompt_len, queued, unshared)
+        theirs = decision_or_error(pure, groups, keys, prompt_len, queued, unshared)
+        assert repr(mine) == repr(theirs)  # (repr: a NaN cost's message compares too)
+
+
 # --- routers on each build: decisions, indexes, owners, counters --------------------------
 
 
@@ -265,10 +339,28 @@ class TwinRouters(RuleBasedStateMachine):
         feed=st.sampled_from(["approximate", "exact"]),
         defer=st.booleans(),
         block_size=st.sampled_from([2, 4]),
+        weighing=st.fixed_dictionaries(
+            {},
+            optional={
+                "reuse_weight": st.sampled_from([0.0, 2.5, 1]),
+                "imbalance_abs": st.sampled_from([0.0, 50.0, 100]),
+                "imbalance_rel": st.sampled_from([1.0, 1.5]),
+                "rendezvous_slack": st.sampled_from([0.5, 2.0]),
+                "rendezvous_home": st.booleans(),
+            },
+        ),
     )
-    def start(self, ranks: int, capacity: int, feed: Any, defer: bool, block_size: int) -> None:
+    def start(
+        self,
+        ranks: int,
+        capacity: int,
+        feed: Any,
+        defer: bool,
+        block_size: int,
+        weighing: dict[str, Any],
+    ) -> None:
         routing = PrefixRouting(
-            block_size=block_size, capacity_blocks=capacity, max_age=5.0, feed=feed
+            block_size=block_size, capacity_blocks=capacity, max_age=5.0, feed=feed, **weighing
         )
         self.block_size = block_size
         self.feed = feed
@@ -282,7 +374,8 @@ class TwinRouters(RuleBasedStateMachine):
     def route(self, data: st.DataObject) -> None:
         prompt = data.draw(prompts(self.block_size))
         ranks = len(self.seq)
-        queued = data.draw(st.lists(st.integers(0, 600), min_size=ranks, max_size=ranks))
+        work = st.integers(0, 600) | st.floats(0.0, 600.0)
+        queued = data.draw(st.lists(work, min_size=ranks, max_size=ranks))
         pinned = data.draw(st.none() | st.integers(0, ranks - 1))
         if pinned is None:
             mine = self.fast.choose(prompt, queued, self.now)
@@ -349,25 +442,52 @@ TestTwinRouters.settings = settings(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 8), st.lists(prompts(16), min_size=1, max_size=8), st.data())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 8),
+    st.sampled_from(["prefix", "vllm"]),
+    st.lists(prompts(16), min_size=1, max_size=8),
+    st.data(),
+)
 def test_choosers_choose_the_same(
-    ranks: int, prompt_list: Sequence[list[int]], data: st.DataObject
+    ranks: int, routing: Any, prompt_list: Sequence[list[int]], data: st.DataObject
 ) -> None:
-    """``EngineChooser(routing="prefix")`` on each build: the same engines."""
-    fast = FAST.EngineChooser(ranks, routing="prefix")
-    pure = PURE.EngineChooser(ranks, routing="prefix")
+    """``EngineChooser`` on each build: the same engines, the same in-flight counts,
+    scores and queued work, through new and repeated load tables (the same objects
+    again, or equal ones), finished requests and pinned ones."""
+    fast = FAST.EngineChooser(ranks, routing=routing, client_count=2)
+    pure = PURE.EngineChooser(ranks, routing=routing, client_count=2)
+    loads: list[EngineLoad] = []
     for number, prompt in enumerate(prompt_list):
-        loads = [
-            EngineLoad(
-                waiting=data.draw(st.integers(0, 4)),
-                running=data.draw(st.integers(0, 8)),
-                kv_cache_usage=0.5,
-            )
-            for _ in range(ranks)
-        ]
+        step = data.draw(st.sampled_from(["new", "same", "equal", "finish", "pin"]))
+        if step == "new" or not loads:
+            loads = [
+                EngineLoad(
+                    waiting=data.draw(st.integers(0, 4)),
+                    running=data.draw(st.integers(0, 8)),
+                    kv_cache_usage=data.draw(st.sampled_from([0.3, 0.5, 0.9])),
+                )
+                for _ in range(ranks)
+            ]
+        elif step == "equal":
+            loads = [EngineLoad(*load) for load in loads]
         now = float(number)
-        assert fast.choose(loads, prompt, now=now) == pure.choose(loads, prompt, now=now)
+        rank = data.draw(st.integers(0, ranks - 1))
+        if step == "finish":
+            fast.finished(rank)
+            pure.finished(rank)
+        elif step == "pin":
+            assert fast.observe(rank, prompt, now=now) == pure.observe(rank, prompt, now=now)
+        tokens = prompt if data.draw(st.booleans()) else None
+        table: Sequence[EngineLoad] = tuple(loads) if data.draw(st.booleans()) else loads
+        assert fast.choose(table, tokens, now=now) == pure.choose(table, tokens, now=now)
+        mine, theirs = fast.statistics(), pure.statistics()  # (each build's own class)
+        assert (mine.inflight, mine.router) == (theirs.inflight, theirs.router)
+        assert (fast._scores, fast._queued, fast._local) == (
+            pure._scores,
+            pure._queued,
+            pure._local,
+        )
 
 
 @pytest.mark.parametrize("forced_pure", [False, True])

@@ -13,6 +13,7 @@ from functools import partial
 from math import isfinite
 from typing import Literal
 
+from .._compiled import accelerate
 from ..protocol import IDLE_LOAD, EngineLoad
 from ._decision import RouterStatistics
 from ._prefix_router import PrefixRouter, first_from
@@ -324,3 +325,6 @@ class EngineChooser:
                 self._queued[engine_index] -= share
             self._inflight[engine_index] -= 1
             self._rescore(engine_index)
+
+
+accelerate(globals(), "trio_dpcoord.routing._chooser_kernel")  # the compiled twin, if built

@@ -166,6 +166,7 @@ cdef object _salts = None
 cdef object _pure_block_keys = None
 cdef object _pure_chunk_hashes = None
 cdef object _pure_lookup_chunks = None
+cdef object _pure_probe = None
 cdef object _ChunkedKeys = None
 cdef object _Rest = None
 cdef Py_ssize_t _CHUNK_BLOCKS = 16
@@ -234,6 +235,34 @@ def chunk_hashes(token_ids, Py_ssize_t span):
     return hashes
 
 
+cdef extern from "Python.h":
+    int PyObject_GenericSetAttr(object o, object name, object value) except -1
+
+
+cdef object _new_keys(length):
+    """``ChunkedKeys([], length)``: its four slots set as its ``__init__`` sets them,
+    without a Python frame (a decision makes one)."""
+    keys = _ChunkedKeys.__new__(_ChunkedKeys)
+    PyObject_GenericSetAttr(keys, "chunks", [])
+    PyObject_GenericSetAttr(keys, "_length", length)
+    PyObject_GenericSetAttr(keys, "known", length)
+    PyObject_GenericSetAttr(keys, "_rest", None)
+    return keys
+
+
+cdef object _new_rest(cache, tokens, start, parent, cached, ids):
+    """``_Rest(cache, tokens, start, parent, cached, ids)``, as :func:`_new_keys`."""
+    rest = _Rest.__new__(_Rest)
+    PyObject_GenericSetAttr(rest, "cache", cache)
+    PyObject_GenericSetAttr(rest, "tokens", tokens)
+    PyObject_GenericSetAttr(rest, "start", start)
+    PyObject_GenericSetAttr(rest, "parent", parent)
+    PyObject_GenericSetAttr(rest, "cached", cached)
+    PyObject_GenericSetAttr(rest, "ids", ids)
+    PyObject_GenericSetAttr(rest, "probe", None)
+    return rest
+
+
 def lookup_chunks(cache, token_ids):
     """``_keys.lookup_chunks`` (``ChunkKeys.lookup``): the chunks' tuple hashes computed
     four at a time, the rest as the pure function does. A prompt with a token that is
@@ -242,7 +271,7 @@ def lookup_chunks(cache, token_ids):
     cdef Py_ssize_t span = cache._span
     cdef Py_ssize_t total = len(token_ids)
     cdef dict chunks = cache._chunks
-    keys = _ChunkedKeys([], total // cache.block_size)
+    keys = _new_keys(total // cache.block_size)
     cdef list ids = []
     cdef Py_ssize_t found = 0
     cdef Py_ssize_t whole = total // span if span > 0 else 0
@@ -291,8 +320,27 @@ def lookup_chunks(cache, token_ids):
         if found:
             last = keys.chunks[found - 1]
             parent = last[len(last) - 1]
-        keys._rest = _Rest(cache, token_ids, start, parent, found, ids)
+        keys._rest = _new_rest(cache, token_ids, start, parent, found, ids)
     return keys
+
+
+def probe(self):
+    """``ChunkedKeys.probe``: the key of block ``known`` alone, its tuple hashed in place
+    (no slice, no tuple); the pure method for what it does not take."""
+    rest = self._rest
+    if rest is None or rest.probe is not None or type(rest.tokens) is not list:
+        return _pure_probe(self)
+    cdef Py_ssize_t size = rest.cache.block_size
+    cdef Py_ssize_t at = rest.start
+    cdef Py_ssize_t known = self.known
+    cdef list tokens = rest.tokens
+    if size <= 0 or at < 0 or at + size > len(tokens) or known < 0:
+        return _pure_probe(self)
+    cdef list salt_list = _salts(known + 1)
+    cdef PyObject **items = PySequence_Fast_ITEMS(tokens)
+    cdef Py_hash_t hashed = tdc_tuple_hash(items + at, size, <PyObject *>salt_list[known])
+    rest.probe = rest.parent ^ hashed
+    return rest.probe
 
 
 def complete_keys(keys):
@@ -341,7 +389,7 @@ cdef _learn(cache, tokens, list out, Py_ssize_t cached, list ids):
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals)."""
     global _salts, _pure_block_keys, _pure_chunk_hashes, _pure_lookup_chunks
-    global _ChunkedKeys, _Rest, _CHUNK_BLOCKS, _ROOT_KEY
+    global _ChunkedKeys, _Rest, _CHUNK_BLOCKS, _ROOT_KEY, _pure_probe
     _salts = namespace["_salts"]
     _pure_block_keys = namespace["block_keys"]
     _pure_chunk_hashes = namespace["chunk_hashes"]
@@ -350,6 +398,11 @@ def accelerate(namespace):
     _Rest = namespace["_Rest"]
     _CHUNK_BLOCKS = namespace["CHUNK_BLOCKS"]
     _ROOT_KEY = namespace["ROOT_KEY"]
+    _pure_probe = _ChunkedKeys.probe
+    # the methods themselves (they only call these functions): no Python frame between
+    _ChunkedKeys.probe = probe
+    _ChunkedKeys.complete = complete_keys
+    namespace["ChunkKeys"].lookup = lookup_chunks
     return {
         "block_keys": block_keys,
         "chunk_hashes": chunk_hashes,

@@ -19,8 +19,14 @@ cdef Py_ssize_t _CHUNK_BLOCKS = 16
 cdef Py_ssize_t _PIECE_BLOCKS = 64
 
 
+@cython.no_gc
 cdef class Piece:
-    """``_prefix_index._Piece``: keys of one chain stored together, from depth ``lo``."""
+    """``_prefix_index._Piece``: keys of one chain stored together, from depth ``lo``.
+
+    Not tracked by the cycle collector (``no_gc``): it refers to a list of ints and a
+    clock reading, never to anything that could refer back to it, and a decision
+    stores one or two, which would otherwise count towards a collection inside some
+    later decision (at 256 ranks, 0.6 % of decisions ran one, gen0 p50 0.3 ms)."""
 
     cdef public list keys
     cdef public Py_ssize_t lo

@@ -11,6 +11,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from itertools import chain, islice, takewhile
 
+from .._compiled import accelerate
 from .._reject_log import RejectLog
 from ..protocol import (
     KVEventError,
@@ -582,3 +583,6 @@ class PrefixRouter:
         changes nothing (not even the indexes' recency or ages)."""
         self.settle()
         return self._walk(keys)
+
+
+accelerate(globals(), "trio_dpcoord.routing._prefix_router_kernel")  # the compiled twin, if built
