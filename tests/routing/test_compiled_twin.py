@@ -465,7 +465,9 @@ def test_choosers_choose_the_same(
                 EngineLoad(
                     waiting=data.draw(st.integers(0, 4)),
                     running=data.draw(st.integers(0, 8)),
-                    kv_cache_usage=data.draw(st.sampled_from([0.3, 0.5, 0.9])),
+                    kv_cache_usage=data.draw(
+                        st.sampled_from([0.3, 0.5, 0.9, 1, float("inf"), float("nan")])
+                    ),
                 )
                 for _ in range(ranks)
             ]

@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=True, wraparound=True
 """The compiled twin of :mod:`trio_dpcoord.routing._chooser`'s per-choice steps:
 ``EngineChooser.choose``, ``_choose_prefix``, ``_charge``, ``_rescore`` and ``_clock``,
-each the pure method's steps line for line on untyped objects (Python's own arithmetic and comparisons), without a bytecode per step; the
-scores still come from :func:`~trio_dpcoord.routing._score.vllm_score` itself.
+each the pure method's steps line for line on untyped objects (Python's own arithmetic and comparisons), without a bytecode per step, with
+:func:`~trio_dpcoord.routing._score.vllm_score`'s steps inline in ``_rescore``.
 
 One step is read otherwise, to the same effect: a load table whose engines are the very
 objects of the last one is the same table (``tuple(loads) != table`` is false when
@@ -19,7 +19,6 @@ from cpython.sequence cimport PySequence_Fast_GET_SIZE, PySequence_Fast_ITEMS
 cdef object _EngineLoad = None
 cdef object _tuple_new = tuple.__new__
 cdef object _partial = None
-cdef object _vllm_score = None
 cdef object _isfinite = None
 cdef object _UNIT_SMOOTHING = None
 
@@ -73,10 +72,22 @@ def choose(self, loads, prompt_token_ids=None, *, now=None):
     return best_index
 
 
+cdef object _score(waiting, running, kv_cache_usage, in_flight, client_count):
+    """``vllm_score`` (``_score.py``), its steps on objects: ``max(a, b)`` is ``b if b > a
+    else a``, as the builtin compares."""
+    shared = client_count * in_flight
+    queue = waiting + running
+    score = float(queue if queue > shared else shared)
+    if waiting:
+        over = kv_cache_usage - 0.5
+        score += waiting * 6.0 * (over if over > 0.0 else 0.0)
+    return score
+
+
 def rescore(self, index):
     """``EngineChooser._rescore``."""
     local = self._local[index]
-    score = _vllm_score(
+    score = _score(
         local.waiting,
         local.running,
         local.kv_cache_usage,
@@ -120,10 +131,9 @@ def charge(self, rank, uncached, has_prompt):
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals): the
     chooser's per-choice methods become this module's functions."""
-    global _EngineLoad, _partial, _vllm_score, _isfinite, _UNIT_SMOOTHING
+    global _EngineLoad, _partial, _isfinite, _UNIT_SMOOTHING
     _EngineLoad = namespace["EngineLoad"]
     _partial = namespace["partial"]
-    _vllm_score = namespace["vllm_score"]
     _isfinite = namespace["isfinite"]
     _UNIT_SMOOTHING = namespace["_UNIT_SMOOTHING"]
     chooser = namespace["EngineChooser"]

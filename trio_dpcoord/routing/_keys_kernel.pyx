@@ -185,7 +185,7 @@ def block_keys(token_ids, Py_ssize_t block_size, parent=0, Py_ssize_t depth=0):
     cdef Py_ssize_t blocks = PySequence_Fast_GET_SIZE(seq) // block_size
     if blocks <= 0:
         return []
-    salts = _salts(depth + blocks)
+    salts = _salt_list(depth + blocks)
     cdef list salt_list = salts
     cdef PyObject **items = PySequence_Fast_ITEMS(seq)
     cdef PyObject **salt_items = PySequence_Fast_ITEMS(salt_list)
@@ -233,6 +233,22 @@ def chunk_hashes(token_ids, Py_ssize_t span):
     hashes.at = 0
     hashes.end = PySequence_Fast_GET_SIZE(hashes.seq)
     return hashes
+
+
+cdef list _position_salts = None
+"""``_keys._POSITION_SALTS`` (the list ``_salts`` extends and returns)."""
+
+
+cdef inline list _salt_list(Py_ssize_t upto):
+    """``_salts(upto)``, without the call while the list is long enough already."""
+    if _position_salts is not None and len(_position_salts) >= upto:
+        return _position_salts
+    return _salts(upto)
+
+
+def chunked_len(self):
+    """``ChunkedKeys.__len__``."""
+    return self._length
 
 
 cdef extern from "Python.h":
@@ -288,7 +304,7 @@ def lookup_chunks(cache, token_ids):
         items = PySequence_Fast_ITEMS(seq)
         if tdc_chunk_hashes(items, span, 1, &first):
             return _pure_lookup_chunks(cache, token_ids)
-        salt_list = _salts(whole)
+        salt_list = _salt_list(whole)
         chained = tdc_pair_hash(first, hash(salt_list[0]))
         ids.append(chained)
         entry = chunks.pop(ids[0], None)
@@ -336,7 +352,7 @@ def probe(self):
     cdef list tokens = rest.tokens
     if size <= 0 or at < 0 or at + size > len(tokens) or known < 0:
         return _pure_probe(self)
-    cdef list salt_list = _salts(known + 1)
+    cdef list salt_list = _salt_list(known + 1)
     cdef PyObject **items = PySequence_Fast_ITEMS(tokens)
     cdef Py_hash_t hashed = tdc_tuple_hash(items + at, size, <PyObject *>salt_list[known])
     rest.probe = rest.parent ^ hashed
@@ -389,7 +405,7 @@ cdef _learn(cache, tokens, list out, Py_ssize_t cached, list ids):
 def accelerate(namespace):
     """The replacements for the pure module's names (``namespace``: its globals)."""
     global _salts, _pure_block_keys, _pure_chunk_hashes, _pure_lookup_chunks
-    global _ChunkedKeys, _Rest, _CHUNK_BLOCKS, _ROOT_KEY, _pure_probe
+    global _ChunkedKeys, _Rest, _CHUNK_BLOCKS, _ROOT_KEY, _pure_probe, _position_salts
     _salts = namespace["_salts"]
     _pure_block_keys = namespace["block_keys"]
     _pure_chunk_hashes = namespace["chunk_hashes"]
@@ -402,6 +418,8 @@ def accelerate(namespace):
     # the methods themselves (they only call these functions): no Python frame between
     _ChunkedKeys.probe = probe
     _ChunkedKeys.complete = complete_keys
+    _ChunkedKeys.__len__ = chunked_len
+    _position_salts = namespace["_POSITION_SALTS"]
     namespace["ChunkKeys"].lookup = lookup_chunks
     return {
         "block_keys": block_keys,
