@@ -235,6 +235,17 @@ def chunk_hashes(token_ids, Py_ssize_t span):
     return hashes
 
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void *o)
+
+
+cdef void _untrack_keys(list keys):
+    """Take a chunk's list of keys (ints only: block_keys made them) out of the cycle
+    collector's lists (see ``_prefix_index_kernel._untrack_ints``: it cannot be part of
+    a cycle, and a collection would read every key's type)."""
+    PyObject_GC_UnTrack(<void *>keys)
+
+
 cdef list _position_salts = None
 """``_keys._POSITION_SALTS`` (the list ``_salts`` extends and returns)."""
 
@@ -373,7 +384,9 @@ def complete_keys(keys):
     cdef list out = keys.chunks
     cdef Py_ssize_t count = len(computed), at
     for at in range(0, count, _CHUNK_BLOCKS):
-        out.append(computed[at : at + _CHUNK_BLOCKS])
+        chunk = computed[at : at + _CHUNK_BLOCKS]
+        _untrack_keys(chunk)  # (the cache keeps it)
+        out.append(chunk)
     keys.known = keys._length
     _learn(cache, tokens, out, rest.cached, rest.ids)
     return keys
