@@ -1,12 +1,13 @@
-"""The compiled twin of the prefix policy's hashing against its pure-Python spec.
+"""The compiled twins of the prefix policy's hot path against their pure-Python spec.
 
-The prefix policy's keys (``routing/_keys.py``) take ``block_keys`` and ``chunk_hashes``
-from their compiled twin (``routing/_keys_kernel.pyx``) where it was built. Here the
-pure modules run beside the package's own (loaded from source by
+The prefix policy's keys (``routing/_keys.py``), index, walk, router and chooser take
+some of their names from their compiled twins (``routing/*_kernel.pyx``) where they
+were built. Here the pure modules run beside the package's own (loaded from source by
 :func:`tests.routing.pure_twin.hot_path`): the same keys, the same errors, the same chunk
-cache, and routers built on each give the same decisions, index contents, owners and
-counters over random prompts, loads, evictions (small capacities, ages) and KV-event
-batches (some of them fuzzed bytes). With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
+cache, the same pick over random groups, loads and settings, and routers and choosers
+built on each give the same decisions, index contents, owners and counters over random
+prompts, loads, evictions (small capacities, ages) and KV-event batches (some of them
+fuzzed bytes). With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no
 compiler at install) both sides are pure and this checks the loader and the switch; CI
 runs it both ways.
 """
