@@ -64,9 +64,14 @@ class Pumps:
         self.monitors: list[PeerMonitor] = []
         """The bound sockets' peer monitors (their log level follows expect_shutdown)."""
         self.ready = trio.Event()
-        self.observers = trio.lowlevel.ParkingLot()
+        self._observers = trio.lowlevel.ParkingLot()
+        self._observing = 0
+        """Tasks parked in :meth:`observe`: with none (the wave path's case) :meth:`changed`
+        is one integer check, not a ParkingLot's ``__bool__`` (a Python call) per input."""
         # The listener waits here after a wave start under load (see engine_output_listener)
-        self.drained = trio.lowlevel.ParkingLot()
+        self._drained = trio.lowlevel.ParkingLot()
+        self._draining = False
+        """Whether the listener waits in ``_drained`` (the broadcaster then wakes it)."""
         self.reject_log = RejectLog(logger)
         self.outgoing, self._outgoing_queue = trio.open_memory_channel[list[Outgoing]](math.inf)
         self._queued_behind = 0
@@ -75,10 +80,21 @@ class Pumps:
         ``receive_nowait`` that raises ``trio.WouldBlock`` (2 us) at every wake."""
         self.timer_scope: trio.CancelScope | None = None
         """The timer task's wait, until the core's next deadline."""
+        self._ready_seen = False
+        """READY went out (``ready`` is set): no more ``Event.is_set`` call per broadcast."""
 
     def changed(self) -> None:
-        if self.observers:
-            self.observers.unpark_all()
+        """Something observable changed: wake the tasks in :meth:`observe`."""
+        if self._observing:
+            self._observers.unpark_all()
+
+    async def observe(self) -> None:
+        """Wait for the next :meth:`changed` (the handle's ``wait_for``)."""
+        self._observing += 1
+        try:
+            await self._observers.park()
+        finally:
+            self._observing -= 1
 
     def dispatch(self, effects: Sequence[Effect]) -> bool:
         """Hand each effect to its owner. Called under the lock, right after the core.
@@ -126,7 +142,12 @@ class Pumps:
         the channel's receive is the loop's checkpoint.
         """
         task_status.started()
-        async for items in self._outgoing_queue:
+        receive = self._outgoing_queue.receive  # not ``async for``: one coroutine less a wake
+        while True:
+            try:
+                items = await receive()
+            except trio.EndOfChannel:  # pragma: no cover  (the channel is never closed)
+                return
             self._taken()
             await self._send_queued(items, xpub, front)
 
@@ -163,8 +184,8 @@ class Pumps:
                 self._queued_behind = 0
                 break
             self._taken()
-        if self.drained:
-            self.drained.unpark_all()
+        if self._draining:
+            self._drained.unpark_all()
         with self.lock:
             for _ in range(publishes):
                 self.core.publish_sent()
@@ -173,8 +194,9 @@ class Pumps:
             now = trio.current_time()
             for broadcast in sent_broadcasts:
                 self.core.broadcast_sent(broadcast, now)
-            ready = not self.ready.is_set() and self.core.ready_sent()
+            ready = not self._ready_seen and self.core.ready_sent()
         if ready:
+            self._ready_seen = True
             logger.info("READY sent to %d engines", self.core.subscriptions().current)
             self.ready.set()
         self.changed()
@@ -263,16 +285,22 @@ class Pumps:
                         if index == 0:  # empty before this batch (it waited) or after it
                             drained = pull.receive_waited or count < _LISTENER_BATCH
                             core.engine_output_batch_read(drained=drained, now=now)
-                            self._injected_failure("engine_output")
+                            if self.fault is not None:
+                                self._injected_failure("engine_output")
                         # One core call per piece: load reports are held and only each
                         # engine's newest is written as it ends (the same table as one by
                         # one); a wave start ends the piece (see the core).
                         index, effects = core.receive_engine_outputs(batch, index, now)
                         urgent = self.dispatch(effects)
                         self.reschedule()
-                    self.changed()
+                    if self._observing:
+                        self._observers.unpark_all()
                     if urgent and count > 1:
-                        await self.drained.park()
+                        self._draining = True
+                        try:
+                            await self._drained.park()
+                        finally:
+                            self._draining = False
             except BaseException as exc:  # what is left goes to the next listener, but a
                 if isinstance(exc, trio.Cancelled):  # failing message
                     self.leftovers["engine outputs"] = batch[index:]
