@@ -187,8 +187,8 @@ class Pumps:
         if self._draining:
             self._drained.unpark_all()
         with self.lock:
-            for _ in range(publishes):
-                self.core.publish_sent()
+            if publishes:
+                self.core.publish_sent(publishes)
             if not sent_broadcasts:  # a publish alone: no clock reading, nobody to wake
                 return
             now = trio.current_time()
@@ -199,7 +199,8 @@ class Pumps:
             self._ready_seen = True
             logger.info("READY sent to %d engines", self.core.subscriptions().current)
             self.ready.set()
-        self.changed()
+        if self._observing:
+            self._observers.unpark_all()
 
     async def timer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The one timer: sleeps until the core's next deadline (timed publishes, wake
@@ -292,7 +293,8 @@ class Pumps:
                         # one); a wave start ends the piece (see the core).
                         index, effects = core.receive_engine_outputs(batch, index, now)
                         urgent = self.dispatch(effects)
-                        self.reschedule()
+                        if self.timer_scope is not None:
+                            self.reschedule()
                     if self._observing:
                         self._observers.unpark_all()
                     if urgent and count > 1:

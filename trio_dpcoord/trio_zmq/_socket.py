@@ -392,9 +392,11 @@ class AsyncSocket:
 
         ``_try_sync`` checkpoints: cancellation is checked before the first attempt, and
         what ``take()`` returned is never lost to it; a receive that had to wait has passed
-        a full checkpoint and returns without another.
+        a full checkpoint and returns without another. A receive that waits before its
+        first attempt (the wave path: EVENTS said nothing is queued) has its cancellation
+        checked by the wait itself, so the check before the attempt is made only when no
+        wait came first.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
         sock = self._sock
         suspect = 0
         waited = False
@@ -421,6 +423,7 @@ class AsyncSocket:
                         suspect = await self._wait(_POLLIN, suspect, events)
                     waited = True
                     continue
+                await trio.lowlevel.checkpoint_if_cancelled()  # never yields unless it raises
             else:
                 self._events_hint = None  # another task's, from before our call
             try:
