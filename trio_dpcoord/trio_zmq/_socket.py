@@ -357,11 +357,15 @@ class AsyncSocket:
         """Synchronous non-blocking send attempt; True if the message was sent."""
         if not frames:
             raise ValueError("a zmq message needs at least one frame")
-        self._check_open()
+        if self.closed or (self._waiting and self._exclusive):
+            self._check_open()  # raises
         try:
             return self._try_send(frames)
         finally:
-            self._touched()
+            if self._waiting:
+                self._touched()  # another task waits on the socket: EVENTS again
+            else:
+                self._events_hint = None  # _touched() without waiters, one call less
 
     # -- receiving ----------------------------------------------------------------------
 
