@@ -38,32 +38,39 @@ SKIP_ENV = "TRIO_DPCOORD_NO_COMPILE"
 
 class OptionalBuildExt(build_ext):
     """build_ext whose failure (no compiler, no headers, a compile error) leaves the
-    pure-Python package, with one line saying so."""
-
-    failed: bool = False
+    pure-Python package, with one line in all saying which twins were not built and why
+    (the first error: with no compiler, every kernel fails the same way)."""
 
     def run(self) -> None:
+        self.not_built: list[str] = []
+        self.first_error: BaseException | None = None
         try:
             super().run()
         except Exception as exc:  # the compiler's errors are of several kinds
-            if not self.failed:  # (else told already; the copy of what failed fails too)
-                self._fall_back(exc)
+            # (the copy of what failed, for an in-place build, fails too: told already)
+            self._failed(exc)
+        if self.first_error is not None:
+            names = ", ".join(self.not_built) or "the compiled twins"
+            error = self.first_error
+            last = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            logger.info(
+                "not built: %s (%s: %s): the pure-Python modules will run",
+                names,
+                type(error).__name__,
+                last,
+            )
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
-            self.failed = True
-            self._fall_back(exc, ext.name)
+            self._failed(exc, ext.name.rsplit(".", 1)[-1])
 
-    @staticmethod
-    def _fall_back(exc: BaseException, name: str = "the compiled twins") -> None:
-        logger.info(
-            "%s not built (%s: %s): the pure-Python modules will run",
-            name,
-            type(exc).__name__,
-            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
-        )
+    def _failed(self, exc: BaseException, name: str | None = None) -> None:
+        if self.first_error is None:
+            self.first_error = exc
+        if name is not None:
+            self.not_built.append(name)
 
 
 def _extensions() -> list[Extension]:
