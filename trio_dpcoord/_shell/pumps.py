@@ -143,13 +143,14 @@ class Pumps:
         """
         task_status.started()
         receive = self._outgoing_queue.receive  # not ``async for``: one coroutine less a wake
+        clock = trio.lowlevel.current_clock()  # trio.current_time() is three calls deep
         while True:
             try:
                 items = await receive()
             except trio.EndOfChannel:  # pragma: no cover  (the channel is never closed)
                 return
             self._taken()
-            await self._send_queued(items, xpub, front)
+            await self._send_queued(items, xpub, front, clock)
 
     def _taken(self) -> None:
         """The broadcaster took an item (an item not put by :meth:`dispatch`, as a test
@@ -158,7 +159,11 @@ class Pumps:
             self._queued_behind -= 1
 
     async def _send_queued(
-        self, items: list[Outgoing], xpub: AsyncSocket, front: AsyncSocket | None
+        self,
+        items: list[Outgoing],
+        xpub: AsyncSocket,
+        front: AsyncSocket | None,
+        clock: trio.abc.Clock,
     ) -> None:
         """Send ``items`` and whatever is already queued behind them, in this task step (a
         second receive would cost a scheduler pass of its own), then tell the core what
@@ -191,7 +196,7 @@ class Pumps:
                 self.core.publish_sent(publishes)
             if not sent_broadcasts:  # a publish alone: no clock reading, nobody to wake
                 return
-            now = trio.current_time()
+            now = clock.current_time()
             for broadcast in sent_broadcasts:
                 self.core.broadcast_sent(broadcast, now)
             ready = not self._ready_seen and self.core.ready_sent()
@@ -274,6 +279,7 @@ class Pumps:
         """
         task_status.started()
         core = self.core
+        clock = trio.lowlevel.current_clock()  # trio.current_time() is three calls deep
         batch: list[list[bytes]] = self.leftovers.pop("engine outputs", [])
         while True:
             batch = batch or await pull.recv_multipart_batch(_LISTENER_BATCH)
@@ -282,7 +288,7 @@ class Pumps:
             try:
                 while index < count:
                     with self.lock:
-                        now = trio.current_time()
+                        now = clock.current_time()
                         if index == 0:  # empty before this batch (it waited) or after it
                             drained = pull.receive_waited or count < _LISTENER_BATCH
                             core.engine_output_batch_read(drained=drained, now=now)

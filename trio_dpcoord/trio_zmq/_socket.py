@@ -137,7 +137,10 @@ class AsyncSocket:
         if self._waiting:
             if events is None:
                 events = read_events(self._sock)
-            self._dispatch(events)
+            # _dispatch's cases, checked here: a send while the FD waiter waits for input
+            # (an XPUB's subscriptions, the wave path) wakes nobody, without a call
+            if self._parked or (self._fd_scope is not None and events & self._fd_events):
+                self._dispatch(events)
         self._events_hint = events
 
     def notify_touched(self) -> None:
