@@ -56,6 +56,12 @@ def test_start_dp_wave_round_trip(wave: int, exclude: int | bytes | None) -> Non
     assert decode_engine_broadcast(frames) == StartDPWave(wave, exclude)
 
 
+@given(u64, engine_ref)
+def test_trusted_start_dp_wave_is_byte_identical(wave: int, exclude: int | bytes | None) -> None:
+    """The core's unchecked START_DP_WAVE encoder gives the checked encoder's frames."""
+    assert P.encode_start_dp_wave_trusted(wave, exclude) == encode_start_dp_wave(wave, exclude)
+
+
 @given(publishes)
 def test_front_publish_round_trip(p: FrontPublish) -> None:
     frame = encode_front_publish(p)

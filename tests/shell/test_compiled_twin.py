@@ -7,7 +7,8 @@ the pure functions (loaded from source by :func:`tests.pure_twin.pure_twin_modul
 and the package's own work on real sockets (inproc and ipc, single and multipart, empty
 and large frames). The receive: the same queued messages in batches of random sizes,
 the same batches, the same ``zmq.Again`` when drained, the same error on a closed
-socket. The send: the same messages arrive, the same count taken before a full queue
+socket; ``take_messages`` (the batch receive's whole attempt) also the same EVENTS each
+batch ended on. The send: the same messages arrive, the same count taken before a full queue
 refuses, the same errors (closed socket, a ``str`` frame, no frames). ``read_events``
 (``zmq.EVENTS``): the same readiness after every step of random sends and receives.
 With ``TRIO_DPCOORD_PURE_PYTHON=1`` (or no compiler at install) both sides are pure and
@@ -48,7 +49,7 @@ def test_the_build_asked_for_runs() -> None:
     if REQUIRE_COMPILED and not PURE_PYTHON:
         assert BUILT, "the compiled twin was not built"
     assert (BUILT and not PURE_PYTHON) == IN_USE
-    for name in ("receive_queued", "send_frames", "read_events"):
+    for name in ("receive_queued", "take_messages", "send_frames", "read_events"):
         assert getattr(FAST, name).__module__.endswith("_kernel") == IN_USE
         assert getattr(PURE, name).__module__.startswith(PURE_TWIN_PACKAGE)
 
@@ -117,6 +118,73 @@ def test_the_twins_take_the_same_batches(
     assert results[0] == results[1] or "ipc" in pull.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
+def take_all(take: Any, pull: Any, sizes: list[int], expected: int) -> list[Any]:
+    """``take(pull, size)`` with ``sizes`` cycled until ``expected`` messages are taken,
+    then once more on the drained socket; what each call returned, or its error."""
+    calls: list[Any] = []
+    taken = 0
+    turn = 0
+    while taken < expected:
+        try:
+            batch, events = take(pull, sizes[turn % len(sizes)])
+        except zmq.Again:
+            pull.poll(5000)  # the ipc transport still moving bytes
+            continue
+        turn += 1
+        assert batch, "a take returns at least one message"
+        assert events is None or type(events) is int
+        calls.append((batch, events))
+        taken += len(batch)
+    with pytest.raises(zmq.Again):
+        take(pull, 3)
+    calls.append("Again")
+    return calls
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=messages_st, sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4))
+def test_the_twins_take_the_same_batch_and_events(
+    pair: tuple[Any, Any], messages: list[list[bytes]], sizes: list[int]
+) -> None:
+    """``take_messages``, the batch receive's attempt: the same messages in the same
+    batches, each ending on the same EVENTS (POLLIN clear: the next receive's hint) or
+    None (the batch was full, or more may be queued), then the same ``zmq.Again``."""
+    push, pull = pair
+    results = []
+    for take in (FAST.take_messages, PURE.take_messages):
+        for message in messages:
+            push.send_multipart(message)
+        calls = take_all(take, pull, sizes, len(messages))
+        assert [m for batch, _ in calls[:-1] for m in batch] == messages
+        for batch, events in calls[:-1]:
+            assert all(type(f) is bytes for m in batch for f in m)
+            assert events is None or not events & zmq.POLLIN
+        results.append(calls)
+    # over ipc the I/O thread may hand messages over between two reads: same content only
+    assert results[0] == results[1] or "ipc" in pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def test_a_lone_message_ends_on_the_events_read() -> None:
+    """One queued message (every wave report): both twins return it with the EVENTS that
+    says nothing more is queued, and a batch of one reads no EVENTS at all."""
+    context = zmq.Context()
+    try:
+        pull = context.socket(zmq.PULL)
+        pull.bind("inproc://lone")
+        push = context.socket(zmq.PUSH)
+        push.connect("inproc://lone")
+        for take in (FAST.take_messages, PURE.take_messages):
+            push.send(b"report")
+            assert take(pull, 64) == ([[b"report"]], FAST.read_events(pull))
+            assert not FAST.read_events(pull) & zmq.POLLIN
+            push.send_multipart([b"a", b"b"])
+            push.send(b"c")
+            assert take(pull, 1) == ([[b"a", b"b"]], None)
+            assert take(pull, 1) == ([[b"c"]], None)
+    finally:
+        context.destroy(linger=0)
+
+
 def test_a_closed_socket_raises_the_same_error() -> None:
     context = zmq.Context()
     try:
@@ -128,7 +196,13 @@ def test_a_closed_socket_raises_the_same_error() -> None:
             with pytest.raises(zmq.ZMQError) as caught:
                 receive(pull, batch, 3)
             outcomes.append((type(caught.value), caught.value.errno, batch))
-        assert outcomes[0] == outcomes[1]
+        for take in (FAST.take_messages, PURE.take_messages):
+            pull = context.socket(zmq.PULL)
+            pull.close()
+            with pytest.raises(zmq.ZMQError) as caught:
+                take(pull, 3)
+            outcomes.append((type(caught.value), caught.value.errno, []))
+        assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3]
     finally:
         context.term()
 

@@ -230,7 +230,7 @@ class Coordinator:
         (wave transitions, subscriptions, applied stats, rejected inputs, sends). Combine
         with ``trio.fail_after`` to bound the wait."""
         while not predicate(self):
-            await self._pumps.observers.park()
+            await self._pumps.observe()
 
     def restarts(self) -> RestartStatistics:
         """Restarts in place after failures of our own, and what they cost (§16)."""

@@ -64,9 +64,14 @@ class Pumps:
         self.monitors: list[PeerMonitor] = []
         """The bound sockets' peer monitors (their log level follows expect_shutdown)."""
         self.ready = trio.Event()
-        self.observers = trio.lowlevel.ParkingLot()
+        self._observers = trio.lowlevel.ParkingLot()
+        self._observing = 0
+        """Tasks parked in :meth:`observe`: with none (the wave path's case) :meth:`changed`
+        is one integer check, not a ParkingLot's ``__bool__`` (a Python call) per input."""
         # The listener waits here after a wave start under load (see engine_output_listener)
-        self.drained = trio.lowlevel.ParkingLot()
+        self._drained = trio.lowlevel.ParkingLot()
+        self._draining = False
+        """Whether the listener waits in ``_drained`` (the broadcaster then wakes it)."""
         self.reject_log = RejectLog(logger)
         self.outgoing, self._outgoing_queue = trio.open_memory_channel[list[Outgoing]](math.inf)
         self._queued_behind = 0
@@ -75,10 +80,21 @@ class Pumps:
         ``receive_nowait`` that raises ``trio.WouldBlock`` (2 us) at every wake."""
         self.timer_scope: trio.CancelScope | None = None
         """The timer task's wait, until the core's next deadline."""
+        self._ready_seen = False
+        """READY went out (``ready`` is set): no more ``Event.is_set`` call per broadcast."""
 
     def changed(self) -> None:
-        if self.observers:
-            self.observers.unpark_all()
+        """Something observable changed: wake the tasks in :meth:`observe`."""
+        if self._observing:
+            self._observers.unpark_all()
+
+    async def observe(self) -> None:
+        """Wait for the next :meth:`changed` (the handle's ``wait_for``)."""
+        self._observing += 1
+        try:
+            await self._observers.park()
+        finally:
+            self._observing -= 1
 
     def dispatch(self, effects: Sequence[Effect]) -> bool:
         """Hand each effect to its owner. Called under the lock, right after the core.
@@ -126,9 +142,15 @@ class Pumps:
         the channel's receive is the loop's checkpoint.
         """
         task_status.started()
-        async for items in self._outgoing_queue:
+        receive = self._outgoing_queue.receive  # not ``async for``: one coroutine less a wake
+        clock = trio.lowlevel.current_clock()  # trio.current_time() is three calls deep
+        while True:
+            try:
+                items = await receive()
+            except trio.EndOfChannel:  # pragma: no cover  (the channel is never closed)
+                return
             self._taken()
-            await self._send_queued(items, xpub, front)
+            await self._send_queued(items, xpub, front, clock)
 
     def _taken(self) -> None:
         """The broadcaster took an item (an item not put by :meth:`dispatch`, as a test
@@ -137,7 +159,11 @@ class Pumps:
             self._queued_behind -= 1
 
     async def _send_queued(
-        self, items: list[Outgoing], xpub: AsyncSocket, front: AsyncSocket | None
+        self,
+        items: list[Outgoing],
+        xpub: AsyncSocket,
+        front: AsyncSocket | None,
+        clock: trio.abc.Clock,
     ) -> None:
         """Send ``items`` and whatever is already queued behind them, in this task step (a
         second receive would cost a scheduler pass of its own), then tell the core what
@@ -163,21 +189,23 @@ class Pumps:
                 self._queued_behind = 0
                 break
             self._taken()
-        if self.drained:
-            self.drained.unpark_all()
+        if self._draining:
+            self._drained.unpark_all()
         with self.lock:
-            for _ in range(publishes):
-                self.core.publish_sent()
+            if publishes:
+                self.core.publish_sent(publishes)
             if not sent_broadcasts:  # a publish alone: no clock reading, nobody to wake
                 return
-            now = trio.current_time()
+            now = clock.current_time()
             for broadcast in sent_broadcasts:
                 self.core.broadcast_sent(broadcast, now)
-            ready = not self.ready.is_set() and self.core.ready_sent()
+            ready = not self._ready_seen and self.core.ready_sent()
         if ready:
+            self._ready_seen = True
             logger.info("READY sent to %d engines", self.core.subscriptions().current)
             self.ready.set()
-        self.changed()
+        if self._observing:
+            self._observers.unpark_all()
 
     async def timer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The one timer: sleeps until the core's next deadline (timed publishes, wake
@@ -251,6 +279,7 @@ class Pumps:
         """
         task_status.started()
         core = self.core
+        clock = trio.lowlevel.current_clock()  # trio.current_time() is three calls deep
         batch: list[list[bytes]] = self.leftovers.pop("engine outputs", [])
         while True:
             batch = batch or await pull.recv_multipart_batch(_LISTENER_BATCH)
@@ -259,20 +288,27 @@ class Pumps:
             try:
                 while index < count:
                     with self.lock:
-                        now = trio.current_time()
+                        now = clock.current_time()
                         if index == 0:  # empty before this batch (it waited) or after it
                             drained = pull.receive_waited or count < _LISTENER_BATCH
                             core.engine_output_batch_read(drained=drained, now=now)
-                            self._injected_failure("engine_output")
+                            if self.fault is not None:
+                                self._injected_failure("engine_output")
                         # One core call per piece: load reports are held and only each
                         # engine's newest is written as it ends (the same table as one by
                         # one); a wave start ends the piece (see the core).
                         index, effects = core.receive_engine_outputs(batch, index, now)
                         urgent = self.dispatch(effects)
-                        self.reschedule()
-                    self.changed()
+                        if self.timer_scope is not None:
+                            self.reschedule()
+                    if self._observing:
+                        self._observers.unpark_all()
                     if urgent and count > 1:
-                        await self.drained.park()
+                        self._draining = True
+                        try:
+                            await self._drained.park()
+                        finally:
+                            self._draining = False
             except BaseException as exc:  # what is left goes to the next listener, but a
                 if isinstance(exc, trio.Cancelled):  # failing message
                     self.leftovers["engine outputs"] = batch[index:]

@@ -92,6 +92,9 @@ class IngestBacklog:
         core's count), remembering how far behind the listener was."""
         coalesced = coalesced_total - self._coalesced_total
         self._coalesced_total = coalesced_total
+        if drained and self._since is None:  # keeping up (the wave path): nothing to tell
+            self.behind_at_last_read = 0.0
+            return None
         news = self.batch_read(drained=drained, coalesced=coalesced, now=now)
         self.behind_at_last_read = self.behind_for(now)
         return news

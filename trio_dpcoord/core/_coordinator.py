@@ -327,9 +327,10 @@ class CoordinatorCore:
             held.failed_message = index  # a bug raising in there: the shell skips it
             taken = self.receive_engine_output(messages[index], now, hold_stats=True)
             index += 1
-            effects.extend(taken)
-            if any(type(effect) is Broadcast for effect in taken):
-                break
+            if taken:
+                effects.extend(taken)
+                if Broadcast in map(type, taken):  # no generator frame per message
+                    break
         effects.extend(self.apply_held_stats())
         held.failed_message = None
         return index, effects
@@ -464,9 +465,9 @@ class CoordinatorCore:
         self._tally.wave_starts[broadcast.cause or WaveStartCause.ENGINE_START_WAVE] += 1
         self._tally.wake_latency.observe(max(0.0, now - broadcast.decided_at))
 
-    def publish_sent(self) -> None:
-        """The broadcaster sent one publish on the front socket."""
-        self._tally.front_publishes += 1
+    def publish_sent(self, count: int = 1) -> None:
+        """The broadcaster sent ``count`` publishes on the front socket."""
+        self._tally.front_publishes += count
 
     # --- the load reports (wave reports: _wave_rules.py) ---------------------------------
 

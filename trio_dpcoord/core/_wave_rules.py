@@ -125,7 +125,7 @@ class WaveRules:
 
     def start(self, start: WaveStart, cause: str, now: float) -> list[Effect]:
         """START_DP_WAVE for ``start``, decided at ``now``, then the wave's publish."""
-        frames = protocol.encode_start_dp_wave(start.wave, start.exclude)
+        frames = protocol.encode_start_dp_wave_trusted(start.wave, start.exclude)
         return [Broadcast(frames, start, now, cause), *self.publish()]
 
     def publish(self) -> list[Effect]:

@@ -79,6 +79,7 @@ from ._coordinator import (
     encode_legacy_first_request,
     encode_scale_elastic_ep,
     encode_start_dp_wave,
+    encode_start_dp_wave_trusted,
 )
 from ._engine_core import (
     ENGINE_CORE_DEAD,
@@ -235,6 +236,7 @@ __all__ = [
     "encode_ready_response",
     "encode_scale_elastic_ep",
     "encode_start_dp_wave",
+    "encode_start_dp_wave_trusted",
     "encode_utility",
     "encode_utility_output",
     "engine_identity",

@@ -188,6 +188,17 @@ def encode_front_publish_trusted(
     return encoded
 
 
+def encode_start_dp_wave_trusted(
+    wave: int, exclude_engine_index: int | bytes | None
+) -> list[bytes]:
+    """:func:`encode_start_dp_wave` for values that already passed this codec (the
+    core's wave, a checked uint64; an exclusion decoded from an engine's report or a
+    front-end's FIRST_REQ): one encoder call, not a check and a conversion per field
+    on every wave start. Byte-identical to :func:`encode_start_dp_wave` for such values
+    (tested)."""
+    return [START_DP_WAVE_FRAME, _encode_trusted((wave, exclude_engine_index))]
+
+
 def encode_front_publish(p: FrontPublish) -> bytes:
     """Encode a front publish exactly as vLLM does (§4.7).
 

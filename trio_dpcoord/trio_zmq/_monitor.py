@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from ._socket import AsyncSocket, open_socket
+from ._open import open_socket
+from ._socket import AsyncSocket
 
 __all__ = ["MonitorEvent", "accepted_peer_address", "open_monitor", "parse_monitor_event"]
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TypeVar, cast
 
@@ -40,7 +39,7 @@ import zmq
 
 from .._compiled import accelerate
 
-__all__ = ["AsyncSocket", "curve_client_options", "open_context", "open_socket"]
+__all__ = ["AsyncSocket"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,58 +57,6 @@ _get_option: Callable[[zmq.Socket[bytes], int], int] = zmq.Socket.getsockopt  # 
 ``typing.cast`` call per read (pyzmq's stubs say ``int | bytes`` for every option)."""
 
 _Received = TypeVar("_Received")
-
-
-@asynccontextmanager
-async def open_context() -> AsyncIterator[zmq.Context[zmq.Socket[bytes]]]:
-    """A fresh ``zmq.Context`` (LINGER 0 by default for its sockets), terminated on exit.
-
-    Sockets should be closed first by their own managers; any still open are closed with
-    LINGER 0 (and logged) so that terminating the context can never hang.
-    """
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    context.setsockopt(zmq.LINGER, 0)
-    try:
-        yield context
-    finally:
-        leftover = [s for s in list(getattr(context, "_sockets", None) or ()) if not s.closed]
-        if leftover:
-            logger.warning("zmq context exiting with %d socket(s) still open", len(leftover))
-        context.destroy(linger=0)
-
-
-@asynccontextmanager
-async def open_socket(
-    context: zmq.Context[zmq.Socket[bytes]],
-    socket_type: int,
-    *,
-    bind: str | None = None,
-    connect: str | None = None,
-    options: Mapping[int, int | bytes] | None = None,
-    exclusive: bool = False,
-) -> AsyncIterator[AsyncSocket]:
-    """Create a socket, apply ``options``, then bind and/or connect; ``aclose()`` it on exit.
-
-    After ``bind``, the resolved endpoint (e.g. the real TCP port for ``tcp://host:0``) is
-    available as ``sock.last_endpoint``. ``exclusive``: see :class:`AsyncSocket`.
-    """
-    raw: zmq.Socket[bytes] = context.socket(socket_type)
-    try:
-        raw.setsockopt(zmq.LINGER, 0)
-        for option, value in (options or {}).items():
-            raw.setsockopt(option, value)
-        sock = AsyncSocket(raw, exclusive=exclusive)
-        if bind is not None:
-            sock.bind(bind)
-        if connect is not None:
-            sock.connect(connect)
-    except BaseException:
-        raw.close(linger=0)
-        raise
-    try:
-        yield sock
-    finally:
-        await sock.aclose()
 
 
 class AsyncSocket:
@@ -190,7 +137,10 @@ class AsyncSocket:
         if self._waiting:
             if events is None:
                 events = read_events(self._sock)
-            self._dispatch(events)
+            # _dispatch's cases, checked here: a send while the FD waiter waits for input
+            # (an XPUB's subscriptions, the wave path) wakes nobody, without a call
+            if self._parked or (self._fd_scope is not None and events & self._fd_events):
+                self._dispatch(events)
         self._events_hint = events
 
     def notify_touched(self) -> None:
@@ -357,17 +307,26 @@ class AsyncSocket:
         """Synchronous non-blocking send attempt; True if the message was sent."""
         if not frames:
             raise ValueError("a zmq message needs at least one frame")
-        self._check_open()
+        if self.closed or (self._waiting and self._exclusive):
+            self._check_open()  # raises
         try:
             return self._try_send(frames)
         finally:
-            self._touched()
+            if self._waiting:
+                self._touched()  # another task waits on the socket: EVENTS again
+            else:
+                self._events_hint = None  # _touched() without waiters, one call less
 
     # -- receiving ----------------------------------------------------------------------
 
-    async def _receive(self, take: Callable[[], _Received]) -> _Received:
-        """The one receive loop: ``take()`` is a synchronous attempt that raises
-        ``zmq.Again`` when nothing is queued; on Again wait for the FD and try again.
+    async def _receive(
+        self, take: Callable[[zmq.Socket[bytes], int], tuple[_Received, int | None]], count: int
+    ) -> _Received:
+        """The one receive loop: ``take(socket, count)`` is a synchronous attempt that
+        raises ``zmq.Again`` when nothing is queued, else returns what it took and the
+        ``EVENTS`` it read as its last zmq call (None if it did not); on Again wait for
+        the FD and try again. ``take`` and ``count`` are passed, not bound in a closure:
+        no function object per receive.
 
         ``zmq.EVENTS`` is read before each attempt: the previous receive usually drained
         the socket, and an attempt that fails raises ``zmq.Again``, an exception object per
@@ -381,16 +340,23 @@ class AsyncSocket:
         be one zmq call more (a ``poll`` system call inside libzmq) on the wake path; a
         spurious wake costs the ``zmq.Again`` instead, and ``_wait`` re-reads EVENTS.
 
+        An exclusive socket's wait for a readable FD is made here, not through
+        :meth:`_wait` (the same wait): one coroutine less to pass through on every wake,
+        as the wave path's profile counts them.
+
         ``_try_sync`` checkpoints: cancellation is checked before the first attempt, and
         what ``take()`` returned is never lost to it; a receive that had to wait has passed
-        a full checkpoint and returns without another.
+        a full checkpoint and returns without another. A receive that waits before its
+        first attempt (the wave path: EVENTS said nothing is queued) has its cancellation
+        checked by the wait itself, so the check before the attempt is made only when no
+        wait came first.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
         sock = self._sock
         suspect = 0
         waited = False
         while True:
-            self._check_open()
+            if self.closed or (self._waiting and self._exclusive):
+                self._check_open()
             if not waited:
                 events = self._events_hint
                 if events is None:
@@ -398,13 +364,24 @@ class AsyncSocket:
                 else:
                     self._events_hint = None
                 if not events & _POLLIN:
-                    suspect = await self._wait(_POLLIN, suspect, events)
+                    if self._exclusive:
+                        # _wait(_POLLIN, suspect, events) without its coroutine: EVENTS
+                        # denies readiness, so the claim count starts again
+                        suspect = 0
+                        self._waiting += 1
+                        try:
+                            await trio.lowlevel.wait_readable(self._fd)
+                        finally:
+                            self._waiting -= 1
+                    else:
+                        suspect = await self._wait(_POLLIN, suspect, events)
                     waited = True
                     continue
+                await trio.lowlevel.checkpoint_if_cancelled()  # never yields unless it raises
             else:
                 self._events_hint = None  # another task's, from before our call
             try:
-                received = take()
+                received, events_read = take(sock, count)
             except zmq.Again:
                 suspect = await self._wait(_POLLIN, suspect)
                 waited = True
@@ -412,44 +389,19 @@ class AsyncSocket:
             except BaseException:
                 self._touched()
                 raise
-            self._touched(self._events_hint)  # take() ended with an EVENTS read, or left None
+            self._touched(events_read)
             self.receive_waited = waited
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return received
 
-    def _take_queued(
-        self, receive: Callable[[list[_Received], int], None], max_messages: int
-    ) -> list[_Received]:
-        """``receive(batch, 1)`` (``zmq.Again`` propagates: nothing queued), then whatever
-        is already queued, up to ``max_messages`` in all, without waiting
-        (``receive(batch, n)`` appends up to ``n``, raising ``zmq.Again`` once drained).
-        After the first message EVENTS says whether more are queued: a lone message
-        (every wave report) then ends the batch without the ``zmq.Again`` a drained socket
-        raises."""
-        self._events_hint = None
-        batch: list[_Received] = []
-        receive(batch, 1)
-        if max_messages > 1:
-            events = read_events(self._sock)
-            if not events & _POLLIN:
-                self._events_hint = events  # the last call: the next receive starts here
-                return batch
-            # Again: drained.  Any other error resurfaces on the next call; the frames
-            # already taken must not be lost.
-            with contextlib.suppress(zmq.ZMQError):
-                receive(batch, max_messages - 1)
-        return batch
-
     async def recv(self) -> bytes:
         """Receive one frame."""
-        recv = self._sock.recv
-        return await self._receive(lambda: recv(_NOBLOCK))
+        return await self._receive(_take_frame, 1)
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one (whole) multipart message."""
-        recv_multipart = self._sock.recv_multipart
-        return await self._receive(lambda: recv_multipart(_NOBLOCK))
+        return await self._receive(_take_message, 1)
 
     async def recv_batch(self, max_messages: int = 1000) -> list[bytes]:
         """Wait for at least one frame, then also take every frame already queued (up to
@@ -457,24 +409,14 @@ class AsyncSocket:
         parts of a multipart message come back as separate items)."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        return await self._receive(lambda: self._take_queued(self._recv_frames, max_messages))
-
-    def _recv_frames(self, batch: list[bytes], count: int) -> None:
-        """Up to ``count`` queued frames onto ``batch`` (``zmq.Again`` once drained)."""
-        recv, append = self._sock.recv, batch.append
-        for _ in range(count):
-            append(recv(_NOBLOCK))
-
-    def _recv_messages(self, batch: list[list[bytes]], count: int) -> None:
-        """Up to ``count`` queued messages onto ``batch``: :func:`receive_queued` (compiled
-        where built: no pyzmq ``Frame`` per message, the first of a batch included)."""
-        receive_queued(self._sock, batch, count)
+        return await self._receive(_take_frames, max_messages)
 
     async def recv_multipart_batch(self, max_messages: int = 1000) -> list[list[bytes]]:
-        """Like :meth:`recv_batch`, for multipart messages."""
+        """Like :meth:`recv_batch`, for multipart messages (:func:`take_messages`,
+        compiled where built)."""
         if max_messages < 1:
             raise ValueError("max_messages must be >= 1")
-        return await self._receive(lambda: self._take_queued(self._recv_messages, max_messages))
+        return await self._receive(take_messages, max_messages)
 
     # -- closing ------------------------------------------------------------------------
 
@@ -507,6 +449,63 @@ class AsyncSocket:
         except ValueError:
             name = str(self._type)
         return f"<AsyncSocket {name} {'closed' if self.closed else f'fd={self._fd}'}>"
+
+
+def _take_frame(sock: zmq.Socket[bytes], count: int) -> tuple[bytes, None]:
+    """One frame (``zmq.Again``: nothing queued); no EVENTS read."""
+    return sock.recv(_NOBLOCK), None
+
+
+def _take_message(sock: zmq.Socket[bytes], count: int) -> tuple[list[bytes], None]:
+    """One whole multipart message (``zmq.Again``: nothing queued); no EVENTS read."""
+    return sock.recv_multipart(_NOBLOCK), None
+
+
+def _receive_frames(sock: zmq.Socket[bytes], batch: list[bytes], count: int) -> None:
+    """Up to ``count`` queued frames onto ``batch`` (``zmq.Again`` once drained)."""
+    recv, append = sock.recv, batch.append
+    for _ in range(count):
+        append(recv(_NOBLOCK))
+
+
+def _take_queued(
+    sock: zmq.Socket[bytes],
+    receive: Callable[[zmq.Socket[bytes], list[_Received], int], None],
+    max_messages: int,
+) -> tuple[list[_Received], int | None]:
+    """``receive(sock, batch, 1)`` (``zmq.Again`` propagates: nothing queued), then
+    whatever is already queued, up to ``max_messages`` in all, without waiting
+    (``receive(sock, batch, n)`` appends up to ``n``, raising ``zmq.Again`` once
+    drained); returns the batch and, when the batch ended on an EVENTS read that said
+    nothing more is queued, that EVENTS (the caller's hint for the next receive), else
+    None. After the first message EVENTS says whether more are queued: a lone message
+    (every wave report) then ends the batch without the ``zmq.Again`` a drained socket
+    raises. Past the first message, ``zmq.Again`` (drained) or any other
+    ``zmq.ZMQError`` ends the batch: the messages already taken must not be lost, and
+    another error resurfaces on the next call."""
+    batch: list[_Received] = []
+    receive(sock, batch, 1)
+    if max_messages > 1:
+        events = read_events(sock)
+        if not events & _POLLIN:
+            return batch, events
+        with contextlib.suppress(zmq.ZMQError):
+            receive(sock, batch, max_messages - 1)
+    return batch, None
+
+
+def _take_frames(sock: zmq.Socket[bytes], max_messages: int) -> tuple[list[bytes], int | None]:
+    """The batch of single frames (a multipart message's frames come as separate items)."""
+    return _take_queued(sock, _receive_frames, max_messages)
+
+
+def take_messages(
+    sock: zmq.Socket[bytes], max_messages: int
+) -> tuple[list[list[bytes]], int | None]:
+    """The batch receive's attempt (:func:`_take_queued` of :func:`receive_queued`): at
+    least one message or ``zmq.Again``, the batch, and the EVENTS it ended on (or None).
+    Its compiled twin (``_socket_kernel.pyx``) does all of it in one call into C."""
+    return _take_queued(sock, receive_queued, max_messages)
 
 
 def read_events(sock: zmq.Socket[bytes]) -> int:
@@ -560,19 +559,6 @@ def receive_queued(sock: zmq.Socket[bytes], batch: list[list[bytes]], count: int
             append(parts)
         else:
             append([frame.bytes])
-
-
-def curve_client_options(server_key: bytes | None) -> dict[int, int | bytes]:
-    """Socket options that make a socket a CURVE client of ``server_key``, with a fresh
-    key pair; no options when ``server_key`` is None."""
-    if server_key is None:
-        return {}
-    public, secret = zmq.curve_keypair()
-    return {
-        zmq.CURVE_SERVERKEY: server_key,
-        zmq.CURVE_PUBLICKEY: public,
-        zmq.CURVE_SECRETKEY: secret,
-    }
 
 
 accelerate(globals(), "trio_dpcoord.trio_zmq._socket_kernel")  # the compiled twin, if built

@@ -1,7 +1,9 @@
 # cython: language_level=3
-"""The compiled twins of :func:`trio_dpcoord.trio_zmq._socket.receive_queued` (the batch
-receive of the engine-output listener) and :func:`~trio_dpcoord.trio_zmq._socket.send_frames`
-(the broadcaster's send of one message), calling libzmq itself.
+"""The compiled twins of :func:`trio_dpcoord.trio_zmq._socket.receive_queued` and
+:func:`~trio_dpcoord.trio_zmq._socket.take_messages` (the batch receive of the
+engine-output listener: its first message, the EVENTS read after it, the rest), of
+:func:`~trio_dpcoord.trio_zmq._socket.send_frames` (the broadcaster's send of one
+message) and of ``read_events``, calling libzmq itself.
 
 :mod:`._socket` (pure Python, pyzmq) is the spec: up to ``count`` queued messages, each
 the list of its frames' bytes, appended to the batch; ``zmq.Again`` once drained, any
@@ -70,6 +72,7 @@ cdef tdc_getsockopt_t _getsockopt
 cdef int _DONTWAIT = zmq.NOBLOCK
 cdef int _SNDMORE = zmq.SNDMORE
 cdef int _EVENTS = zmq.EVENTS
+cdef int _POLLIN = zmq.POLLIN
 cdef int _EAGAIN = _errno.EAGAIN
 cdef int _EINTR = _errno.EINTR
 
@@ -144,14 +147,11 @@ cdef int _recv(void *handle, tdc_zmq_msg_t *msg) except -1:
     return 0
 
 
-def receive_queued(sock, list batch, Py_ssize_t count):
-    """:func:`._socket.receive_queued`, compiled: the same messages, the same errors."""
+cdef int _receive_into(void *handle, list batch, Py_ssize_t count) except -1:
+    """Up to ``count`` queued messages onto ``batch`` (``zmq.Again`` once drained)."""
     cdef tdc_zmq_msg_t msg
     cdef Py_ssize_t i
-    cdef void *handle = <void *><uintptr_t>sock.underlying
     cdef int more
-    if handle == NULL:
-        raise zmq.ZMQError(_errno.ENOTSOCK)
     for i in range(count):
         _recv(handle, &msg)
         more = _msg_more(&msg)
@@ -168,6 +168,47 @@ def receive_queued(sock, list batch, Py_ssize_t count):
             parts.append(_received(&msg))
             _msg_close(&msg)
         batch.append(parts)
+    return 0
+
+
+def receive_queued(sock, list batch, Py_ssize_t count):
+    """:func:`._socket.receive_queued`, compiled: the same messages, the same errors."""
+    cdef void *handle = <void *><uintptr_t>sock.underlying
+    if handle == NULL:
+        raise zmq.ZMQError(_errno.ENOTSOCK)
+    _receive_into(handle, batch, count)
+
+
+cdef int _read_events(void *handle) except -1:
+    """``zmq_getsockopt(ZMQ_EVENTS)`` (``EINTR``: tried again), raising as pyzmq does."""
+    cdef int events = 0
+    cdef size_t size = sizeof(int)
+    cdef int code
+    while _getsockopt(handle, _EVENTS, &events, &size) < 0:
+        code = _zmq_errno()
+        if code != _EINTR:
+            raise zmq.ZMQError(code)
+    return events
+
+
+def take_messages(sock, Py_ssize_t max_messages):
+    """:func:`._socket.take_messages`, compiled: the same batch, the same EVENTS, the
+    same errors; the first message, the EVENTS read and the rest in one call."""
+    cdef void *handle = <void *><uintptr_t>sock.underlying
+    cdef int events
+    cdef list batch = []
+    if handle == NULL:
+        raise zmq.ZMQError(_errno.ENOTSOCK)
+    _receive_into(handle, batch, 1)
+    if max_messages > 1:
+        events = _read_events(handle)
+        if not events & _POLLIN:
+            return batch, events
+        try:
+            _receive_into(handle, batch, max_messages - 1)
+        except zmq.ZMQError:
+            pass  # drained (Again), or an error the next call meets: keep what was taken
+    return batch, None
 
 
 cdef bint _send_one(void *handle, object frame, int flags) except -1:
@@ -213,17 +254,10 @@ def send_frames(sock, frames):
 
 def read_events(sock):
     """:func:`._socket.read_events`, compiled: ``zmq_getsockopt(ZMQ_EVENTS)`` itself."""
-    cdef int events = 0
-    cdef size_t size = sizeof(int)
-    cdef int code
     cdef void *handle = <void *><uintptr_t>sock.underlying
     if handle == NULL:
         raise zmq.ZMQError(_errno.ENOTSOCK)
-    while _getsockopt(handle, _EVENTS, &events, &size) < 0:
-        code = _zmq_errno()
-        if code != _EINTR:
-            raise zmq.ZMQError(code)
-    return events
+    return _read_events(handle)
 
 
 def accelerate(namespace):
@@ -232,4 +266,5 @@ def accelerate(namespace):
         "receive_queued": receive_queued,
         "send_frames": send_frames,
         "read_events": read_events,
+        "take_messages": take_messages,
     }
