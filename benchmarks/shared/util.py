@@ -224,14 +224,16 @@ def spawn(
     eof_grace: float = 0.0,
     env: Mapping[str, str] | None = None,
     stop_signal: signal.Signals = signal.SIGTERM,
+    cwd: Path = REPO_ROOT,
 ) -> Iterator[Child]:
-    """Start ``argv`` (cwd: the repository root, environment ``env`` or ours); stop and
-    reap it when the block ends (``stop_signal`` if stdin's end did not stop it)."""
+    """Start ``argv`` (in ``cwd``, the repository root unless given; environment ``env``
+    or ours); stop and reap it when the block ends (``stop_signal`` if stdin's end did
+    not stop it)."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
         popen = subprocess.Popen(
             list(argv),
-            cwd=REPO_ROOT,
+            cwd=cwd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,

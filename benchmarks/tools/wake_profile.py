@@ -118,23 +118,8 @@ def _other_tree_subject(
     child_env = {**os.environ, "PYTHONPATH": str(tree)}
     if kind == sc.STANDALONE_PURE:
         child_env[sc.PURE_PYTHON_ENV] = "1"
-    log_path = env.log_dir / f"{tree.name}-{kind}.log"
-    with open(log_path, "w") as log:
-        popen = subprocess.Popen(
-            argv,
-            cwd=tree,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            bufsize=1,
-            env=child_env,
-        )
-    child = Child(f"{tree.name}:{kind}", popen, log_path, signal.SIGTERM)
-    try:
+    with spawn(f"{tree.name}-{kind}", argv, env.log_dir, env=child_env, cwd=tree) as child:
         yield child, child.read_json(60)
-    finally:
-        child.stop()
 
 
 @contextlib.contextmanager
@@ -164,11 +149,12 @@ def _subject(
         yield child, info
 
 
-def strace_counts(pid: int, probe: WakeProbe, waves: int, gap_s: float) -> dict[str, float]:
-    """System calls per wave by name (every thread), from ``strace -c -f``."""
-    with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+def _traced_waves(tracer_argv: list[str], probe: WakeProbe, waves: int, gap_s: float) -> str:
+    """What a tracer attached to the subject (``tracer_argv``, writing to the file named by
+    ``{out}``) wrote over ``waves`` waves, stopped by SIGINT."""
+    with tempfile.NamedTemporaryFile("r", suffix=".trace") as out:
         tracer = subprocess.Popen(
-            ["strace", "-c", "-f", "-o", out.name, "-p", str(pid)],
+            [arg.replace("{out}", out.name) for arg in tracer_argv],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -176,7 +162,12 @@ def strace_counts(pid: int, probe: WakeProbe, waves: int, gap_s: float) -> dict[
         probe.start_wave_latencies(waves, gap_s)
         tracer.send_signal(signal.SIGINT)
         tracer.wait(30)
-        text = Path(out.name).read_text()
+        return Path(out.name).read_text()
+
+
+def strace_counts(pid: int, probe: WakeProbe, waves: int, gap_s: float) -> dict[str, float]:
+    """System calls per wave by name (every thread), from ``strace -c -f``."""
+    text = _traced_waves(["strace", "-c", "-f", "-o", "{out}", "-p", str(pid)], probe, waves, gap_s)
     counts: dict[str, float] = {}
     for line in text.splitlines():
         parts = line.split()
@@ -190,17 +181,9 @@ def strace_counts(pid: int, probe: WakeProbe, waves: int, gap_s: float) -> dict[
 def perf_counts(pid: int, probe: WakeProbe, waves: int, gap_s: float) -> dict[str, float]:
     """``perf stat`` events per wave (every thread of ``pid``)."""
     events = "task-clock,context-switches,cpu-migrations,page-faults"
-    with tempfile.NamedTemporaryFile("r", suffix=".perf") as out:
-        tracer = subprocess.Popen(
-            ["perf", "stat", "-x,", "-e", events, "-o", out.name, "-p", str(pid)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        time.sleep(0.5)
-        probe.start_wave_latencies(waves, gap_s)
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(30)
-        text = Path(out.name).read_text()
+    text = _traced_waves(
+        ["perf", "stat", "-x,", "-e", events, "-o", "{out}", "-p", str(pid)], probe, waves, gap_s
+    )
     counts: dict[str, float] = {}
     for line in text.splitlines():
         parts = line.split(",")
