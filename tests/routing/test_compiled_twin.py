@@ -149,12 +149,15 @@ DOCS = [[(doc * 7919 + i * 31) % 997 for i in range(400)] for doc in range(4)]
 
 
 def prompts(block_size: int) -> st.SearchStrategy[list[int]]:
-    """Prompts sharing documents' prefixes (so the cache finds chunks), with new tails."""
+    """Prompts sharing documents' prefixes (so the cache finds chunks), with new tails;
+    now and then a token that is not an int of one digit (hashed apart: the compiled
+    lookup hands such prompts to the pure one, wherever the token is)."""
+    token = st.integers(0, 5000) | st.sampled_from([2**70, -(2**65), -1, 2**62])
     return st.builds(
         lambda doc, blocks, tail: DOCS[doc][: blocks * block_size] + tail,
         st.integers(0, len(DOCS) - 1),
         st.integers(0, 400 // block_size),
-        st.lists(st.integers(0, 5000), max_size=3 * block_size),
+        st.lists(token, max_size=70 * block_size),
     )
 
 

@@ -290,11 +290,17 @@ cdef object _new_rest(cache, tokens, start, parent, cached, ids):
     return rest
 
 
+cdef enum:
+    _HEAD_CHUNKS = 4  # chunks hashed before the first is looked up (see lookup_chunks)
+
+
 def lookup_chunks(cache, token_ids):
     """``_keys.lookup_chunks`` (``ChunkKeys.lookup``): the chunks' tuple hashes computed
-    four at a time, the rest as the pure function does. A prompt with a token that is
-    not an int of one digit goes to the pure function (from the start: its only change
-    so far, the first prefix refreshed, it repeats to the same effect)."""
+    four at a time (the first four before the first is looked up), the rest as the pure
+    function does. A prompt with a token that is not an int of one digit (in its first
+    four chunks, or anywhere once its first is known) goes to the pure function (from
+    the start: its only change so far, the first prefix refreshed, it repeats to the
+    same effect)."""
     cdef Py_ssize_t span = cache._span
     cdef Py_ssize_t total = len(token_ids)
     cdef dict chunks = cache._chunks
@@ -302,7 +308,8 @@ def lookup_chunks(cache, token_ids):
     cdef list ids = []
     cdef Py_ssize_t found = 0
     cdef Py_ssize_t whole = total // span if span > 0 else 0
-    cdef Py_hash_t first
+    cdef Py_hash_t head[4]
+    cdef Py_ssize_t head_count
     cdef Py_hash_t *hashes
     cdef Py_ssize_t number, deepest
     cdef list salt_list
@@ -313,10 +320,13 @@ def lookup_chunks(cache, token_ids):
         if PySequence_Fast_GET_SIZE(seq) != total:
             return _pure_lookup_chunks(cache, token_ids)
         items = PySequence_Fast_ITEMS(seq)
-        if tdc_chunk_hashes(items, span, 1, &first):
+        # The first four chunks hashed together: four interleaved chains cost about what
+        # the first one alone did (its rounds are a chain of dependent multiplies).
+        head_count = whole if whole < _HEAD_CHUNKS else _HEAD_CHUNKS
+        if tdc_chunk_hashes(items, span, head_count, head):
             return _pure_lookup_chunks(cache, token_ids)
         salt_list = _salt_list(whole)
-        chained = tdc_pair_hash(first, hash(salt_list[0]))
+        chained = tdc_pair_hash(head[0], hash(salt_list[0]))
         ids.append(chained)
         entry = chunks.pop(ids[0], None)
         if entry is not None:
@@ -326,7 +336,12 @@ def lookup_chunks(cache, token_ids):
                 if hashes == NULL:
                     raise MemoryError()
                 try:
-                    if tdc_chunk_hashes(items + span, span, whole - 1, hashes):
+                    for number in range(1, head_count):
+                        hashes[number - 1] = head[number]
+                    if whole > head_count and tdc_chunk_hashes(
+                        items + head_count * span, span, whole - head_count,
+                        hashes + head_count - 1
+                    ):
                         return _pure_lookup_chunks(cache, token_ids)
                     for number in range(1, whole):
                         chained ^= tdc_pair_hash(hashes[number - 1], hash(salt_list[number]))
