@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.sections.client import OURS, OURS_PURE, SUBJECTS, VLLM, client_rows
+from benchmarks.sections.client import (
+    OURS,
+    OURS_PURE,
+    SUBJECTS,
+    VLLM,
+    client_rows,
+    ratio_interval,
+)
 
 
 def _pass(kind: str, seconds: float, cpu_s: float, ttft_s: float) -> dict[str, Any]:
@@ -59,3 +66,22 @@ def test_the_pure_twin_has_rows_beside_vllm() -> None:
     assert pure.baseline == (0.04 + 0.01) / 100 * 1000
     assert rows["requests/s, pure twin (TRIO_DPCOORD_PURE_PYTHON=1)"].value == 100 / 4.0
     assert "TTFT p99, pure twin (TRIO_DPCOORD_PURE_PYTHON=1)" in rows
+
+
+def test_a_goals_ratio_has_its_bootstrap_interval_in_the_note() -> None:
+    rows = {row.figure.split(" (")[0]: row for row in client_rows(_passes(), "a load")}
+    # the same passes on both sides for req/s: the interval holds 1.0x
+    assert "bootstrap interval over the passes" in rows["requests/s"].note
+    low, high = ratio_interval([1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert low < 1.0 < high
+    # a fixed seed: the same passes give the same interval
+    assert ratio_interval([3.0, 1.0, 2.0], [2.0, 2.5]) == ratio_interval(
+        [3.0, 1.0, 2.0], [2.0, 2.5]
+    )
+
+
+def test_a_clear_difference_has_an_interval_clear_of_one() -> None:
+    ours = [2.0, 2.1, 1.9, 2.2, 2.0, 1.8]
+    theirs = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0]
+    low, high = ratio_interval(ours, theirs)
+    assert 1.5 < low <= 2.0 <= high < 2.5
