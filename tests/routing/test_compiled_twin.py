@@ -75,12 +75,12 @@ def test_the_build_asked_for_runs() -> None:
     assert store.__module__.endswith("_kernel") == index_in_use
     assert PURE.RankPrefixIndex._store_chain.__module__.startswith(PURE_TWIN_PACKAGE)
     _, router_in_use = kernel_state("routing._prefix_router")
-    for method in ("choose", "_decide", "_walk", "_bisect", "_pick", "settle"):
+    for method in ("_decide", "_walk", "_bisect", "_pick"):
         compiled = getattr(FAST.PrefixRouter, method).__module__.endswith("_kernel")
         assert compiled == router_in_use
         assert getattr(PURE.PrefixRouter, method).__module__.startswith(PURE_TWIN_PACKAGE)
     _, chooser_in_use = kernel_state("routing._chooser")
-    for method in ("choose", "_choose_prefix", "_charge", "_rescore", "_clock"):
+    for method in ("choose", "_choose_prefix", "_charge", "_rescore"):
         compiled = getattr(FAST.EngineChooser, method).__module__.endswith("_kernel")
         assert compiled == chooser_in_use
         assert getattr(PURE.EngineChooser, method).__module__.startswith(PURE_TWIN_PACKAGE)

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=True, wraparound=True
 """The compiled twin of :mod:`trio_dpcoord.routing._chooser`'s per-choice steps:
-``EngineChooser.choose``, ``_choose_prefix``, ``_charge``, ``_rescore`` and ``_clock``,
+``EngineChooser.choose``, ``_choose_prefix``, ``_charge`` and ``_rescore`` (``_clock``,
+a comparison, stays the pure method),
 each the pure method's steps line for line on untyped objects (Python's own arithmetic and comparisons), without a bytecode per step, with
 :func:`~trio_dpcoord.routing._score.vllm_score`'s steps inline in ``_rescore``.
 
@@ -99,13 +100,6 @@ def rescore(self, index):
         self._finite = False
 
 
-def clock(self, now):
-    """``EngineChooser._clock``."""
-    if now is not None and now > self._now:
-        self._now = now
-    return self._now
-
-
 def choose_prefix(self, router, prompt_token_ids, now, start):
     """``EngineChooser._choose_prefix``."""
     tokens = prompt_token_ids if prompt_token_ids is not None else ()
@@ -141,5 +135,4 @@ def accelerate(namespace):
     chooser._choose_prefix = choose_prefix
     chooser._charge = charge
     chooser._rescore = rescore
-    chooser._clock = clock
     return {}

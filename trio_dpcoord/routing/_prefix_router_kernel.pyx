@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=True, wraparound=True
 """The compiled twin of :mod:`trio_dpcoord.routing._prefix_router`'s per-decision steps:
-``PrefixRouter.choose``, ``_decide``, ``_walk``, ``_bisect``, ``_pick`` and ``settle``, the
-same steps on the same objects without a bytecode per step.
+``PrefixRouter._decide``, ``_walk``, ``_bisect`` and ``_pick``, the same steps on the same
+objects without a bytecode per step. ``choose`` (a check and a call) and ``settle`` (a few
+calls) stay the pure methods: compiled copies of them measured no faster.
 
 :mod:`._prefix_router` (pure Python) is the spec. All but ``_pick`` are its steps line
 for line, on untyped objects (Python's own arithmetic); they call the router's other methods as it does,
@@ -314,33 +315,6 @@ def bisect(self, keys):
     return _bisect_holders(owners, chunks, span, count, first, last)
 
 
-def settle(self):
-    """``PrefixRouter.settle``: the last routed prompt learnt on its rank, if pending."""
-    pending = self._pending
-    if pending is None:
-        return
-    self._pending = None
-    rank, keys, held, now = pending
-    if isinstance(keys, _ChunkedKeys):
-        keys.complete()
-    index = self._indexes[rank]
-    if index._held is not None:  # chain mode: the held prefix is the walk's
-        index._store_chain(keys, held, now)
-    else:
-        index.store(keys, now)
-    if self.share_routes:
-        self._routed.append((rank, list(keys)))
-
-
-def choose(self, token_ids, queued_work, now, *, unshared_choice=None):
-    """``PrefixRouter.choose``."""
-    if len(queued_work) != self.engine_count:
-        raise ValueError(
-            f"queued_work has {len(queued_work)} engines, expected {self.engine_count}"
-        )
-    return self._decide(token_ids, queued_work, now, None, unshared_choice)
-
-
 def decide(self, token_ids, queued, now, pinned, unshared_choice):
     """``PrefixRouter._decide``, step for step."""
     self.counters.decisions += 1
@@ -389,10 +363,8 @@ def accelerate(namespace):
     _ChunkedKeys = namespace["ChunkedKeys"]
     _bisect_holders = namespace["bisect_holders"]
     _CHUNK_BLOCKS = namespace["CHUNK_BLOCKS"]
-    router.choose = choose
     router._decide = decide
     router._walk = walk
     router._bisect = bisect
     router._pick = pick
-    router.settle = settle
     return {}
