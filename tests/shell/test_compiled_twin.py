@@ -54,21 +54,30 @@ def test_the_build_asked_for_runs() -> None:
         assert getattr(PURE, name).__module__.startswith(PURE_TWIN_PACKAGE)
 
 
-@pytest.fixture(params=["inproc", "ipc"])
-def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
-    """A PUSH socket connected to a PULL one (no high-water marks)."""
+@contextlib.contextmanager
+def connected(address: str, hwm: int | None = None) -> Iterator[tuple[Any, Any]]:
+    """A PUSH socket connected to a PULL one bound at ``address``, on a context of their
+    own (destroyed on the way out); ``hwm``: both ends' high-water mark, else zmq's."""
     context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
-    address = "inproc://twin" if request.param == "inproc" else f"ipc://{tmp_path}/twin"
-    pull.bind(address)
-    push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.connect(address)
     try:
+        pull = context.socket(zmq.PULL)
+        push = context.socket(zmq.PUSH)
+        if hwm is not None:
+            pull.setsockopt(zmq.RCVHWM, hwm)
+            push.setsockopt(zmq.SNDHWM, hwm)
+        pull.bind(address)
+        push.connect(address)
         yield push, pull
     finally:
         context.destroy(linger=0)
+
+
+@pytest.fixture(params=["inproc", "ipc"])
+def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """A PUSH socket connected to a PULL one (no high-water marks)."""
+    address = "inproc://twin" if request.param == "inproc" else f"ipc://{tmp_path}/twin"
+    with connected(address, hwm=0) as sockets:
+        yield sockets
 
 
 def read_all(receive: Receive, pull: Any, sizes: list[int], expected: int) -> list[Any]:
@@ -167,12 +176,7 @@ def test_the_twins_take_the_same_batch_and_events(
 def test_a_lone_message_ends_on_the_events_read() -> None:
     """One queued message (every wave report): both twins return it with the EVENTS that
     says nothing more is queued, and a batch of one reads no EVENTS at all."""
-    context = zmq.Context()
-    try:
-        pull = context.socket(zmq.PULL)
-        pull.bind("inproc://lone")
-        push = context.socket(zmq.PUSH)
-        push.connect("inproc://lone")
+    with connected("inproc://lone") as (push, pull):
         for take in (FAST.take_messages, PURE.take_messages):
             push.send(b"report")
             assert take(pull, 64) == ([[b"report"]], FAST.read_events(pull))
@@ -181,8 +185,6 @@ def test_a_lone_message_ends_on_the_events_read() -> None:
             push.send(b"c")
             assert take(pull, 1) == ([[b"a", b"b"]], None)
             assert take(pull, 1) == ([[b"c"]], None)
-    finally:
-        context.destroy(linger=0)
 
 
 def test_a_closed_socket_raises_the_same_error() -> None:
@@ -240,21 +242,12 @@ def test_a_full_queue_refuses_the_same_message(messages: list[list[bytes]]) -> N
     take none of the next message's frames (0: nothing committed)."""
     outcomes = []
     for send in (FAST.send_frames, PURE.send_frames):
-        context = zmq.Context()
-        try:
-            pull = context.socket(zmq.PULL)
-            pull.setsockopt(zmq.RCVHWM, 2)
-            pull.bind("inproc://full")
-            push = context.socket(zmq.PUSH)
-            push.setsockopt(zmq.SNDHWM, 2)
-            push.connect("inproc://full")
+        with connected("inproc://full", hwm=2) as (push, pull):
             taken = [send(push, message) for message in messages * 5]
             received = []
             while pull.poll(0):
                 received.append(pull.recv_multipart(zmq.NOBLOCK))
             outcomes.append((taken, received))
-        finally:
-            context.destroy(linger=0)
     assert outcomes[0] == outcomes[1]
     taken, received = outcomes[0]
     assert taken[len(received)] == 0
@@ -276,17 +269,10 @@ def test_a_peerless_socket_refuses_the_message_alike() -> None:
     [([], ValueError), (["text"], TypeError), ([b"a", "text"], TypeError), ([b"a", 3], TypeError)],
 )
 def test_the_twins_reject_the_same_frames(frames: list[Any], error: type[Exception]) -> None:
-    context = zmq.Context()
-    try:
-        pull = context.socket(zmq.PULL)
-        pull.bind("inproc://rejects")
-        push = context.socket(zmq.PUSH)
-        push.connect("inproc://rejects")
+    with connected("inproc://rejects") as (push, _):
         for send in (FAST.send_frames, PURE.send_frames):
             with pytest.raises(error):
                 send(push, frames)
-    finally:
-        context.destroy(linger=0)
 
 
 def test_a_closed_socket_refuses_a_send_with_the_same_error() -> None:
@@ -309,14 +295,7 @@ def test_a_closed_socket_refuses_a_send_with_the_same_error() -> None:
 def test_the_twins_read_the_same_events(steps: list[str]) -> None:
     """inproc (no I/O thread between the two reads): after each step both twins read
     the same EVENTS on both ends, the receiver's POLLIN and the sender's POLLOUT."""
-    context = zmq.Context()
-    try:
-        pull = context.socket(zmq.PULL)
-        pull.setsockopt(zmq.RCVHWM, 2)
-        pull.bind("inproc://events")
-        push = context.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 2)
-        push.connect("inproc://events")
+    with connected("inproc://events", hwm=2) as (push, pull):
         for step in steps:
             if step == "receive":
                 with contextlib.suppress(zmq.Again):
@@ -328,7 +307,7 @@ def test_the_twins_read_the_same_events(steps: list[str]) -> None:
             for sock in (pull, push):
                 fast, pure = FAST.read_events(sock), PURE.read_events(sock)
                 assert (fast, type(fast)) == (pure, int)
-        closed = context.socket(zmq.PULL)
+        closed = pull.context.socket(zmq.PULL)
         closed.close()
         errors = []
         for read in (FAST.read_events, PURE.read_events):
@@ -336,5 +315,3 @@ def test_the_twins_read_the_same_events(steps: list[str]) -> None:
                 read(closed)
             errors.append(caught.value.errno)
         assert errors[0] == errors[1]
-    finally:
-        context.destroy(linger=0)
