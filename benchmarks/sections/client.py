@@ -292,13 +292,16 @@ def client_rows(passes: dict[str, list[dict[str, Any]]], load: str) -> list[Row]
         FIGURES[4]: lambda r: cpu_ms(r, True),
     }
 
+    def values(kind: str, figure: str) -> list[float]:
+        return [measures[figure](p) for p in passes[kind]]
+
     def mid(kind: str, figure: str) -> float:
-        return float(median(measures[figure](p) for p in passes[kind]))
+        return float(median(values(kind, figure)))
 
     def each(kind: str, figure: str) -> str:
-        values = [measures[figure](p) for p in passes[kind]]
-        best = max(values) if figure == FIGURES[0] else min(values)
-        return f"{kind} best {best:.3g}, passes " + ", ".join(f"{v:.3g}" for v in values)
+        taken = values(kind, figure)
+        best = max(taken) if figure == FIGURES[0] else min(taken)
+        return f"{kind} best {best:.3g}, passes " + ", ".join(f"{v:.3g}" for v in taken)
 
     count = min(len(passes[kind]) for kind in SUBJECTS)
     label = passes[VLLM][0]["client"]
@@ -317,10 +320,7 @@ def client_rows(passes: dict[str, list[dict[str, Any]]], load: str) -> list[Row]
         ours, theirs = mid(OURS, figure), mid(VLLM, figure)
         target, met = "", None
         if figure in CLIENT_TARGETS:
-            low, high = ratio_interval(
-                [measures[figure](p) for p in passes[OURS]],
-                [measures[figure](p) for p in passes[VLLM]],
-            )
+            low, high = ratio_interval(values(OURS, figure), values(VLLM, figure))
             note = (
                 f"ratio's {RATIO_INTERVAL_LEVEL:.0%} bootstrap interval over the passes "
                 f"{low:.2f}x-{high:.2f}x; {note}"
