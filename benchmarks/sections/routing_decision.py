@@ -114,6 +114,17 @@ def warm_decision(
     return WarmDecision(ours, docs, loads, rng, now, memory)
 
 
+def pure_twin_chooser(ranks: int, capacity_blocks: int, seed: int = 0) -> EngineChooser | None:
+    """On a compiled build, the pure-Python twin's chooser on a warm index of its own (the
+    same seed as :func:`warm_decision`'s: the same documents, loads and filling), to run
+    beside ours; None on the pure build, where ours is the twin."""
+    if hot_path_build() != "compiled":
+        return None
+    from tests.routing.pure_twin import hot_path
+
+    return warm_decision(ranks, capacity_blocks, seed, hot_path(True).EngineChooser).chooser
+
+
 def follow_up_prompts(warm: WarmDecision, calls: int) -> list[list[int]]:
     """``calls`` follow-up turns: a document's first 3,840 tokens plus 256 new ones (240
     blocks to match, 16 new), built ahead (their new tokens cold, as a request's are)."""
@@ -145,13 +156,8 @@ def measure_decision(
     ours, loads, now = warm.chooser, warm.loads, warm.now
     router = ours.router
     assert router is not None
-    # The pure-Python twin beside the compiled build (the same seed: the same documents,
-    # loads and filling), its decisions timed right after ours on the same prompts.
-    twin: EngineChooser | None = None
-    if hot_path_build() == "compiled":
-        from tests.routing.pure_twin import hot_path
-
-        twin = warm_decision(ranks, capacity_blocks, seed, hot_path(True).EngineChooser).chooser
+    # the pure-Python twin (on a compiled build), its decisions timed right after ours
+    twin = pure_twin_chooser(ranks, capacity_blocks, seed)
     names = ("ours", "deferred", "settle", "vllm", "pure")
     timed: dict[str, list[list[float]]] = {name: [] for name in names}
     clock = time.perf_counter_ns

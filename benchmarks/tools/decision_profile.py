@@ -14,9 +14,9 @@ store, when the router has one: what the call does after the choice, timed apart
 
 ``--defer`` sets ``PrefixRouter.defer_store`` and times ``settle()`` apart (the parts
 done there are marked ``(settle)``); ``--no-reuse`` feeds fresh random prompts instead
-of follow-ups; ``--floor`` times the least parts instead (:func:`floor`; with ``--between``, in the
-benchmark's colder context), ``--tail``
-what the slow decisions are made of (:func:`tail`: collections, resizes).
+of follow-ups; ``--floor`` times the least parts instead (:func:`floor`; with
+``--between``, in the benchmark's colder context), ``--tail`` what the slow decisions
+are made of (:func:`tail`: collections, resizes).
 
 Works on the router before and after issue 37's cuts (it wraps whichever methods
 exist), so that ``cd OLD && PYTHONPATH=OLD:REPO python -m benchmarks.tools.decision_profile``
@@ -40,10 +40,11 @@ from typing import Any
 from benchmarks.sections.routing_decision import (
     WarmDecision,
     follow_up_prompts,
+    pure_twin_chooser,
     random_tokens,
     warm_decision,
 )
-from trio_dpcoord import EngineChooser, hot_path_build
+from trio_dpcoord import EngineChooser
 from trio_dpcoord.routing import ChunkedKeys, ChunkKeys, PrefixRouter, RankPrefixIndex
 
 PARTS: tuple[tuple[str, type, str], ...] = (
@@ -251,10 +252,8 @@ def floor(
     if between:
         base = EngineChooser(ranks)
         others.append(lambda prompt: base.choose(loads, prompt, now=now))
-        if hot_path_build() == "compiled":
-            from tests.routing.pure_twin import hot_path
-
-            twin = warm_decision(ranks, capacity_blocks, 0, hot_path(True).EngineChooser).chooser
+        twin = pure_twin_chooser(ranks, capacity_blocks)
+        if twin is not None:
             others.append(lambda prompt: twin.choose(loads, prompt, now=now))
     clock = time.perf_counter_ns
     best: dict[str, float] = {}
