@@ -165,7 +165,7 @@ async def test_a_hung_worker_is_replaced_and_the_pinned_request_served(fleet: Fl
     assert not DIED.search(logs) and server.wait(0.1) is None
 
 
-async def test_twenty_kills_one_second_apart_fail_no_request(fleet: Fleet) -> None:
+async def test_twenty_kills_at_least_a_second_apart_fail_no_request(fleet: Fleet) -> None:
     server = fleet.server
     failures: list[str] = []
     completed: list[float] = []
