@@ -201,7 +201,7 @@ async def test_twenty_kills_at_least_a_second_apart_fail_no_request(fleet: Fleet
                     os.kill(pid, signal.SIGKILL)
                     at = trio.current_time()
                     kills.append(at)
-                    await until(lambda p=pid: worker_pid(server) != p, 30, "a successor", server)
+                    await until(lambda p=pid: worker_pid(server) != p, 5, "a successor", server)
                     # the next kill waits until the subscriber heard this successor: on a
                     # loaded machine its reconnection (libzmq's default) may take over 1 s,
                     # and a kill before it would leave no drop to time a recovery from
